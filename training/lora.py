@@ -1,0 +1,234 @@
+"""Activation-side LoRA for ComfyUI's FLUX ``diffusion_model`` (no model copy, no base weight gradients).
+
+Each targeted ``Linear`` gets a forward hook that adds ``up(down(x)) * alpha / rank`` to its output. The base
+weight keeps ``requires_grad=False``, so autograd never computes a full dW for it (ComfyUI's own
+``TrainLoraNode`` rebuilds ``W + s*up@down`` and pays that dW on every step). Removing the hooks gives the
+untouched model back.
+
+Targets are kohya's defaults (``networks/lora_flux.py``): the 10 Linears of every double block and the 3 of
+every single block (19*10 + 38*3 = 304 modules on FLUX.1). Names follow kohya: ``lora_unet_<path with _>``.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+# (path inside a block, kohya "type" used for per-type ranks)
+DOUBLE_TARGETS = (
+    ("img_mod.lin", "img_mod"),
+    ("img_attn.qkv", "img_attn"),
+    ("img_attn.proj", "img_attn"),
+    ("img_mlp.0", "img_mlp"),
+    ("img_mlp.2", "img_mlp"),
+    ("txt_mod.lin", "txt_mod"),
+    ("txt_attn.qkv", "txt_attn"),
+    ("txt_attn.proj", "txt_attn"),
+    ("txt_mlp.0", "txt_mlp"),
+    ("txt_mlp.2", "txt_mlp"),
+)
+SINGLE_TARGETS = (
+    ("linear1", "single"),
+    ("linear2", "single"),
+    ("modulation.lin", "single_mod"),
+)
+LAYER_TYPES = ("img_attn", "txt_attn", "img_mlp", "txt_mlp", "img_mod", "txt_mod", "single", "single_mod")
+
+
+def parse_indices(spec: str | None, count: int, what: str) -> list[int]:
+    """``"all"``/empty -> every index; ``"none"`` -> none; ``"0,1,8-12"`` -> those. Raises ValueError with the fix."""
+    if spec is None:
+        return list(range(count))
+    spec = str(spec).strip().lower()
+    if spec in ("", "all", "*"):
+        return list(range(count))
+    if spec in ("none", "-"):
+        return []
+    out = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        m = re.fullmatch(r"(\d+)\s*-\s*(\d+)", part)
+        try:
+            if m:
+                a, b = int(m.group(1)), int(m.group(2))
+                rng = range(min(a, b), max(a, b) + 1)
+            else:
+                rng = [int(part)]
+        except ValueError:
+            raise ValueError(f"{what}: cannot read {part!r}. Fix: use 'all', 'none' or indices like '0,1,8-12'.")
+        for i in rng:
+            if not 0 <= i < count:
+                raise ValueError(f"{what}: index {i} is out of range; this model has {count} ({0}-{count - 1}). "
+                                 f"Fix: use indices in that range.")
+            out.add(i)
+    return sorted(out)
+
+
+@dataclass
+class LoraTargetSpec:
+    rank: int = 16
+    alpha: float = 16.0
+    double_blocks: str = "all"
+    single_blocks: str = "all"
+    type_ranks: dict = field(default_factory=dict)  # layer type -> rank (0 disables that type)
+
+    def rank_for(self, layer_type: str) -> int:
+        return int(self.type_ranks.get(layer_type, self.rank))
+
+
+class LoraModule(nn.Module):
+    """One down/up pair. Parameters are kept in ``dtype`` (fp32 master weights by default)."""
+
+    def __init__(self, name: str, in_features: int, out_features: int, rank: int, alpha: float,
+                 dtype=torch.float32, device=None):
+        super().__init__()
+        self.name = name
+        self.rank = int(rank)
+        self.alpha = float(alpha)
+        self.scale = self.alpha / self.rank
+        self.lora_down = nn.Linear(in_features, rank, bias=False, dtype=dtype, device=device)
+        self.lora_up = nn.Linear(rank, out_features, bias=False, dtype=dtype, device=device)
+        # kohya init: down kaiming-uniform, up zero -> the LoRA starts as the identity change
+        nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_up.weight)
+        self.enabled = True
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        h = torch.nn.functional.linear(x, self.lora_down.weight.to(dt))
+        return torch.nn.functional.linear(h, self.lora_up.weight.to(dt)) * self.scale
+
+    def merged_delta_weight(self) -> torch.Tensor:
+        return (self.lora_up.weight.float() @ self.lora_down.weight.float()) * self.scale
+
+
+def _hook(lora: LoraModule):
+    def hook(module, args, output):
+        if not lora.enabled:
+            return output
+        return output + lora.delta(args[0]).to(output.dtype)
+    return hook
+
+
+def is_flux_diffusion_model(dm) -> bool:
+    try:
+        from comfy.ldm.flux.model import Flux
+        if isinstance(dm, Flux):
+            return True
+    except Exception:  # noqa: BLE001 - ComfyUI absent: fall back to the structure
+        pass
+    return (hasattr(dm, "double_blocks") and hasattr(dm, "single_blocks") and hasattr(dm, "img_in")
+            and hasattr(dm, "txt_in") and hasattr(dm, "final_layer"))
+
+
+def _get(module: nn.Module, path: str) -> nn.Module | None:
+    cur = module
+    for p in path.split("."):
+        if not hasattr(cur, p) and not (isinstance(cur, (nn.Sequential, nn.ModuleList)) and p.isdigit()):
+            return None
+        cur = cur[int(p)] if p.isdigit() else getattr(cur, p)
+    return cur
+
+
+class FluxLoraNetwork(nn.Module):
+    """The set of LoRA modules injected into a FLUX ``diffusion_model``.
+
+    ``loras`` is keyed by the kohya name without prefix dots, e.g. ``lora_unet_double_blocks_0_img_attn_qkv``.
+    """
+
+    def __init__(self, dm: nn.Module, spec: LoraTargetSpec, dtype=torch.float32, device=None):
+        super().__init__()
+        if not is_flux_diffusion_model(dm):
+            raise TypeError(
+                f"FLUX LoRA training needs a FLUX model, got {type(dm).__module__}.{type(dm).__name__}. "
+                "Fix: load a FLUX.1 checkpoint (UNETLoader / CheckpointLoaderSimple with a FLUX model) and connect it.")
+        if int(spec.rank) < 1:
+            raise ValueError(f"LoRA rank must be at least 1 (got {spec.rank}). Fix: set rank to 1 or more "
+                             "(16 is a common choice for FLUX).")
+        if float(spec.alpha) <= 0:
+            raise ValueError(f"LoRA alpha must be positive (got {spec.alpha}). Fix: set alpha (e.g. equal to rank).")
+        for t, r in spec.type_ranks.items():
+            if t not in LAYER_TYPES:
+                raise ValueError(f"unknown layer type {t!r} in per-type ranks. Fix: use one of {', '.join(LAYER_TYPES)}.")
+            if int(r) < 0:
+                raise ValueError(f"per-type rank for {t} is {r}. Fix: use 0 (disable) or a positive rank.")
+        self.spec = spec
+        d_idx = parse_indices(spec.double_blocks, len(dm.double_blocks), "double block selection")
+        s_idx = parse_indices(spec.single_blocks, len(dm.single_blocks), "single block selection")
+        self.loras = nn.ModuleDict()
+        self.targets: dict[str, nn.Module] = {}
+        for kind, idxs, table in (("double_blocks", d_idx, DOUBLE_TARGETS), ("single_blocks", s_idx, SINGLE_TARGETS)):
+            blocks = getattr(dm, kind)
+            for i in idxs:
+                for path, ltype in table:
+                    rank = spec.rank_for(ltype)
+                    if rank <= 0:
+                        continue
+                    lin = _get(blocks[i], path)
+                    if lin is None or not isinstance(lin, nn.Linear):
+                        continue  # e.g. FLUX.2-style blocks without per-block modulation
+                    name = f"lora_unet_{kind}_{i}_{path.replace('.', '_')}"
+                    dev = device if device is not None else lin.weight.device
+                    if dev.type == "meta":
+                        dev = None
+                    self.loras[name] = LoraModule(name, lin.in_features, lin.out_features, rank, spec.alpha,
+                                                  dtype=dtype, device=dev)
+                    self.targets[name] = lin
+        if len(self.loras) == 0:
+            raise ValueError("the block selection and per-type ranks leave no layer to train. "
+                             "Fix: select at least one block and give at least one layer type a rank above 0.")
+        self._handles = []
+
+    def attach(self):
+        if self._handles:
+            return self
+        for name, lin in self.targets.items():
+            lin.weight.requires_grad_(False)
+            if getattr(lin, "bias", None) is not None:
+                lin.bias.requires_grad_(False)
+            self._handles.append(lin.register_forward_hook(_hook(self.loras[name])))
+        return self
+
+    def detach(self):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def set_enabled(self, flag: bool):
+        for m in self.loras.values():
+            m.enabled = flag
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # ---- kohya state dict ----
+    def kohya_state_dict(self, dtype=torch.bfloat16) -> dict:
+        sd = {}
+        for name, m in self.loras.items():
+            sd[f"{name}.lora_down.weight"] = m.lora_down.weight.detach().to("cpu", dtype).contiguous()
+            sd[f"{name}.lora_up.weight"] = m.lora_up.weight.detach().to("cpu", dtype).contiguous()
+            sd[f"{name}.alpha"] = torch.tensor(float(m.alpha), dtype=dtype)
+        return sd
+
+    def load_kohya_state_dict(self, sd: dict, strict: bool = True):
+        missing = []
+        for name, m in self.loras.items():
+            try:
+                down, up = sd[f"{name}.lora_down.weight"], sd[f"{name}.lora_up.weight"]
+            except KeyError:
+                missing.append(name)
+                continue
+            if down.shape != m.lora_down.weight.shape or up.shape != m.lora_up.weight.shape:
+                raise ValueError(f"LoRA {name}: file has rank {down.shape[0]}, this run uses rank {m.rank}. "
+                                 "Fix: resume with the same rank/per-type ranks as the saved LoRA.")
+            with torch.no_grad():
+                m.lora_down.weight.copy_(down)
+                m.lora_up.weight.copy_(up)
+        if strict and missing:
+            raise ValueError(f"{len(missing)} LoRA modules are missing from the file (e.g. {missing[0]}). "
+                             "Fix: resume with the same block selection as the saved LoRA.")

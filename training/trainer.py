@@ -1,0 +1,343 @@
+"""FLUX LoRA trainer working on ComfyUI's FLUX ``diffusion_model`` in place (nothing is copied)."""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .flux_forward import FluxTrainForward
+from .lora import FluxLoraNetwork, LoraTargetSpec, is_flux_diffusion_model
+from .objective import TIMESTEP_SAMPLINGS, flow_loss, noisy_input, sample_sigmas
+from .optim import OPTIMIZERS, SCHEDULERS, build_optimizer, build_scheduler
+from .save import atomic_save_safetensors, atomic_torch_save, kohya_metadata, prune_checkpoints
+
+log = logging.getLogger(__name__)
+BASE_PRECISIONS = ("auto", "bf16", "fp8", "nvfp4")
+
+
+@dataclass
+class TrainConfig:
+    rank: int = 16
+    alpha: float = 16.0
+    double_blocks: str = "all"
+    single_blocks: str = "all"
+    type_ranks: dict = field(default_factory=dict)
+    steps: int = 1000
+    batch_size: int = 1
+    grad_accum: int = 1
+    learning_rate: float = 1e-4
+    optimizer: str = "adamw"
+    weight_decay: float = 0.01
+    prodigy_d_coef: float = 1.0
+    lr_scheduler: str = "constant"
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    timestep_sampling: str = "sigmoid"
+    sigmoid_scale: float = 1.0
+    shift: float = 3.1582
+    guidance: float = 1.0
+    loss_type: str = "l2"
+    seed: int = 42
+    compute_dtype: str = "bf16"          # bf16 | fp32
+    lora_dtype: str = "fp32"             # master weights of the LoRA
+    base_precision: str = "auto"         # auto (as loaded) | bf16 | fp8 | nvfp4
+    gradient_checkpointing: bool = True
+    blocks_to_swap: int = 0
+    output_name: str = "flux_lora"
+    output_dir: str = ""
+    save_every: int = 0
+    keep_last: int = 3
+    save_dtype: str = "bf16"
+    preview_every: int = 0
+    preview_seeds: tuple = (1,)
+    preview_steps: int = 20
+    preview_guidance: float = 3.5
+    tensorboard_dir: str = ""
+
+    def validate(self):
+        def bad(what, fix):
+            raise ValueError(f"{what}. Fix: {fix}.")
+        if int(self.rank) < 1:
+            bad(f"LoRA rank must be at least 1 (got {self.rank})", "set rank to 1 or more (16 is common for FLUX)")
+        if self.steps < 1:
+            bad(f"steps must be at least 1 (got {self.steps})", "set steps, e.g. 1000-2000")
+        if self.batch_size < 1 or self.grad_accum < 1:
+            bad("batch size and gradient accumulation must be at least 1", "set both to 1 or more")
+        if self.optimizer not in OPTIMIZERS:
+            bad(f"unknown optimizer {self.optimizer!r}", f"use one of {', '.join(OPTIMIZERS)}")
+        if self.lr_scheduler not in SCHEDULERS:
+            bad(f"unknown LR schedule {self.lr_scheduler!r}", f"use one of {', '.join(SCHEDULERS)}")
+        if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
+            bad(f"unknown timestep sampling {self.timestep_sampling!r}", f"use one of {', '.join(TIMESTEP_SAMPLINGS)}")
+        if self.base_precision not in BASE_PRECISIONS:
+            bad(f"unknown base precision {self.base_precision!r}", f"use one of {', '.join(BASE_PRECISIONS)}")
+        if self.learning_rate <= 0:
+            bad(f"learning rate must be positive (got {self.learning_rate})", "use e.g. 1e-4 (AdamW) or 1.0 (Prodigy)")
+        if not str(self.output_name).strip() or any(c in self.output_name for c in "\\:*?\"<>|"):
+            bad(f"output name {self.output_name!r} is not a usable file name", "use letters, digits, - _ and /")
+
+
+def _dtype(name):
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+class FluxLoraTrainer:
+    def __init__(self, dm, cfg: TrainConfig, dataset, latent_format=None, device=None, vae=None):
+        if not is_flux_diffusion_model(dm):
+            raise TypeError(
+                f"FLUX LoRA training needs a FLUX model, got {type(dm).__module__}.{type(dm).__name__}. "
+                "Fix: load a FLUX.1 model (UNETLoader / CheckpointLoaderSimple) and connect it to 'model'.")
+        cfg.validate()
+        if len(dataset) == 0:
+            raise ValueError("the dataset is empty. Fix: add images to the dataset folder.")
+        self.dm, self.cfg, self.data = dm, cfg, dataset
+        self.latent_format = latent_format
+        self.vae = vae
+        self.device = torch.device(device) if device is not None else next(
+            p.device for p in dm.parameters() if p.device.type != "meta")
+        self.dtype = _dtype(cfg.compute_dtype)
+        self.gen = torch.Generator().manual_seed(int(cfg.seed))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(cfg.seed))
+            self.network = FluxLoraNetwork(dm, LoraTargetSpec(cfg.rank, cfg.alpha, cfg.double_blocks,
+                                                              cfg.single_blocks, dict(cfg.type_ranks)),
+                                           dtype=_dtype(cfg.lora_dtype), device=self.device)
+        self._frozen = []
+        for p in dm.parameters():
+            if p.requires_grad:
+                self._frozen.append(p)
+                p.requires_grad_(False)
+        self.network.attach()
+        self.quant = None
+        if cfg.base_precision in ("fp8", "nvfp4"):
+            from .quant import QuantizedBase
+            self.quant = QuantizedBase(dm, cfg.base_precision)
+        self.block_runner = None
+        if cfg.blocks_to_swap:
+            self.block_runner = _make_block_runner(dm, cfg.blocks_to_swap, self.device)
+        self.forward = FluxTrainForward(dm, cfg.gradient_checkpointing, self.block_runner)
+        self.optimizer = build_optimizer(self.network.parameters(), cfg.optimizer, cfg.learning_rate,
+                                         weight_decay=cfg.weight_decay, prodigy_d_coef=cfg.prodigy_d_coef)
+        self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, cfg.steps, cfg.warmup_steps)
+        self.step = 0
+        self.losses: list[float] = []
+        self.step_times: list[float] = []
+        self.previews = []
+        self.tb = None
+        if cfg.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(cfg.tensorboard_dir)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("TensorBoard logging off: %s (pip install tensorboard to enable it)", exc)
+        self._closed = False
+
+    # ---------------- data ----------------
+    def _sample_batch(self):
+        keys = sorted(self.data.buckets)
+        sizes = torch.tensor([len(self.data.buckets[k]) for k in keys], dtype=torch.float64)
+        b = keys[int(torch.multinomial(sizes, 1, generator=self.gen))]
+        idxs = self.data.buckets[b]
+        pick = torch.randint(len(idxs), (self.cfg.batch_size,), generator=self.gen).tolist()
+        sel = [idxs[i] for i in pick]
+        x0 = torch.stack([self.data.latents[i] for i in sel])
+        caps = [self.data.items[i].caption for i in sel]
+        conds = [self.data.conds[c] for c in caps]
+        T = max(c.shape[0] for c in conds)
+        ctx = torch.stack([torch.nn.functional.pad(c, (0, 0, 0, T - c.shape[0])) for c in conds])
+        y = torch.stack([self.data.pooled[c] for c in caps])
+        return x0, ctx, y
+
+    def _process_in(self, lat):
+        return self.latent_format.process_in(lat) if self.latent_format is not None else lat
+
+    # ---------------- one optimizer step ----------------
+    def train_step(self) -> float:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        total = 0.0
+        for _ in range(cfg.grad_accum):
+            x0, ctx, y = self._sample_batch()
+            x0 = self._process_in(x0)
+            noise = torch.randn(x0.shape, generator=self.gen, dtype=torch.float32)
+            seq = (x0.shape[-2] // 2) * (x0.shape[-1] // 2)
+            sigma = sample_sigmas(x0.shape[0], cfg.timestep_sampling, self.gen, sigmoid_scale=cfg.sigmoid_scale,
+                                  shift=cfg.shift, image_seq_len=seq)
+            x_t, target = noisy_input(x0, noise, sigma)
+            dev, dt = self.device, self.dtype
+            pred = self.forward(x_t.to(dev, dt), sigma.to(dev), ctx.to(dev, dt), y.to(dev, dt), cfg.guidance)
+            loss = flow_loss(pred, target.to(dev), cfg.loss_type) / cfg.grad_accum
+            loss.backward()
+            total += float(loss.detach())
+        if cfg.max_grad_norm and cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.network.parameters(), cfg.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.losses.append(total)
+        self.step_times.append(time.perf_counter() - t0)
+        if self.tb is not None:
+            self.tb.add_scalar("loss", total, self.step)
+            self.tb.add_scalar("lr", self.current_lr(), self.step)
+        return total
+
+    def current_lr(self) -> float:
+        g = self.optimizer.param_groups[0]
+        return float(g["lr"]) * float(g.get("d", 1.0))
+
+    # ---------------- saving / resume ----------------
+    def _out(self, suffix=""):
+        return os.path.join(self.cfg.output_dir, f"{self.cfg.output_name}{suffix}")
+
+    def save_lora(self, path=None, dataset_info=None, extra=None) -> str:
+        path = path or self._out(".safetensors")
+        md = kohya_metadata(self.cfg, self.network, self.step, dataset_info, extra)
+        return atomic_save_safetensors(self.network.kohya_state_dict(_dtype(self.cfg.save_dtype)), path, md)
+
+    def state_dict(self) -> dict:
+        st = {
+            "lora": {k: v.detach().cpu().clone() for k, v in self.network.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "losses": list(self.losses),
+            "generator": self.gen.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "config": asdict(self.cfg),
+        }
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            st["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return st
+
+    def load_state_dict(self, st: dict):
+        saved = st.get("config", {})
+        for k in ("rank", "alpha", "double_blocks", "single_blocks", "type_ranks", "optimizer"):
+            if k in saved and saved[k] != getattr(self.cfg, k):
+                raise ValueError(f"the resume state was trained with {k}={saved[k]!r}, this run has "
+                                 f"{getattr(self.cfg, k)!r}. Fix: use the same setting, or another output name "
+                                 "to start fresh.")
+        self.network.load_state_dict(st["lora"])
+        self.optimizer.load_state_dict(st["optimizer"])
+        self.scheduler.load_state_dict(st["scheduler"])
+        self.step = int(st["step"])
+        self.losses = list(st.get("losses", []))
+        self.gen.set_state(st["generator"])
+        torch.set_rng_state(st["torch_rng"])
+        if "cuda_rng" in st and self.device.type == "cuda":
+            torch.cuda.set_rng_state(st["cuda_rng"], self.device)
+
+    def state_path(self):
+        return self._out("-state.pt")
+
+    def save_state(self, path=None) -> str:
+        return atomic_torch_save(self.state_dict(), path or self.state_path())
+
+    def load_state(self, path=None):
+        self.load_state_dict(torch.load(path or self.state_path(), map_location="cpu", weights_only=False))
+
+    def save_checkpoint(self, dataset_info=None):
+        p = self.save_lora(self._out(f"-step{self.step:08d}.safetensors"), dataset_info)
+        self.save_state()
+        prune_checkpoints(self._out("-step" + "[0-9]" * 8 + ".safetensors"), self.cfg.keep_last)
+        return p
+
+    # ---------------- previews ----------------
+    @torch.no_grad()
+    def sample(self, ctx, y, width_lat, height_lat, seed, steps=20, guidance=3.5):
+        g = torch.Generator().manual_seed(int(seed))
+        x = torch.randn((1, 16, height_lat, width_lat), generator=g).to(self.device, self.dtype)
+        seq = (height_lat // 2) * (width_lat // 2)
+        from .objective import _flux_mu
+        mu = _flux_mu(seq)
+        ts = torch.linspace(1, 0, steps + 1)
+        ts = torch.where(ts > 0, math.exp(mu) / (math.exp(mu) + (1 / ts.clamp(min=1e-9) - 1)), ts)
+        ckpt = self.forward.gradient_checkpointing
+        self.forward.gradient_checkpointing = False
+        try:
+            for i in range(steps):
+                s, s2 = float(ts[i]), float(ts[i + 1])
+                v = self.forward(x, torch.full((1,), s, device=self.device), ctx.to(self.device, self.dtype),
+                                 y.to(self.device, self.dtype), guidance)
+                x = x + (s2 - s) * v.to(x.dtype)
+        finally:
+            self.forward.gradient_checkpointing = ckpt
+        lat = x.float()
+        if self.latent_format is not None:
+            lat = self.latent_format.process_out(lat)
+        return lat
+
+    def make_previews(self):
+        if self.vae is None:
+            return None
+        it = self.data.items[0]
+        shape = self.data.latents[0].shape
+        imgs = []
+        for seed in self.cfg.preview_seeds:
+            lat = self.sample(self.data.conds[it.caption][None], self.data.pooled[it.caption][None], shape[-1],
+                              shape[-2], seed, self.cfg.preview_steps, self.cfg.preview_guidance)
+            imgs.append(self.vae.decode(lat).float().cpu())
+        out = torch.cat([i.reshape(-1, *i.shape[-3:]) for i in imgs])
+        self.previews.append((self.step, out))
+        return out
+
+    # ---------------- loop ----------------
+    def run(self, on_step=None, check_interrupt=None, dataset_info=None):
+        """Trains to ``cfg.steps``. On any exception (ComfyUI's cancel included) the LoRA and the resume state
+        trained so far are saved before the exception propagates. Returns the path of the final LoRA."""
+        cfg = self.cfg
+        try:
+            while self.step < cfg.steps:
+                if check_interrupt is not None:
+                    check_interrupt()
+                loss = self.train_step()
+                if on_step is not None:
+                    on_step(self.step, cfg.steps, loss, self.step_times[-1], self)
+                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                    self.save_checkpoint(dataset_info)
+                if cfg.preview_every and self.step % cfg.preview_every == 0:
+                    self.make_previews()
+        except BaseException:
+            if self.step > 0:
+                try:
+                    p = self.save_lora(dataset_info=dataset_info, extra={"ss_interrupted": True})
+                    self.save_state()
+                    log.warning("[FluxLoraTrain] stopped at step %d; saved what was trained to %s (resume state %s)",
+                                self.step, p, self.state_path())
+                except Exception:  # noqa: BLE001
+                    log.exception("[FluxLoraTrain] could not save on stop")
+            raise
+        path = self.save_lora(dataset_info=dataset_info)
+        self.save_state()
+        return path
+
+    def close(self):
+        """Removes the LoRA hooks and restores the base model exactly as it was."""
+        if self._closed:
+            return
+        self.network.detach()
+        if self.quant is not None:
+            self.quant.restore()
+        if self.block_runner is not None and hasattr(self.block_runner, "close"):
+            self.block_runner.close()
+        for p in self._frozen:
+            p.requires_grad_(True)
+        if self.tb is not None:
+            self.tb.close()
+        self._closed = True
+
+
+def _make_block_runner(dm, n, device):
+    """BlockSwap for training is provided by optimization.blockswap when that module offers a training runner."""
+    try:
+        from ..optimization.blockswap import BlockSwapRunner  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        raise RuntimeError(f"blocks_to_swap={n} needs optimization.blockswap.BlockSwapRunner, which is not "
+                           f"available ({type(exc).__name__}: {exc}). Fix: set blocks to swap to 0 and use "
+                           "base precision fp8 or nvfp4 to save memory.")
+    raise RuntimeError("BlockSwap for training is not wired yet. Fix: set blocks to swap to 0 and use base "
+                       "precision fp8 or nvfp4 to save memory.")
