@@ -1,0 +1,38 @@
+"""Mid-block self-attention (diffusers `Attention` as configured by the official UNetMidBlock3D).
+
+One head of dim C, its own GroupNorm, q/k/v/out Linear layers with bias, a residual, softmax scale 1/sqrt(C).
+It runs within each frame over the H*W positions (SPEC §5). Key names: group_norm, to_q, to_k, to_v, to_out.0.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class FrameAttention(nn.Module):
+    def __init__(self, channels: int, groups: int, eps: float):
+        super().__init__()
+        self.group_norm = nn.GroupNorm(groups, channels, eps=eps)
+        self.to_q = nn.Linear(channels, channels)
+        self.to_k = nn.Linear(channels, channels)
+        self.to_v = nn.Linear(channels, channels)
+        self.to_out = nn.ModuleList([nn.Linear(channels, channels)])  # index 1 (dropout) has no parameters
+
+    def _frame(self, f: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = f.shape
+        y = self.group_norm(f).view(b, c, h * w).transpose(1, 2)           # (B, N, C)
+        q, k, v = (lin(y).unsqueeze(1) for lin in (self.to_q, self.to_k, self.to_v))  # (B, 1, N, C)
+        # The official sets upcast_softmax, which diffusers' SDPA processor does not use; SDPA accumulates the
+        # softmax in fp32 for 16-bit inputs anyway.
+        o = F.scaled_dot_product_attention(q, k, v)
+        o = self.to_out[0](o.squeeze(1))
+        return o.transpose(1, 2).reshape(b, c, h, w) + f
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim == 4:
+            return self._frame(x)
+        out = torch.empty_like(x)
+        for t in range(x.shape[2]):  # one frame at a time bounds the q/k/v working set to one frame
+            out[:, :, t] = self._frame(x[:, :, t])
+        return out

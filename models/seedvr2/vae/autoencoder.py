@@ -1,0 +1,200 @@
+"""SeedVR2 video VAE ("video_vae_v3", official `VideoAutoencoderKLWrapper`), inference only.
+
+API used by the pipeline:
+  vae.encode(x)  x (B, 3, T, H, W) in [-1, 1], T = 4n + 1  ->  LatentDistribution (mean, logvar), each
+                 (B, 16, (T-1)/4 + 1, H/8, W/8); `mean, logvar = vae.encode(x)` also works.
+  vae.decode(z)  z (B, 16, t, h, w)  ->  (B, 3, 4(t-1) + 1, 8h, 8w). A 4-D z (B, 16, h, w) gives a 4-D image.
+  vae.encode_tiled / vae.decode_tiled: spatial tiles with linear blending (tiling.py).
+  vae.scaling_factor (0.9152): the pipeline multiplies latents by it after encode and divides before decode.
+Every entry point takes `should_stop`, a callable checked between temporal chunks and tiles; when it returns
+True, `VAECancelled` is raised.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterator, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .causal_conv import GIB, CausalConv3d, TemporalCache
+from .config import SEEDVR2_VAE, VAEConfig
+from .decoder import Decoder3D
+from .encoder import Encoder3D
+from .resnet import ResnetBlock3D
+
+
+class VAECancelled(RuntimeError):
+    """Raised when `should_stop()` returned True between two chunks or tiles."""
+
+
+def check_stop(should_stop: Optional[Callable[[], bool]]) -> None:
+    if should_stop is not None and should_stop():
+        raise VAECancelled("VAE run cancelled")
+
+
+class LatentDistribution:
+    """Diagonal Gaussian posterior (diffusers `DiagonalGaussianDistribution`): moments split into mean (first half
+    of the channels) and logvar (second half), logvar clamped to [-30, 20]."""
+
+    def __init__(self, moments: torch.Tensor):
+        self.moments = moments
+        c = moments.shape[1] // 2
+        self.mean = moments[:, :c]
+        self.logvar = moments[:, c:].clamp(-30.0, 20.0)
+
+    @property
+    def std(self) -> torch.Tensor:
+        return torch.exp(0.5 * self.logvar)
+
+    def sample(self, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """mean + std * N(0, 1): what the official pipeline uses as the LQ latent (SPEC §5, §6 step 4)."""
+        noise = torch.randn(self.mean.shape, generator=generator, device=self.mean.device, dtype=self.mean.dtype)
+        return self.mean + self.std * noise
+
+    def mode(self) -> torch.Tensor:
+        return self.mean
+
+    def __iter__(self):
+        return iter((self.mean, self.logvar))
+
+
+def temporal_chunks(length: int, first: int, step: Optional[int]) -> list:
+    """[(start, end)] of the official causal slicing: `first` items (the first frame + split), then `step` at a time.
+    The official only slices when length - 1 > step (else one pass)."""
+    if not step or length - 1 <= step:
+        return [(0, length)]
+    out = [(0, first)]
+    for a in range(first, length, step):
+        out.append((a, min(a + step, length)))
+    return out
+
+
+class VideoAutoencoder(nn.Module):
+    def __init__(self, config: VAEConfig = SEEDVR2_VAE):
+        super().__init__()
+        self.config = config
+        self.encoder = Encoder3D(config)
+        self.decoder = Decoder3D(config)
+        self.split_size = config.split_size
+        self.set_memory_limit(config.conv_max_mem, config.norm_max_mem)
+        # Tiling defaults used by encode/decode when `tiling` is set (see set_tiling).
+        self.tiling = None
+
+    # ---------------------------------------------------------------- properties and settings
+    @property
+    def scaling_factor(self) -> float:
+        return self.config.scaling_factor
+
+    @property
+    def shift_factor(self) -> float:
+        return self.config.shift_factor
+
+    @property
+    def spatial_factor(self) -> int:
+        return self.config.spatial_factor
+
+    @property
+    def temporal_factor(self) -> int:
+        return self.config.temporal_factor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.encoder.conv_in.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.encoder.conv_in.weight.device
+
+    def set_memory_limit(self, conv_max_mem: Optional[float], norm_max_mem: Optional[float]) -> None:
+        """Official `set_memory_limit` (GiB; None = no limit). Exact either way; it bounds transient memory."""
+        conv_b = math.inf if conv_max_mem is None else conv_max_mem * GIB
+        norm_b = math.inf if norm_max_mem is None else norm_max_mem * GIB
+        for m in self.modules():
+            if isinstance(m, CausalConv3d):
+                m.max_bytes = conv_b
+            if isinstance(m, (ResnetBlock3D, Encoder3D, Decoder3D)):
+                m.norm_max_bytes = norm_b
+
+    def set_causal_slicing(self, split_size: Optional[int]) -> None:
+        """Official `set_causal_slicing`: frames per temporal chunk (4 in the pipeline), None = one pass."""
+        if split_size is not None and split_size % self.temporal_factor:
+            raise ValueError(f"split_size must be a multiple of {self.temporal_factor}, got {split_size}")
+        self.split_size = split_size
+
+    def set_tiling(self, encode_tile: Optional[int] = None, encode_overlap: int = 64,
+                   decode_tile: Optional[int] = None, decode_overlap: int = 8) -> None:
+        """Make encode/decode tile spatially (encode tile/overlap in pixels, decode in latents); None = off."""
+        self.tiling = dict(encode_tile=encode_tile, encode_overlap=encode_overlap,
+                           decode_tile=decode_tile, decode_overlap=decode_overlap)
+
+    # ---------------------------------------------------------------- chunked cores
+    def _frames_check(self, t: int) -> None:
+        if (t - 1) % self.temporal_factor:
+            raise ValueError(f"the VAE needs T = {self.temporal_factor}n + 1 frames, got T = {t}")
+
+    def iter_encode(self, x: torch.Tensor, should_stop=None) -> Iterator[Tuple[int, torch.Tensor]]:
+        """Yield (latent frame index, moments chunk (B, 2*latent, t, h, w)) per official temporal chunk.
+        x may live on another device (e.g. CPU): each chunk is moved to the model when it is processed."""
+        self._frames_check(x.shape[2])
+        cache = TemporalCache()
+        split = self.split_size
+        pos = 0
+        for a, b in temporal_chunks(x.shape[2], 1 + (split or 0), split):
+            check_stop(should_stop)
+            h = self.encoder(x[:, :, a:b].to(self.device, self.dtype), cache)
+            cache.next_chunk()
+            yield pos, h
+            pos += h.shape[2]
+
+    def iter_decode(self, z: torch.Tensor, should_stop=None) -> Iterator[Tuple[int, torch.Tensor]]:
+        """Yield (output frame index, frames chunk (B, 3, f, 8h, 8w)) per official temporal chunk (latent chunks
+        of split_size // 4 frames, the first one with the first latent frame in addition)."""
+        cache = TemporalCache()
+        step = self.split_size // self.temporal_factor if self.split_size else None
+        pos = 0
+        for a, b in temporal_chunks(z.shape[2], 1 + (step or 0), step):
+            check_stop(should_stop)
+            y = self.decoder(z[:, :, a:b].to(self.device, self.dtype), cache)
+            cache.next_chunk()
+            yield pos, y
+            pos += y.shape[2]
+
+    # ---------------------------------------------------------------- public API
+    @torch.no_grad()
+    def encode(self, x: torch.Tensor, should_stop=None) -> LatentDistribution:
+        if self.tiling and self.tiling.get("encode_tile"):
+            return self.encode_tiled(x, self.tiling["encode_tile"], self.tiling["encode_overlap"], should_stop)
+        if x.ndim == 4:
+            x = x.unsqueeze(2)
+        chunks = [h for _, h in self.iter_encode(x, should_stop)]
+        moments = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
+        return LatentDistribution(moments)
+
+    @torch.no_grad()
+    def decode(self, z: torch.Tensor, should_stop=None, output_device=None, output_dtype=None) -> torch.Tensor:
+        if self.tiling and self.tiling.get("decode_tile"):
+            return self.decode_tiled(z, self.tiling["decode_tile"], self.tiling["decode_overlap"], should_stop,
+                                     output_device=output_device, output_dtype=output_dtype)
+        squeeze = z.ndim == 4
+        if squeeze:
+            z = z.unsqueeze(2)
+        b, _, t, h, w = z.shape
+        s = self.spatial_factor
+        out = None
+        for pos, y in self.iter_decode(z, should_stop):
+            if out is None:
+                out = torch.empty((b, y.shape[1], self.temporal_factor * (t - 1) + 1, h * s, w * s),
+                                  device=output_device or z.device, dtype=output_dtype or y.dtype)
+            out[:, :, pos:pos + y.shape[2]].copy_(y)
+            del y
+        return out.squeeze(2) if squeeze else out
+
+    def encode_tiled(self, x, tile=512, overlap=64, should_stop=None) -> LatentDistribution:
+        from .tiling import encode_tiled
+        return encode_tiled(self, x, tile, overlap, should_stop)
+
+    def decode_tiled(self, z, tile=64, overlap=8, should_stop=None, output_device=None, output_dtype=None):
+        from .tiling import decode_tiled
+        return decode_tiled(self, z, tile, overlap, should_stop, output_device=output_device,
+                            output_dtype=output_dtype)

@@ -1,0 +1,57 @@
+"""Down, up and mid blocks (official DownEncoderBlock3D, UpDecoderBlock3D, UNetMidBlock3D)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .attention import FrameAttention
+from .causal_conv import TemporalCache
+from .resnet import ResnetBlock3D
+from .sampling import Downsample3D, Upsample3D
+
+
+class DownBlock3D(nn.Module):
+    def __init__(self, cin, cout, layers, groups, eps, downsample: bool, temporal_down: bool):
+        super().__init__()
+        self.resnets = nn.ModuleList(
+            [ResnetBlock3D(cin if i == 0 else cout, cout, groups, eps) for i in range(layers)])
+        self.downsamplers = nn.ModuleList([Downsample3D(cout, temporal_down)]) if downsample else None
+
+    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
+        for r in self.resnets:
+            x = r(x, cache)
+        if self.downsamplers is not None:
+            x = self.downsamplers[0](x, cache)
+        return x
+
+
+class UpBlock3D(nn.Module):
+    def __init__(self, cin, cout, layers, groups, eps, upsample: bool, temporal_up: bool):
+        super().__init__()
+        self.resnets = nn.ModuleList(
+            [ResnetBlock3D(cin if i == 0 else cout, cout, groups, eps) for i in range(layers)])
+        self.upsamplers = nn.ModuleList([Upsample3D(cout, temporal_up)]) if upsample else None
+
+    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
+        for r in self.resnets:
+            x = r(x, cache)
+        if self.upsamplers is not None:
+            x = self.upsamplers[0](x, cache)
+        return x
+
+
+class MidBlock3D(nn.Module):
+    """ResNet -> per-frame self-attention -> ResNet."""
+
+    def __init__(self, channels, groups, eps, attention: bool = True):
+        super().__init__()
+        self.resnets = nn.ModuleList([ResnetBlock3D(channels, channels, groups, eps) for _ in range(2)])
+        self.attentions = nn.ModuleList([FrameAttention(channels, groups, eps)]) if attention else None
+
+    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
+        x = self.resnets[0](x, cache)
+        if self.attentions is not None:
+            x = self.attentions[0](x)
+        return self.resnets[1](x, cache)

@@ -1,0 +1,127 @@
+"""Causal 3-D convolution with exact chunked (sliced) temporal processing and a memory-limited spatial path.
+
+SPEC §5: a conv with temporal padding p gets no zero padding in time; instead 2p copies of the first frame are
+prepended ("causal"), so output frame t depends on input frames <= t only. When a clip is processed in temporal
+chunks, the last (kernel_t - stride_t) frames of each chunk's extended input are kept and prepended to the next
+chunk instead of the replicated first frame; this reproduces the single pass exactly (official `set_causal_slicing`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+GIB = 1024 ** 3
+
+
+class TemporalCache:
+    """Per-module memory carried from one temporal chunk to the next (one instance per clip / spatial tile).
+
+    `first_chunk` is True while the chunk being processed holds the clip's first frame: the causal convs then
+    replicate the first frame, and temporal upsamplers drop the duplicate frame the first latent frame produces.
+    """
+
+    def __init__(self):
+        self.first_chunk = True
+        self._memory: Dict[int, torch.Tensor] = {}
+
+    def get(self, module: nn.Module) -> Optional[torch.Tensor]:
+        return self._memory.get(id(module))
+
+    def put(self, module: nn.Module, frames: torch.Tensor) -> None:
+        self._memory[id(module)] = frames
+
+    def next_chunk(self) -> None:
+        self.first_chunk = False
+
+    def clear(self) -> None:
+        self._memory.clear()
+
+
+def _pad_bytes(x: torch.Tensor, pad: Sequence[int]) -> int:
+    b, c, t, h, w = x.shape
+    return b * c * t * (h + pad[0] + pad[1]) * (w + pad[2] + pad[3]) * x.element_size()
+
+
+def conv3d_limited(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    stride: Tuple[int, int, int],
+    pad: Tuple[int, int, int, int],
+    max_bytes: float = math.inf,
+    split_dims: Tuple[int, ...] = (3, 4),
+) -> torch.Tensor:
+    """conv3d of `x` (already extended in time) with spatial zero padding pad = (top, bottom, left, right).
+
+    When the padded input exceeds `max_bytes`, the output is computed in bands along H (then W, recursively),
+    each band from the input rows it needs plus their halo, and written into one preallocated output. This is the
+    official conv_max_mem path (`memory_limit_conv`): mathematically exact, it bounds the padded copies and conv
+    workspace to one band.
+    """
+    if _pad_bytes(x, pad) <= max_bytes or not split_dims:
+        if pad[0] == pad[1] and pad[2] == pad[3]:
+            return F.conv3d(x, weight, bias, stride, padding=(0, pad[0], pad[2]))
+        return F.conv3d(F.pad(x, (pad[2], pad[3], pad[0], pad[1])), weight, bias, stride)
+
+    dim = split_dims[0]
+    axis = dim - 3                       # 0 = H, 1 = W
+    k, s = weight.shape[dim], stride[dim - 2]
+    p0, p1 = pad[2 * axis], pad[2 * axis + 1]
+    size = x.shape[dim]
+    out_len = (size + p0 + p1 - k) // s + 1
+    n = max(1, min(out_len, math.ceil(_pad_bytes(x, pad) / max_bytes)))
+    bounds = [round(i * out_len / n) for i in range(n + 1)]
+
+    out = None
+    for o0, o1 in zip(bounds[:-1], bounds[1:]):
+        if o1 <= o0:
+            continue
+        # Input rows (unpadded coordinates) that output rows [o0, o1) read, and the zero padding they still need.
+        i0, i1 = o0 * s - p0, (o1 - 1) * s + k - p0
+        c0, c1 = max(i0, 0), min(i1, size)
+        sub_pad = list(pad)
+        sub_pad[2 * axis], sub_pad[2 * axis + 1] = c0 - i0, i1 - c1
+        part = conv3d_limited(x.narrow(dim, c0, c1 - c0), weight, bias, stride, tuple(sub_pad), max_bytes,
+                              split_dims[1:])
+        if out is None:
+            shape = list(part.shape)
+            shape[dim] = out_len
+            out = part.new_empty(shape)
+        out.narrow(dim, o0, o1 - o0).copy_(part)
+        del part
+    return out
+
+
+class CausalConv3d(nn.Conv3d):
+    """`InflatedCausalConv3d`: weight layout and key names of nn.Conv3d (`weight`, `bias`).
+
+    padding = (pt, ph, pw) as in the official constructor: pt is not zero padding but the number of replicated
+    first frames / 2; (ph, pw) is ordinary zero padding. `spatial_pad` (top, bottom, left, right) overrides it for
+    the downsamplers, which pad only bottom/right.
+    """
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True,
+                 spatial_pad: Optional[Tuple[int, int, int, int]] = None):
+        super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=0, bias=bias)
+        pt, ph, pw = (padding,) * 3 if isinstance(padding, int) else tuple(padding)
+        self.head_frames = 2 * pt
+        # Frames the next chunk needs from this one: a window of kernel_t frames advancing by stride_t.
+        self.memory_frames = max(self.kernel_size[0] - self.stride[0], 0)
+        self.spatial_pad = tuple(spatial_pad) if spatial_pad is not None else (ph, ph, pw, pw)
+        self.max_bytes = math.inf        # conv_max_mem, set by the autoencoder
+
+    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
+        x = x.to(self.weight.dtype)
+        memory = cache.get(self) if cache is not None else None
+        if memory is not None:
+            x = torch.cat([memory, x], dim=2)
+        elif self.head_frames:
+            x = torch.cat([x[:, :, :1].expand(-1, -1, self.head_frames, -1, -1), x], dim=2)
+        if cache is not None and self.memory_frames:
+            # clone: a view would keep the whole chunk alive until the next chunk.
+            cache.put(self, x[:, :, -self.memory_frames:].clone())
+        return conv3d_limited(x, self.weight, self.bias, self.stride, self.spatial_pad, self.max_bytes)

@@ -1,0 +1,54 @@
+"""Down- and up-samplers (official `Downsample3D` / `Upsample3D`)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .causal_conv import CausalConv3d, TemporalCache
+
+
+class Downsample3D(nn.Module):
+    """Stride-2 conv. Spatial-only: kernel (1,3,3), stride (1,2,2). Spatio-temporal: kernel (3,3,3), stride (2,2,2)
+    with causal first-frame replication. The official pads one zero row/column at the bottom/right only
+    (downsample_padding=0) and the conv adds no other spatial padding."""
+
+    def __init__(self, channels: int, temporal_down: bool):
+        super().__init__()
+        kt = 3 if temporal_down else 1
+        self.conv = CausalConv3d(
+            channels, channels, (kt, 3, 3), stride=(2 if temporal_down else 1, 2, 2),
+            padding=(1 if temporal_down else 0, 0, 0), spatial_pad=(0, 1, 0, 1),
+        )
+
+    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
+        return self.conv(x, cache)
+
+
+class Upsample3D(nn.Module):
+    """1x1x1 conv C -> C*r, depth-to-space, causal 3x3x3 conv.
+
+    Expanded channel index ((sx*2 + sy)*rt + st)*C + c maps to output (frame*rt + st, row*2 + sx, col*2 + sy).
+    With temporal upsampling the first latent frame yields a duplicate frame (index 1) that is dropped, so t frames
+    become 2t - 1; in later temporal chunks there is no such frame and nothing is dropped.
+    """
+
+    def __init__(self, channels: int, temporal_up: bool, spatial_up: bool = True):
+        super().__init__()
+        self.temporal_ratio = 2 if temporal_up else 1
+        self.spatial_ratio = 2 if spatial_up else 1
+        r = self.temporal_ratio * self.spatial_ratio ** 2
+        self.upscale_conv = nn.Conv3d(channels, channels * r, kernel_size=1)
+        self.conv = CausalConv3d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
+        s, rt = self.spatial_ratio, self.temporal_ratio
+        b, c, t, h, w = x.shape
+        y = self.upscale_conv(x.to(self.upscale_conv.weight.dtype))
+        y = (y.view(b, s, s, rt, c, t, h, w)
+              .permute(0, 4, 5, 3, 6, 1, 7, 2)          # b, c, t, st, h, sx, w, sy
+              .reshape(b, c, t * rt, h * s, w * s))
+        if rt > 1 and (cache is None or cache.first_chunk):
+            y = torch.cat([y[:, :, :1], y[:, :, 2:]], dim=2)
+        return self.conv(y, cache)

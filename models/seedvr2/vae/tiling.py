@@ -1,0 +1,186 @@
+"""Spatial tiling of encode/decode with overlap and linear blending; VRAM-based tile choice.
+
+The official SeedVR VAE has no spatial tiling (SPEC §5); its exactness comes from causal temporal slicing, which
+every tile here uses as well (each tile runs the official temporal chunks with its own TemporalCache). Spatial
+tiles are *not* exact: the per-frame GroupNorm statistics and the mid-block attention span the whole frame, so a
+tile sees different statistics than the full frame. Overlaps are cross-faded linearly to hide the seams.
+
+Geometry is planned in latent units (so pixel tiles stay aligned to the 8x grid): tile i covers latents
+[a_i, b_i) and pixels [8a_i, 8b_i). Blending weights are separable, ramp across the actual overlap of neighbouring
+tiles and are normalised so they sum to one at every position: where one tile alone covers a position its weight
+is exactly 1, so results there are copied unchanged.
+
+Memory: one tile's temporal chunk is alive at a time; its (weighted) result is added into a preallocated output
+that may live on another device (e.g. CPU), so peak device memory does not grow with the frame size.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .autoencoder import LatentDistribution, check_stop
+from .config import SEEDVR2_VAE, VAEConfig
+
+Pair = Union[int, Tuple[int, int]]
+
+
+def _pair(v: Pair) -> Tuple[int, int]:
+    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def tile_spans(size: int, tile: int, overlap: int) -> List[Tuple[int, int]]:
+    """[(start, end)] covering [0, size) with tiles of `tile` overlapping by at least `overlap`, spread evenly."""
+    if tile <= 0 or tile >= size:
+        return [(0, size)]
+    overlap = max(0, min(overlap, tile - 1))
+    n = math.ceil((size - overlap) / (tile - overlap))
+    if n <= 1:
+        return [(0, size)]
+    starts = [round(k * (size - tile) / (n - 1)) for k in range(n)]
+    return [(s, s + tile) for s in starts]
+
+
+def blend_weights(spans: Sequence[Tuple[int, int]], size: int) -> List[torch.Tensor]:
+    """1-D float64 weights per span: linear ramps over the overlap with each neighbour, normalised to sum to 1."""
+    raw = []
+    for i, (a, b) in enumerate(spans):
+        p = torch.arange(a, b, dtype=torch.float64)
+        w = torch.ones(b - a, dtype=torch.float64)
+        if i > 0 and spans[i - 1][1] > a:
+            o = spans[i - 1][1] - a
+            w = torch.minimum(w, (p - a + 1) / (o + 1))
+        if i < len(spans) - 1 and spans[i + 1][0] < b:
+            o = b - spans[i + 1][0]
+            w = torch.minimum(w, (b - p) / (o + 1))
+        raw.append(w)
+    total = torch.zeros(size, dtype=torch.float64)
+    for (a, b), w in zip(spans, raw):
+        total[a:b] += w
+    return [w / total[a:b] for (a, b), w in zip(spans, raw)]
+
+
+def _plan(h: int, w: int, tile: Pair, overlap: Pair):
+    (th, tw), (oh, ow) = _pair(tile), _pair(overlap)
+    ys, xs = tile_spans(h, th, oh), tile_spans(w, tw, ow)
+    return ys, xs
+
+
+def _accumulate(out: torch.Tensor, part: torch.Tensor, t0: int, y: Tuple[int, int], x: Tuple[int, int],
+                wy: torch.Tensor, wx: torch.Tensor, single: bool) -> None:
+    dst = out[:, :, t0:t0 + part.shape[2], y[0]:y[1], x[0]:x[1]]
+    if single:  # one tile: plain copy, bit-identical to the untiled path
+        dst.copy_(part)
+        return
+    w = (wy[:, None] * wx[None, :]).to(device=part.device, dtype=torch.float32)
+    dst.add_((part.float() * w).to(dst.device, dst.dtype))
+
+
+@torch.no_grad()
+def decode_tiled(vae, z: torch.Tensor, tile: Pair = 64, overlap: Pair = 8, should_stop=None,
+                 output_device=None, output_dtype=None) -> torch.Tensor:
+    """Decode z (B, C, t, h, w) (or (B, C, h, w)) in spatial tiles of `tile` latents overlapping by `overlap`
+    latents. The output (B, 3, 4(t-1)+1, 8h, 8w) is preallocated on `output_device` (default: z's device) with
+    `output_dtype` (default float32 when tiles overlap, so the blend accumulates without rounding)."""
+    squeeze = z.ndim == 4
+    if squeeze:
+        z = z.unsqueeze(2)
+    b, _, t, h, w = z.shape
+    s, tf = vae.spatial_factor, vae.temporal_factor
+    ys, xs = _plan(h, w, tile, overlap)
+    single = len(ys) == 1 and len(xs) == 1
+    wys, wxs = blend_weights([(a * s, b_ * s) for a, b_ in ys], h * s), \
+        blend_weights([(a * s, b_ * s) for a, b_ in xs], w * s)
+    dtype = output_dtype or (vae.dtype if single else torch.float32)
+    out = torch.zeros((b, vae.config.out_channels, tf * (t - 1) + 1, h * s, w * s),
+                      device=output_device or z.device, dtype=dtype)
+    for iy, (y0, y1) in enumerate(ys):
+        for ix, (x0, x1) in enumerate(xs):
+            check_stop(should_stop)
+            zt = z[:, :, :, y0:y1, x0:x1]
+            for pos, part in vae.iter_decode(zt, should_stop):
+                _accumulate(out, part, pos, (y0 * s, y1 * s), (x0 * s, x1 * s), wys[iy], wxs[ix], single)
+                del part
+    return out.squeeze(2) if squeeze else out
+
+
+@torch.no_grad()
+def encode_tiled(vae, x: torch.Tensor, tile: Pair = 512, overlap: Pair = 64, should_stop=None,
+                 output_device=None) -> LatentDistribution:
+    """Encode x (B, 3, T, H, W) in spatial tiles of `tile` pixels overlapping by `overlap` pixels (both rounded
+    down to multiples of 8). The latent moments are blended (before the logvar clamp) in float32."""
+    if x.ndim == 4:
+        x = x.unsqueeze(2)
+    b, _, t, hp, wp = x.shape
+    s = vae.spatial_factor
+    if hp % s or wp % s:
+        raise ValueError(f"tiled encode needs H and W divisible by {s}, got {hp}x{wp}")
+    (th, tw), (oh, ow) = _pair(tile), _pair(overlap)
+    h, w = hp // s, wp // s
+    ys, xs = _plan(h, w, (max(1, th // s), max(1, tw // s)), (oh // s, ow // s))
+    single = len(ys) == 1 and len(xs) == 1
+    wys, wxs = blend_weights(ys, h), blend_weights(xs, w)
+    lat_t = (t - 1) // vae.temporal_factor + 1
+    out = torch.zeros((b, 2 * vae.config.latent_channels, lat_t, h, w), device=output_device or vae.device,
+                      dtype=vae.dtype if single else torch.float32)
+    for iy, (y0, y1) in enumerate(ys):
+        for ix, (x0, x1) in enumerate(xs):
+            check_stop(should_stop)
+            xt = x[:, :, :, y0 * s:y1 * s, x0 * s:x1 * s]
+            for pos, part in vae.iter_encode(xt, should_stop):
+                _accumulate(out, part, pos, (y0, y1), (x0, x1), wys[iy], wxs[ix], single)
+                del part
+    return LatentDistribution(out.to(vae.dtype))
+
+
+# ------------------------------------------------------------------------------------------------ tile choice
+def estimate_decode_bytes(tile_latent: int, config: VAEConfig = SEEDVR2_VAE, dtype_bytes: int = 2,
+                          split_size: int = 4) -> int:
+    """Estimated peak working set of decoding one square tile of `tile_latent` latents (excluding weights).
+
+    The peak is at full resolution in the last up blocks: the spatial-only upsampler of the second-to-last up block
+    and the first ResNet of the last one hold about four tensors of boc[1] channels over the first temporal chunk
+    (split_size + 1 frames): input, normalised copy, time-extended conv input and conv output.
+    """
+    px = (tile_latent * config.spatial_factor) ** 2
+    frames = split_size + 1 + 2            # first chunk plus the two replicated head frames of a 3x3x3 conv
+    return int(4.5 * config.block_out_channels[1] * frames * px * dtype_bytes)
+
+
+def estimate_encode_bytes(tile_px: int, config: VAEConfig = SEEDVR2_VAE, dtype_bytes: int = 2,
+                          split_size: int = 4) -> int:
+    """Estimated peak working set of encoding one square pixel tile: the first down block at full resolution holds
+    about four tensors of boc[0] channels over the first chunk (split_size + 1 frames, + 2 head frames)."""
+    frames = split_size + 1 + 2
+    return int(4.5 * config.block_out_channels[0] * frames * tile_px * tile_px * dtype_bytes)
+
+
+def choose_tile_size(free_vram_bytes: int, mode: str = "decode", dtype: torch.dtype = torch.bfloat16,
+                     config: VAEConfig = SEEDVR2_VAE, safety: float = 0.8, split_size: int = 4,
+                     max_tile: Optional[int] = None) -> Tuple[int, int]:
+    """Largest square tile whose estimated working set fits in `safety * free_vram_bytes`.
+
+    Returns (tile, overlap): in latents for mode "decode", in pixels (multiples of 8) for "encode". The overlap is a
+    quarter of the tile (at least 2 latents / 16 pixels), enough to cross-fade the GroupNorm-statistics seam.
+    """
+    elem = torch.empty((), dtype=dtype).element_size()
+    budget = max(free_vram_bytes, 0) * safety
+    s = config.spatial_factor
+    if mode == "decode":
+        tile = 8
+        while estimate_decode_bytes(tile + 8, config, elem, split_size) <= budget:
+            tile += 8
+            if max_tile and tile >= max_tile:
+                break
+        tile = min(tile, max_tile) if max_tile else tile
+        return tile, max(2, tile // 4)
+    if mode == "encode":
+        tile = 8 * s
+        while estimate_encode_bytes(tile + 8 * s, config, elem, split_size) <= budget:
+            tile += 8 * s
+            if max_tile and tile >= max_tile:
+                break
+        tile = min(tile, max_tile) if max_tile else tile
+        return tile, max(2 * s, (tile // 4) // s * s)
+    raise ValueError(f"mode must be 'decode' or 'encode', got {mode!r}")
