@@ -1,0 +1,577 @@
+"""SeedVR2 one-step upscaling pipeline (pure torch, no ComfyUI imports).
+
+Follows the official inference (SPEC §6) with the ComfyUI-port conveniences of SPEC §7:
+
+1. frames ``(T, H, W, C)`` float in [0, 1], C = 3 (RGB) or 4 (RGBA; the alpha channel does not go
+   through the model: it is resized on its own, bicubic with antialiasing, clamped, and reattached).
+2. **Target size** (the size of the returned frames, exact):
+   * ``resolution`` mode: the shortest edge becomes ``resolution``; the other edge is
+     ``floor(long * resolution / short + 0.5)`` (round half up); then, if ``max_resolution`` > 0 and the
+     long edge exceeds it, both edges are scaled down so that the long edge equals ``max_resolution``.
+   * ``scale_factor`` mode: each edge is ``floor(edge * scale + 0.5)``.
+   The frames are resized to exactly that size (bicubic, antialiased when shrinking, clamped to [0, 1]).
+3. **Model size**: the VAE needs multiples of 8 and the DiT's 1x2x2 patch needs an even latent, so
+   the model works on the target size rounded **up** to a multiple of 16 pixels. The frames are padded
+   bottom/right with replicated edge pixels (numz pads with black, the official script centre-crops and
+   so changes the size); everything is cropped back to the exact target size after decoding.
+4. Normalise to [-1, 1]. Split the clip into temporal chunks of ``batch_size`` frames (must be 4n+1)
+   that overlap by ``temporal_overlap`` frames; a chunk whose length is not 4n+1 (the last one, or a
+   clip shorter than ``batch_size``) is padded by **repeating its last frame** (SPEC §6 step 3).
+5. **VAE encode** (optionally spatially tiled), **sample** the posterior: mean + exp(0.5 logvar) * N(0,1),
+   times the scaling factor 0.9152, channels-last ``(t, h, w, 16)``: the LQ latent.
+6. **Noise** x_T ~ N(0, I) (seeded, drawn on CPU so results do not depend on the device),
+   condition = [LQ latent, ones]: DiT input ``[x_T | LQ | 1]`` (33 channels). ``cond_noise_scale`` is 0
+   for SeedVR2, so the condition is the clean LQ latent.
+7. **One Euler step** at t = 1000 (steps = 1, cfg = 1, shift 1): ``v = DiT(x_T, cond, pos_emb, t=1000)``,
+   ``x_0 = x_T - v``. Only the positive text embedding is used (cfg = 1 means the negative branch is
+   never evaluated, SPEC §6 step 8).
+8. Divide by the scaling factor, **VAE decode** (optionally tiled), drop the padded frames, crop to
+   the target size, map back to [0, 1].
+9. **Colour correction** (``wavelet`` = official StableSR wavelet reconstruction, ``adain``, ``lab``,
+   ``none``) against the resized input chunk, then chunks are blended linearly over the overlap.
+
+The work runs in three phases (all encodes, then all DiT steps, then all decodes) so that the VAE and
+the DiT need not be resident at the same time; ``hooks`` lets the caller load/offload models between
+phases. Latents are parked on ``offload_device`` between phases (they are 48x smaller than the frames).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .color import COLOR_CORRECTION_MODES, color_correct
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_SCALING_FACTOR = 0.9152
+LATENT_CHANNELS = 16
+SPATIAL_FACTOR = 8          # VAE
+TEMPORAL_FACTOR = 4         # VAE
+SIZE_MULTIPLE = 16          # VAE 8 x DiT patch 2
+MIN_INPUT_SIDE = 8          # smaller inputs carry no content worth upscaling (and break the resize)
+MIN_OUTPUT_SIDE = 16        # one 2x2 latent patch
+TIMESTEP = 1000.0
+
+
+class SeedVR2InputError(ValueError):
+    """Bad input or settings given to the pipeline; the message says what to change."""
+
+
+# ------------------------------------------------------------------------------------------- settings
+@dataclass
+class VAETiling:
+    """Spatial tiling of the VAE (SPEC §7; not exact, unlike the VAE's own temporal slicing).
+
+    ``encode``/``decode``: ``"auto"`` (tile only when the estimate says the frame does not fit into free
+    memory), ``"on"`` or ``"off"``. ``*_tile``: tile edge in output pixels (encode: input pixels), 0 =
+    choose from free memory. ``overlap``: pixels shared by neighbouring tiles, blended linearly.
+    """
+    encode: str = "auto"
+    decode: str = "auto"
+    encode_tile: int = 0
+    decode_tile: int = 0
+    overlap: int = 64
+
+    def __post_init__(self):
+        for name in ("encode", "decode"):
+            if getattr(self, name) not in ("auto", "on", "off"):
+                raise SeedVR2InputError(f"VAE tiling {name} must be auto/on/off, got {getattr(self, name)!r}")
+
+
+@dataclass
+class UpscaleSettings:
+    resolution: int = 1080          # shortest edge of the output (used when scale_factor == 0)
+    scale_factor: float = 0.0       # > 0: output = input * scale_factor
+    max_resolution: int = 0         # cap on the longest output edge (0 = none); resolution mode only
+    batch_size: int = 5             # frames per temporal chunk, 4n+1
+    temporal_overlap: int = 0       # frames shared by consecutive chunks (blended linearly)
+    color_correction: str = "wavelet"
+    seed: int = 42
+    tiling: VAETiling = field(default_factory=VAETiling)
+
+
+@dataclass
+class PipelineHooks:
+    """Called between the phases so the caller can load/offload models (e.g. ComfyUI's model manager)."""
+    before_encode: Callable[[], None] = lambda: None
+    before_dit: Callable[[], None] = lambda: None
+    after_dit: Callable[[], None] = lambda: None
+    before_decode: Callable[[], None] = lambda: None
+
+
+# ------------------------------------------------------------------------------------------- sizes
+def _round_half_up(x: float) -> int:
+    return int(math.floor(x + 0.5))
+
+
+def compute_target_size(height: int, width: int, resolution: int = 1080, scale_factor: float = 0.0,
+                        max_resolution: int = 0) -> tuple[int, int]:
+    """Exact output size (H, W); see the module docstring for the rule."""
+    if height < MIN_INPUT_SIDE or width < MIN_INPUT_SIDE:
+        raise SeedVR2InputError(
+            f"input frames are {width}x{height} pixels; SeedVR2 needs at least {MIN_INPUT_SIDE}x{MIN_INPUT_SIDE}.")
+    if scale_factor and scale_factor > 0:
+        th, tw = _round_half_up(height * scale_factor), _round_half_up(width * scale_factor)
+    else:
+        if resolution <= 0:
+            raise SeedVR2InputError(f"resolution must be positive, got {resolution}")
+        short, long_ = min(height, width), max(height, width)
+        long_t = _round_half_up(long_ * resolution / short)
+        if max_resolution and max_resolution > 0 and long_t > max_resolution:
+            long_t = max_resolution
+            short_t = _round_half_up(short * max_resolution / long_)
+        else:
+            short_t = resolution
+        th, tw = (short_t, long_t) if height <= width else (long_t, short_t)
+    if th < MIN_OUTPUT_SIDE or tw < MIN_OUTPUT_SIDE:
+        raise SeedVR2InputError(
+            f"the output would be {tw}x{th} pixels; SeedVR2 needs at least {MIN_OUTPUT_SIDE}x{MIN_OUTPUT_SIDE}. "
+            f"Raise resolution/scale_factor.")
+    return th, tw
+
+
+def model_size(th: int, tw: int) -> tuple[int, int]:
+    """Target size rounded up to the multiple of 16 pixels the VAE + DiT patching need."""
+    return (-(-th // SIZE_MULTIPLE) * SIZE_MULTIPLE, -(-tw // SIZE_MULTIPLE) * SIZE_MULTIPLE)
+
+
+def next_4n1(n: int) -> int:
+    return ((max(n, 1) - 1 + 3) // 4) * 4 + 1
+
+
+def check_batch_settings(batch_size: int, temporal_overlap: int) -> None:
+    if batch_size < 1 or (batch_size - 1) % 4 != 0:
+        lower = max(1, ((batch_size - 1) // 4) * 4 + 1)
+        raise SeedVR2InputError(
+            f"batch_size must be 4n+1 (1, 5, 9, 13, 17, 21, ...), got {batch_size}; use {lower} or {lower + 4}.")
+    if temporal_overlap < 0 or (temporal_overlap >= batch_size and batch_size > 1) or \
+            (batch_size == 1 and temporal_overlap != 0):
+        raise SeedVR2InputError(
+            f"temporal_overlap must be between 0 and batch_size - 1 = {batch_size - 1}, got {temporal_overlap}.")
+
+
+def plan_chunks(num_frames: int, batch_size: int, temporal_overlap: int) -> list[tuple[int, int]]:
+    """Half-open frame ranges; consecutive ones share ``temporal_overlap`` frames (the last may be shorter
+    but always has more than ``temporal_overlap`` frames)."""
+    check_batch_settings(batch_size, temporal_overlap)
+    stride = batch_size - temporal_overlap
+    chunks, start = [], 0
+    while True:
+        end = min(start + batch_size, num_frames)
+        chunks.append((start, end))
+        if end >= num_frames:
+            return chunks
+        start += stride
+
+
+def chunk_blend_weights(chunks: Sequence[tuple[int, int]], temporal_overlap: int) -> list[torch.Tensor]:
+    """Per-chunk frame weights: linear cross-fades over each overlap; weights sum to 1 on every frame.
+
+    In an overlap of o frames, the later chunk gets (j+1)/(o+1) on its j-th frame, the earlier one the rest.
+    """
+    o = temporal_overlap
+    ramp = torch.arange(1, o + 1, dtype=torch.float32) / (o + 1)
+    out = []
+    for i, (s, e) in enumerate(chunks):
+        w = torch.ones(e - s, dtype=torch.float32)
+        if o > 0 and i > 0:
+            w[:o] = ramp
+        if o > 0 and i + 1 < len(chunks):
+            w[e - s - o:] = w[e - s - o:] * (1.0 - ramp)
+        out.append(w)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def resize_frames(x: torch.Tensor, th: int, tw: int) -> torch.Tensor:
+    """(N, C, H, W) in [0, 1] -> (N, C, th, tw), bicubic (antialiased when shrinking), clamped."""
+    if x.shape[-2:] == (th, tw):
+        return x
+    shrink = th < x.shape[-2] or tw < x.shape[-1]
+    y = F.interpolate(x, size=(th, tw), mode="bicubic", align_corners=False, antialias=shrink)
+    return y.clamp_(0.0, 1.0)
+
+
+def pad_frames_4n1(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Pad along ``dim`` to 4n+1 by repeating the last frame (official ``cut_videos``)."""
+    n = x.shape[dim]
+    target = next_4n1(n)
+    if target == n:
+        return x
+    last = x.narrow(dim, n - 1, 1)
+    reps = [1] * x.dim()
+    reps[dim] = target - n
+    return torch.cat([x, last.repeat(*reps)], dim=dim)
+
+
+def _param_dtype(module, default=torch.float32):
+    try:
+        return next(module.parameters()).dtype
+    except (StopIteration, AttributeError, TypeError):
+        return default
+
+
+def _seed_generator(seed: int, offset: int = 0) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed((int(seed) + offset) % (2 ** 64))
+
+
+def _call_with_optional(fn, *args, should_stop=None, **kwargs):
+    """Pass ``should_stop`` only to callables that take it."""
+    if should_stop is not None:
+        try:
+            import inspect
+            target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+            params = inspect.signature(target).parameters
+            if "should_stop" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                kwargs["should_stop"] = should_stop
+        except (TypeError, ValueError):
+            pass
+    return fn(*args, **kwargs)
+
+
+def _split_posterior(out) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept the usual shapes of an encoder result: (mean, logvar), an object with ``posterior`` /
+    ``latent_dist`` / ``mean``+``logvar``, or a 32-channel moments tensor."""
+    if isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out):
+        return out[0], out[1]
+    for attr in ("posterior", "latent_dist"):
+        if hasattr(out, attr):
+            out = getattr(out, attr)
+            break
+    if hasattr(out, "mean") and hasattr(out, "logvar") and not isinstance(out, torch.Tensor):
+        return out.mean, out.logvar
+    if isinstance(out, dict) and "mean" in out:
+        return out["mean"], out["logvar"]
+    if isinstance(out, torch.Tensor) and out.shape[1] == 2 * LATENT_CHANNELS:
+        mean, logvar = out.chunk(2, dim=1)
+        return mean, logvar.clamp(-30.0, 20.0)
+    raise TypeError(f"cannot read mean/logvar from the VAE encode result of type {type(out).__name__}")
+
+
+def _decoded_tensor(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    for attr in ("sample", "decoded"):
+        if hasattr(out, attr):
+            return getattr(out, attr)
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    raise TypeError(f"cannot read pixels from the VAE decode result of type {type(out).__name__}")
+
+
+# ------------------------------------------------------------------------------------------- tiling
+def estimate_vae_bytes(pixels: int, frames: int, encode: bool, dtype=torch.bfloat16) -> int:
+    """Rough peak activation memory of the real VAE (128..512 channels) for ``frames`` frames of
+    ``pixels`` pixels; the VAE processes at most ~5 frames at a time (causal slicing)."""
+    per_pixel = 900 if encode else 1500           # bytes per pixel-frame at 2 bytes/element
+    scale = torch.finfo(dtype).bits / 16
+    return int(pixels * min(frames, 5) * per_pixel * scale)
+
+
+def choose_tile_size(height: int, width: int, frames: int, free_bytes: Optional[int], encode: bool,
+                     dtype=torch.bfloat16, fraction: float = 0.6) -> int:
+    """Tile edge (pixels, multiple of 64, >= 256) whose estimated memory fits into ``fraction`` of
+    ``free_bytes``; 0 means "no tiling needed"."""
+    if free_bytes is None:
+        return 0
+    budget = free_bytes * fraction
+    if estimate_vae_bytes(height * width, frames, encode, dtype) <= budget:
+        return 0
+    per_pixel = estimate_vae_bytes(1, frames, encode, dtype)
+    edge = int(math.sqrt(max(budget, 1) / max(per_pixel, 1)))
+    return max(256, (edge // 64) * 64)
+
+
+def _tile_starts(length: int, tile: int, overlap: int) -> list[int]:
+    if length <= tile:
+        return [0]
+    stride = max(tile - overlap, 1)
+    starts = list(range(0, length - tile, stride))
+    starts.append(length - tile)
+    return sorted(set(starts))
+
+
+def _ramp_mask(size: int, lo: bool, hi: bool, ramp: int, device, dtype) -> torch.Tensor:
+    w = torch.ones(size, device=device, dtype=dtype)
+    if ramp > 0:
+        r = torch.arange(1, ramp + 1, device=device, dtype=dtype) / (ramp + 1)
+        ramp = min(ramp, size)
+        if lo:
+            w[:ramp] = torch.minimum(w[:ramp], r[:ramp])
+        if hi:
+            w[size - ramp:] = torch.minimum(w[size - ramp:], r[:ramp].flip(0))
+    return w
+
+
+def tiled_spatial(fn, x: torch.Tensor, tile: int, overlap: int, scale: float, out_channels: int) -> torch.Tensor:
+    """Apply ``fn`` to overlapping spatial tiles of ``x`` (..., H, W) and blend linearly.
+
+    ``tile``/``overlap`` are in input units (multiples of the 8x factor for the encoder); ``scale``
+    is output/input size (1/8 for encode, 8 for decode). ``fn`` returns (B, out_channels, T', h, w).
+    """
+    H, W = x.shape[-2:]
+    ys, xs = _tile_starts(H, tile, overlap), _tile_starts(W, tile, overlap)
+    out = weight = None
+    for y0 in ys:
+        for x0 in xs:
+            y1, x1 = min(y0 + tile, H), min(x0 + tile, W)
+            res = fn(x[..., y0:y1, x0:x1])
+            if out is None:
+                shape = list(res.shape)
+                shape[-2], shape[-1] = int(round(H * scale)), int(round(W * scale))
+                out = torch.zeros(shape, device=res.device, dtype=torch.float32)
+                weight = torch.zeros(shape[-2:], device=res.device, dtype=torch.float32)
+            oy0, ox0 = int(round(y0 * scale)), int(round(x0 * scale))
+            oh, ow = res.shape[-2:]
+            ramp = int(round(overlap * scale))
+            my = _ramp_mask(oh, y0 > 0, y1 < H, ramp, res.device, torch.float32)
+            mx = _ramp_mask(ow, x0 > 0, x1 < W, ramp, res.device, torch.float32)
+            m = my[:, None] * mx[None, :]
+            out[..., oy0:oy0 + oh, ox0:ox0 + ow] += res.float() * m
+            weight[oy0:oy0 + oh, ox0:ox0 + ow] += m
+    return out / weight
+
+
+# ------------------------------------------------------------------------------------------- model calls
+class SeedVR2Runner:
+    """Runs the models; ``dit``/``vae`` are torch modules with the interfaces of ``models/seedvr2``."""
+
+    def __init__(self, dit, vae, text_embedding: torch.Tensor, device=None, dit_dtype=None, vae_dtype=None,
+                 offload_device="cpu", should_stop: Optional[Callable[[], None]] = None,
+                 free_memory: Optional[Callable[[], int]] = None):
+        self.dit, self.vae = dit, vae
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.dit_dtype = dit_dtype or _param_dtype(dit)
+        self.vae_dtype = vae_dtype or _param_dtype(vae)
+        self.offload_device = torch.device(offload_device)
+        self.should_stop = should_stop or (lambda: None)
+        self.free_memory = free_memory
+        self.scaling_factor = float(getattr(vae, "scaling_factor", DEFAULT_SCALING_FACTOR))
+        if text_embedding is None:
+            raise SeedVR2InputError("SeedVR2 needs the positive text embedding (pos_emb); none was given.")
+        self.txt = text_embedding
+
+    # -- autocast on CUDA for reduced precision, as the official script (bf16 autocast)
+    def _autocast(self, dtype):
+        if self.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+            return torch.autocast("cuda", dtype=dtype)
+        import contextlib
+        return contextlib.nullcontext()
+
+    def _free_bytes(self) -> Optional[int]:
+        if self.free_memory is not None:
+            return int(self.free_memory())
+        if self.device.type == "cuda" and torch.cuda.is_available():
+            return int(torch.cuda.mem_get_info(self.device)[0])
+        return None
+
+    def _tile_for(self, mode: str, given: int, h: int, w: int, frames: int, encode: bool) -> int:
+        if mode == "off":
+            return 0
+        if given and given > 0:
+            tile = given
+        elif mode == "on":
+            tile = choose_tile_size(h, w, frames, self._free_bytes(), encode, self.vae_dtype) or 512
+        else:
+            tile = choose_tile_size(h, w, frames, self._free_bytes(), encode, self.vae_dtype)
+        if tile <= 0:
+            return 0
+        tile = max(SIZE_MULTIPLE * 2, (tile // SIZE_MULTIPLE) * SIZE_MULTIPLE)
+        return 0 if (tile >= h and tile >= w) else tile
+
+    def encode(self, x: torch.Tensor, tiling: VAETiling) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (1, 3, T, H, W) in [-1, 1] -> mean, logvar (1, 16, t, H/8, W/8), float32."""
+        x = x.to(self.device, self.vae_dtype)
+        H, W = x.shape[-2:]
+        tile = self._tile_for(tiling.encode, tiling.encode_tile, H, W, x.shape[2], True)
+        vae = self.vae
+
+        def enc(t):
+            self.should_stop()
+            with torch.no_grad(), self._autocast(self.vae_dtype):
+                mean, logvar = _split_posterior(_call_with_optional(vae.encode, t, should_stop=self.should_stop))
+            return torch.cat([mean.float(), logvar.float()], dim=1)
+
+        if tile:
+            overlap = min(max(0, (tiling.overlap // SIZE_MULTIPLE) * SIZE_MULTIPLE), tile // 2)
+            if hasattr(vae, "tiled_encode") and getattr(vae, "supports_tiling", True):
+                try:
+                    moments = _split_posterior(_call_with_optional(
+                        vae.tiled_encode, x, tile_size=tile, tile_overlap=overlap, should_stop=self.should_stop))
+                    return moments[0].float(), moments[1].float()
+                except (TypeError, NotImplementedError):
+                    pass
+            moments = tiled_spatial(enc, x, tile, overlap, 1.0 / SPATIAL_FACTOR, 2 * LATENT_CHANNELS)
+        else:
+            moments = enc(x)
+        mean, logvar = moments.chunk(2, dim=1)
+        return mean, logvar
+
+    def decode(self, z: torch.Tensor, tiling: VAETiling) -> torch.Tensor:
+        """z (1, 16, t, h, w) (unscaled) -> pixels (1, 3, 4(t-1)+1, 8h, 8w) in about [-1, 1], float32."""
+        z = z.to(self.device, self.vae_dtype)
+        h, w = z.shape[-2:]
+        tile = self._tile_for(tiling.decode, tiling.decode_tile, h * SPATIAL_FACTOR, w * SPATIAL_FACTOR,
+                              4 * (z.shape[2] - 1) + 1, False)
+        vae = self.vae
+
+        def dec(t):
+            self.should_stop()
+            with torch.no_grad(), self._autocast(self.vae_dtype):
+                out = _decoded_tensor(_call_with_optional(vae.decode, t, should_stop=self.should_stop))
+            if out.dim() == 4:  # single frame: the wrapper squeezes time
+                out = out.unsqueeze(2)
+            return out.float()
+
+        if tile:
+            tl = tile // SPATIAL_FACTOR
+            ol = min(max(0, tiling.overlap // SPATIAL_FACTOR), tl // 2)
+            if hasattr(vae, "tiled_decode") and getattr(vae, "supports_tiling", True):
+                try:
+                    out = _decoded_tensor(_call_with_optional(
+                        vae.tiled_decode, z, tile_size=tile, tile_overlap=ol * SPATIAL_FACTOR,
+                        should_stop=self.should_stop))
+                    return (out.unsqueeze(2) if out.dim() == 4 else out).float()
+                except (TypeError, NotImplementedError):
+                    pass
+            return tiled_spatial(dec, z, tl, ol, float(SPATIAL_FACTOR), 3)
+        return dec(z)
+
+    def dit_step(self, lq_latent: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """One Euler step at t = 1000. lq_latent, noise: (t, h, w, 16) -> x_0 (t, h, w, 16) float32."""
+        self.should_stop()
+        t, h, w, c = lq_latent.shape
+        dev, dt = self.device, self.dit_dtype
+        x_t = noise.to(dev, torch.float32)
+        cond = torch.cat([lq_latent.to(dev, torch.float32), torch.ones(t, h, w, 1, device=dev)], dim=-1)
+        vid = torch.cat([x_t, cond], dim=-1).reshape(-1, 2 * c + 1).to(dt)
+        txt = self.txt.to(dev, dt)
+        vid_shape = torch.tensor([[t, h, w]], dtype=torch.long, device=dev)
+        txt_shape = torch.tensor([[txt.shape[0]]], dtype=torch.long, device=dev)
+        timestep = torch.tensor([TIMESTEP], device=dev, dtype=dt)
+        with torch.no_grad(), self._autocast(dt):
+            out = _call_with_optional(self.dit, vid=vid, txt=txt, vid_shape=vid_shape, txt_shape=txt_shape,
+                                      timestep=timestep, should_stop=self.should_stop)
+        v = getattr(out, "vid_sample", out)
+        if isinstance(v, (tuple, list)):
+            v = v[0]
+        v = v.float().reshape(t, h, w, c)
+        return x_t - (TIMESTEP / 1000.0) * v
+
+
+# ------------------------------------------------------------------------------------------- main entry
+def _check_frames(frames: torch.Tensor) -> None:
+    if not isinstance(frames, torch.Tensor):
+        raise SeedVR2InputError(f"frames must be a torch tensor (T, H, W, C), got {type(frames).__name__}")
+    if frames.dim() == 3:
+        raise SeedVR2InputError("frames must be (T, H, W, C); got a 3-D tensor (add the frame axis)")
+    if frames.dim() != 4:
+        raise SeedVR2InputError(f"frames must be (T, H, W, C), got shape {tuple(frames.shape)}")
+    if frames.shape[0] == 0:
+        raise SeedVR2InputError("no frames to upscale: the image batch is empty (0 frames).")
+    if frames.shape[-1] not in (3, 4):
+        raise SeedVR2InputError(f"frames must have 3 (RGB) or 4 (RGBA) channels, got {frames.shape[-1]}")
+
+
+def upscale(frames: torch.Tensor, dit, vae, text_embedding: torch.Tensor, settings: UpscaleSettings = None,
+            device=None, dit_dtype=None, vae_dtype=None, offload_device="cpu", output_device="cpu",
+            should_stop: Optional[Callable[[], None]] = None,
+            progress: Optional[Callable[[int, int], None]] = None,
+            hooks: Optional[PipelineHooks] = None,
+            free_memory: Optional[Callable[[], int]] = None) -> torch.Tensor:
+    """Upscale ``frames`` (T, H, W, C in [0, 1], C = 3 or 4) -> (T, th, tw, C) float32 on ``output_device``.
+
+    ``should_stop()`` is called between chunks/tiles (and handed to the models when they accept it);
+    it must raise to stop. ``progress(done, total)`` is called after each chunk of each phase.
+    """
+    s = settings or UpscaleSettings()
+    hooks = hooks or PipelineHooks()
+    _check_frames(frames)
+    if s.color_correction not in COLOR_CORRECTION_MODES:
+        raise SeedVR2InputError(f"color_correction must be one of {', '.join(COLOR_CORRECTION_MODES)}, "
+                                f"got {s.color_correction!r}")
+    T, H, W, C = frames.shape
+    th, tw = compute_target_size(H, W, s.resolution, s.scale_factor, s.max_resolution)
+    ph, pw = model_size(th, tw)
+    chunks = plan_chunks(T, s.batch_size, s.temporal_overlap)
+    weights = chunk_blend_weights(chunks, s.temporal_overlap)
+    runner = SeedVR2Runner(dit, vae, text_embedding, device, dit_dtype, vae_dtype, offload_device,
+                           should_stop, free_memory)
+    stop = runner.should_stop
+    dev, off = runner.device, torch.device(offload_device)
+    total, done = 3 * len(chunks), 0
+    _log.info("[SeedVR2-BW] %d frame(s) %dx%d -> %dx%d (model %dx%d), %d chunk(s) of <= %d frames, overlap %d",
+              T, W, H, tw, th, pw, ph, len(chunks), s.batch_size, s.temporal_overlap)
+
+    def tick():
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    def resized_rgb(s0, e0):
+        x = frames[s0:e0, :, :, :3].to(dev, torch.float32).permute(0, 3, 1, 2)
+        return resize_frames(x, th, tw)  # (n, 3, th, tw) in [0, 1]
+
+    # phase 1: encode + posterior sample
+    hooks.before_encode()
+    lq_latents = []
+    for ci, (s0, e0) in enumerate(chunks):
+        stop()
+        x = resized_rgb(s0, e0)
+        x = F.pad(x, (0, pw - tw, 0, ph - th), mode="replicate") if (ph, pw) != (th, tw) else x
+        x = pad_frames_4n1(x * 2.0 - 1.0, dim=0)            # (T', 3, ph, pw) in [-1, 1]
+        x = x.permute(1, 0, 2, 3).unsqueeze(0)             # (1, 3, T', ph, pw)
+        mean, logvar = runner.encode(x, s.tiling)
+        g = _seed_generator(s.seed, 1)
+        eps = torch.randn(mean.shape, generator=g, dtype=torch.float32).to(mean.device)
+        z = (mean + torch.exp(0.5 * logvar) * eps) * runner.scaling_factor
+        lq_latents.append(z[0].permute(1, 2, 3, 0).contiguous().to(off))  # (t, h, w, 16)
+        del x, mean, logvar, eps, z
+        tick()
+
+    # phase 2: one DiT step per chunk
+    hooks.before_dit()
+    samples = []
+    try:
+        for ci, lq in enumerate(lq_latents):
+            stop()
+            g = _seed_generator(s.seed, 0)
+            noise = torch.randn(lq.shape, generator=g, dtype=torch.float32)
+            samples.append(runner.dit_step(lq, noise).to(off))
+            tick()
+    finally:
+        hooks.after_dit()
+    del lq_latents
+
+    # phase 3: decode, crop, colour-correct, blend
+    hooks.before_decode()
+    out_dev = torch.device(output_device)
+    out = torch.zeros(T, th, tw, 3, dtype=torch.float32, device=out_dev)
+    for ci, ((s0, e0), x0) in enumerate(zip(chunks, samples)):
+        stop()
+        z = (x0.to(dev) / runner.scaling_factor).permute(3, 0, 1, 2).unsqueeze(0)  # (1, 16, t, h, w)
+        px = runner.decode(z, s.tiling)[0]                                          # (3, T', ph, pw)
+        n = e0 - s0
+        if px.shape[1] < n:
+            raise RuntimeError(f"VAE decoded {px.shape[1]} frames for a chunk of {n}")
+        px = px[:, :n, :th, :tw].permute(1, 0, 2, 3)                                # (n, 3, th, tw)
+        px = ((px.clamp(-1.0, 1.0) + 1.0) * 0.5)
+        px = color_correct(px, resized_rgb(s0, e0), s.color_correction)
+        w = weights[ci].to(px.device).reshape(-1, 1, 1, 1)
+        out[s0:e0] += (px * w).permute(0, 2, 3, 1).to(out_dev)
+        samples[ci] = None
+        del px, z
+        tick()
+    out.clamp_(0.0, 1.0)
+
+    if C == 4:
+        alpha = frames[..., 3:].to(dev, torch.float32).permute(0, 3, 1, 2)
+        alpha = resize_frames(alpha, th, tw).permute(0, 2, 3, 1).to(out_dev)
+        out = torch.cat([out, alpha], dim=-1)
+    return out
