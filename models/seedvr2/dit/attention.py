@@ -1,0 +1,74 @@
+"""Joint windowed attention, "NaSwinAttention" (SPEC §1.7).
+
+qkv = Linear(dim -> 3*heads*head_dim, no bias), viewed as (3, heads, head_dim); per-head RMS qk-norm;
+RoPE; every window attends over [its video tokens, all text tokens of the sample]; text outputs are
+averaged over the windows; out = Linear(heads*head_dim -> dim, bias).
+
+Norm and RoPE are per token, so they run on the tokens in their original order and a single gather
+(``layout.gather``) builds the packed segments; ``layout.vid_pos`` reads the video outputs back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ....optimization.attention import varlen_attention
+from .mm import MMPair
+from .norm import RMSNorm
+from .rope import RoPE3d, apply_rope
+from .window import JointLayout
+
+
+@dataclass
+class AttentionContext:
+    """What one block needs about the current input shape (built once per shape by the model)."""
+
+    layout: JointLayout
+    vid_cos: Optional[torch.Tensor]
+    vid_sin: Optional[torch.Tensor]
+    txt_cos: Optional[torch.Tensor]  # 3B only (text is rotated too)
+    txt_sin: Optional[torch.Tensor]
+    backend: str
+
+
+class NaSwinAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, head_dim: int, eps: float, shared: bool, rope_kind: str,
+                 rope_dim: int, window_method: str, device=None, dtype=None):
+        super().__init__()
+        inner = heads * head_dim
+        self.heads, self.head_dim = heads, head_dim
+        self.window_method = window_method
+        self.proj_qkv = MMPair(lambda: nn.Linear(dim, 3 * inner, bias=False, device=device, dtype=dtype), shared)
+        self.proj_out = MMPair(lambda: nn.Linear(inner, dim, device=device, dtype=dtype), shared)
+        self.norm_q = MMPair(lambda: RMSNorm(head_dim, eps, device=device, dtype=dtype), shared)
+        self.norm_k = MMPair(lambda: RMSNorm(head_dim, eps, device=device, dtype=dtype), shared)
+        self.rope = RoPE3d(rope_kind, rope_dim, device=device)
+
+    def _qkv(self, x: torch.Tensor, stream: str, cos, sin) -> torch.Tensor:
+        pick = (lambda p: p.for_vid()) if stream == "vid" else (lambda p: p.for_txt())
+        qkv = pick(self.proj_qkv)(x).view(x.shape[0], 3, self.heads, self.head_dim)
+        q, k, v = qkv.unbind(1)
+        q, k = pick(self.norm_q)(q), pick(self.norm_k)(k)
+        if cos is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return torch.stack((q, k, v), 1)  # (N, 3, H, D)
+
+    def forward(self, vid: torch.Tensor, txt: torch.Tensor, ctx: AttentionContext,
+                need_txt: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        lay = ctx.layout
+        qkv = torch.cat((self._qkv(vid, "vid", ctx.vid_cos, ctx.vid_sin),
+                         self._qkv(txt, "txt", ctx.txt_cos, ctx.txt_sin)))
+        q, k, v = qkv[lay.gather].unbind(1)  # packed: [window video, text] per segment
+        plan = lay.plan
+        out = varlen_attention(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q,
+                               plan.max_seqlen_k, backend=ctx.backend, plan=plan)
+        out = out.flatten(1)  # (N_all, H*D)
+        vid_out = self.proj_out.for_vid()(out[lay.vid_pos])
+        if not need_txt:
+            return vid_out, None
+        # text: mean over its copies in the windows of its sample
+        txt_out = torch.cat([out[p].mean(1) for p in lay.txt_pos]) if len(lay.txt_pos) > 1 else out[lay.txt_pos[0]].mean(1)
+        return vid_out, self.proj_out.for_txt()(txt_out)

@@ -1,0 +1,65 @@
+"""Adaptive modulation "ada: single" (SPEC §1.5).
+
+The shared time embedding e (6*dim per sample) is *interleaved*: for feature d, layer l (0 attn,
+1 mlp) and kind k (0 shift, 1 scale, 2 gate) the entry is e[d*6 + l*3 + k]. Each block/stream adds its
+own learnable vectors: in = x*(e_scale + p_scale) + (e_shift + p_shift) (scale used directly, not 1+s);
+out (gate) = x*(e_gate + p_gate).
+
+The sums and products run in fp32 and the result is cast back to the stream dtype: the official
+module adds bf16 embeddings to fp32 parameters (fp32 result) under autocast.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+LAYERS = ("attn", "mlp")
+
+
+class AdaSingle(nn.Module):
+    """Per-block learnable parts: ``{attn,mlp}_{shift,scale,gate}`` (checkpoint names)."""
+
+    def __init__(self, dim: int, device=None, dtype=None):
+        super().__init__()
+        for layer in LAYERS:
+            self.register_parameter(f"{layer}_shift", nn.Parameter(torch.zeros(dim, device=device, dtype=dtype)))
+            self.register_parameter(f"{layer}_scale", nn.Parameter(torch.ones(dim, device=device, dtype=dtype)))
+            self.register_parameter(f"{layer}_gate", nn.Parameter(torch.zeros(dim, device=device, dtype=dtype)))
+
+
+class OutAda(nn.Module):
+    """3B output head modulation: ``out_shift``, ``out_scale`` (mode "in" only)."""
+
+    def __init__(self, dim: int, device=None, dtype=None):
+        super().__init__()
+        self.out_shift = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
+        self.out_scale = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+
+def split_embedding(emb: torch.Tensor, num_layers: int = 2) -> torch.Tensor:
+    """(B, 6*dim) -> (B, dim, layers, 3) view of the interleaved embedding."""
+    b, n = emb.shape
+    return emb.view(b, n // (3 * num_layers), num_layers, 3)
+
+
+def _per_token(e: torch.Tensor, lens: Optional[List[int]]) -> torch.Tensor:
+    """(B, dim) -> broadcastable over the packed tokens of B samples."""
+    if e.shape[0] == 1:
+        return e  # (1, dim) broadcasts over all tokens
+    return torch.repeat_interleave(e, torch.tensor(lens, device=e.device), dim=0, output_size=sum(lens))
+
+
+def modulate_in(x, e: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, lens) -> torch.Tensor:
+    """x*(e_scale + scale) + (e_shift + shift); ``e`` is the (B, dim, 3) slot of one layer."""
+    e = e.float()
+    s = _per_token(e[..., 1] + scale.float(), lens)
+    b = _per_token(e[..., 0] + shift.float(), lens)
+    return (x.float() * s + b).to(x.dtype)
+
+
+def modulate_gate(x, e: torch.Tensor, gate: torch.Tensor, lens) -> torch.Tensor:
+    """x*(e_gate + gate)."""
+    g = _per_token(e.float()[..., 2] + gate.float(), lens)
+    return (x.float() * g).to(x.dtype)
