@@ -1,0 +1,172 @@
+"""GPU compute: the bf16 GEMM rate on a SeedVR2 shape, the FP8 GEMM (torch._scaled_mm), attention backends."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .result import FAIL, PASS, SKIP, WARN, CheckResult
+from .timing import cuda_ms, rel_err, tflops
+
+SECTION = "Compute"
+
+# A SeedVR2-7B MLP up-projection on a 720p-ish window batch: x [M, K] @ w[N, K]^T.
+GEMM_SHAPE = (4096, 3072, 12288)
+
+
+def _reps(ctx) -> int:
+    return 5 if ctx.quick else 20
+
+
+def gemm_operands(ctx, shape=GEMM_SHAPE):
+    key = ("gemm_operands", shape)
+    if key not in ctx.measured:
+        m, k, n = shape
+        gen = torch.Generator(device=ctx.device).manual_seed(0)
+        x = torch.randn(m, k, device=ctx.device, dtype=torch.bfloat16, generator=gen)
+        w = torch.randn(n, k, device=ctx.device, dtype=torch.bfloat16, generator=gen) * (k ** -0.5)
+        ctx.measured[key] = (x, w)
+    return ctx.measured[key]
+
+
+def bf16_linear_ms(ctx, shape=GEMM_SHAPE) -> float:
+    key = ("bf16_ms", shape)
+    if key not in ctx.measured:
+        x, w = gemm_operands(ctx, shape)
+        ctx.measured[key] = cuda_ms(lambda: F.linear(x, w), reps=_reps(ctx), warmup=3)
+    return ctx.measured[key]
+
+
+def check_bf16_gemm(ctx) -> CheckResult:
+    name = "bf16 GEMM"
+    if not ctx.is_cuda:
+        return CheckResult(name, SKIP, None, "TFLOP/s", "no CUDA device")
+    m, k, n = GEMM_SHAPE
+    ms = bf16_linear_ms(ctx)
+    rate = tflops(2 * m * k * n, ms)
+    ctx.measured["bf16_tflops"] = rate
+    detail = f"x[{m},{k}] @ w[{n},{k}]^T (SeedVR2-7B MLP): {ms:.3f} ms = {rate:.0f} TFLOP/s"
+    status = PASS
+    if rate < 20:
+        status = WARN
+        detail += "; a slow GPU for SeedVR2: expect minutes per clip, prefer the 3B model"
+    return CheckResult(name, status, round(rate, 1), "TFLOP/s", detail, data={"shape_mkn": list(GEMM_SHAPE), "ms": ms})
+
+
+def check_fp8_gemm(ctx) -> CheckResult:
+    name = "FP8 GEMM (torch._scaled_mm)"
+    if not ctx.is_cuda:
+        return CheckResult(name, SKIP, None, "TFLOP/s", "no CUDA device")
+    cap = torch.cuda.get_device_capability(ctx.device)
+    if cap < (8, 9):
+        return CheckResult(name, SKIP, None, "TFLOP/s", f"no FP8 tensor cores on sm_{cap[0]}{cap[1]} (needs sm_89+); "
+                           "FP8 weights are upcast to bf16 instead")
+    if not hasattr(torch, "_scaled_mm"):
+        return CheckResult(name, FAIL, None, "TFLOP/s", f"torch {torch.__version__} has no torch._scaled_mm: upgrade torch")
+    m, k, n = GEMM_SHAPE
+    x, w = gemm_operands(ctx)
+    e4m3 = torch.float8_e4m3fn
+    sx = (x.abs().amax().float() / 448).clamp(min=1e-12)
+    sw = (w.abs().amax().float() / 448).clamp(min=1e-12)
+    x8 = (x.float() / sx).to(e4m3)
+    w8 = (w.float() / sw).to(e4m3)
+    try:
+        out = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)
+    except Exception as exc:  # noqa: BLE001
+        return CheckResult(name, FAIL, None, "TFLOP/s", f"torch._scaled_mm failed on sm_{cap[0]}{cap[1]}: "
+                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    err = rel_err(out, F.linear(x, w))
+    reps = _reps(ctx)
+    ms = cuda_ms(lambda: torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16),
+                 reps=reps, warmup=3)
+    ms_fast = cuda_ms(lambda: torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16,
+                                               use_fast_accum=True), reps=reps, warmup=3)
+    rate, rate_fast = tflops(2 * m * k * n, ms), tflops(2 * m * k * n, ms_fast)
+    bf16 = bf16_linear_ms(ctx)
+    speedup = bf16 / ms
+    ctx.measured["fp8_tflops"] = rate
+    data = {"ms": ms, "ms_fast_accum": ms_fast, "tflops_fast_accum": rate_fast, "speedup_vs_bf16": speedup,
+            "speedup_fast_accum_vs_bf16": bf16 / ms_fast, "rel_err_vs_bf16": err, "shape_mkn": list(GEMM_SHAPE)}
+    detail = (f"e4m3 x e4m3 -> bf16, per-tensor scales, same shape: {rate:.0f} TFLOP/s ({speedup:.2f}x bf16), "
+              f"fast accumulation {rate_fast:.0f} TFLOP/s ({bf16 / ms_fast:.2f}x); rel. error vs bf16 {err:.3f}")
+    if err > 0.1:
+        return CheckResult(name, FAIL, round(rate, 1), "TFLOP/s", detail + "; the FP8 result is wrong (error > 0.1)",
+                           data=data)
+    status = PASS if speedup >= 1.2 else WARN
+    if status == WARN:
+        detail += "; FP8 is not faster than bf16 here: the FP8 speed path gains nothing"
+    return CheckResult(name, status, round(rate, 1), "TFLOP/s", detail, data=data)
+
+
+def _windows(ctx):
+    """A SeedVR2-7B 720p x 21-frame attention layer: 27 windows of 2x15x27 video tokens + 58 text tokens."""
+    if ctx.is_cuda:
+        return [2 * 15 * 27 + 58] * 27, 24, 128, torch.bfloat16
+    return [64, 64, 48], 4, 64, torch.float32
+
+
+def check_attention(ctx) -> list[CheckResult]:
+    try:
+        from ..attention import available_backends, make_varlen_plan, varlen_attention
+    except Exception as exc:  # noqa: BLE001
+        return [CheckResult("attention backends", FAIL, None, "", f"optimization.attention failed to import: "
+                            f"{type(exc).__name__}: {exc}")]
+    try:
+        from ..attention import backend_unavailable_reason
+    except Exception:  # noqa: BLE001
+        backend_unavailable_reason = None
+    dev = ctx.device
+    backends = available_backends(dev)
+    policy = ctx.measured.get("policy")
+    chosen = getattr(policy, "attention", None)
+    lens, heads, hd, dtype = _windows(ctx)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=dev)
+    total, maxlen = sum(lens), max(lens)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    q, k, v = (torch.randn(total, heads, hd, device=dev, dtype=dtype, generator=gen) for _ in range(3))
+    plan = make_varlen_plan(cu, cu, device=dev)
+    flops = 4 * sum(L * L for L in lens) * heads * hd
+    want = varlen_attention(q.clone(), k.clone(), v.clone(), cu, cu, maxlen, maxlen, backend="reference", plan=plan)
+    unavailable = []
+    if backend_unavailable_reason is not None:
+        for nm in ("flash_attn", "sage", "sdpa", "reference"):
+            why = backend_unavailable_reason(nm, dev)
+            if why:
+                unavailable.append(f"{nm}: {why}")
+    out = [CheckResult("attention backends", PASS if backends else FAIL, ", ".join(backends), "",
+                       f"available on {dev}: {', '.join(backends) or 'none'}; policy picks {chosen}"
+                       + (f"; unavailable: {'; '.join(unavailable)}" if unavailable else ""),
+                       data={"available": backends, "policy": chosen, "unavailable": unavailable})]
+    for nm in backends:
+        if nm == "reference":
+            continue
+        row = f"attention {nm}"
+        try:
+            # sage mutates k in place in some versions: give every call fresh copies for the correctness run
+            got = varlen_attention(q.clone(), k.clone(), v.clone(), cu, cu, maxlen, maxlen, backend=nm, plan=plan)
+            err = rel_err(got, want)
+        except Exception as exc:  # noqa: BLE001
+            out.append(CheckResult(row, FAIL, None, "TFLOP/s", f"{type(exc).__name__}: {exc}"))
+            continue
+        tol = 0.08 if nm == "sage" else 0.02
+        data = {"rel_err_vs_reference": err, "windows": len(lens), "window_tokens": lens[0], "heads": heads,
+                "head_dim": hd}
+        if err > tol:
+            out.append(CheckResult(row, FAIL, None, "TFLOP/s", f"wrong result: relative error {err:.3g} vs the "
+                                   f"per-window SDPA reference (tolerance {tol})", data=data))
+            continue
+        if not ctx.is_cuda:
+            out.append(CheckResult(row, PASS, None, "TFLOP/s", f"matches the reference (rel. error {err:.1e}); "
+                                   "speed not measured on CPU", data=data))
+            continue
+        ms = cuda_ms(lambda: varlen_attention(q, k, v, cu, cu, maxlen, maxlen, backend=nm, plan=plan),
+                     reps=3 if ctx.quick else 10, warmup=2)
+        rate = tflops(flops, ms)
+        data.update(ms=ms, tflops=rate)
+        ctx.measured.setdefault("attention_tflops", {})[nm] = rate
+        out.append(CheckResult(row, PASS, round(rate, 1), "TFLOP/s",
+                               f"{len(lens)} windows x {lens[0]} tokens, {heads}x{hd} heads, bf16: {ms:.3f} ms "
+                               f"({rate:.0f} TFLOP/s), rel. error {err:.1e}", data=data))
+    return out
+
+
+CHECKS = (check_bf16_gemm, check_fp8_gemm, check_attention)

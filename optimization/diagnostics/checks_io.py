@@ -1,0 +1,161 @@
+"""IO vs compute for SeedVR2 3B and 7B on this GPU: would BlockSwap's copies hide behind the blocks' compute?
+
+Per-block sizes come from the real state dicts (tests/data/keys_dit_*.json; ``tests/test_diagnostic.py`` checks
+these constants against them). Times come from this run's measurements: copy time = block bytes / pinned H2D
+bandwidth, compute time = block FLOPs / bf16 GEMM rate. The compute time is a lower bound (a real block also runs
+norms, RoPE and attention glue at lower efficiency), so the verdict "hidden" is conservative.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .result import FAIL, PASS, SKIP, WARN, CheckResult
+
+SECTION = "IO vs compute"
+GiB = 2**30
+TEXT_TOKENS = 58
+
+
+@dataclass(frozen=True)
+class BlockGroup:
+    count: int
+    linear_weights: int   # elements of the 2-D projection weights (quantizable)
+    other: int            # biases, norms, ada, rope buffers (kept in bf16)
+    video_linear: int     # elements of the weights applied to video tokens
+    text_linear: int      # elements of separate text-branch weights (0 for shared blocks)
+
+
+@dataclass(frozen=True)
+class DiTShape:
+    name: str
+    dim: int
+    groups: tuple
+    non_block: int        # elements outside the blocks (embeddings, in/out projections)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(g.count for g in self.groups)
+
+
+SEEDVR2_DITS = {
+    "3B": DiTShape("SeedVR2-3B", 2560, (
+        BlockGroup(10, 158_597_120, 36_373, 79_298_560, 79_298_560),   # blocks 0-9: separate vid/txt weights
+        BlockGroup(22, 79_298_560, 18_197, 79_298_560, 0),             # blocks 10-31: shared ("all") weights
+    ), 60_172_864),
+    "7B": DiTShape("SeedVR2-7B", 3072, (
+        BlockGroup(36, 226_492_416, 74_250, 113_246_208, 113_246_208),
+    ), 83_208_256),
+}
+
+# bytes per element of the quantizable weights in each storage format (NVFP4: 4 bits + one e4m3 scale per 16)
+STORAGE = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 0.5625}
+
+
+def block_bytes(g: BlockGroup, storage: str) -> int:
+    return int(g.linear_weights * STORAGE[storage] + g.other * 2)
+
+
+# (label, video tokens per forward, latent frames). Tokens: VAE 8x spatial, 4x temporal (4n+1 frames), patch 2x2.
+CASES = (
+    ("720p x 1 frame", 45 * 80, 1),
+    ("1080p x 1 frame", 68 * 120, 1),
+    ("720p x 21 frames", 45 * 80 * 6, 6),
+    ("1080p x 21 frames", 68 * 120 * 6, 6),
+)
+
+
+def window_tokens(latent_frames: int) -> int:
+    """Video tokens in one attention window: ~15x27 spatial (the adaptive 720p window), ceil(min(t,30)/4) frames."""
+    return 15 * 27 * math.ceil(min(latent_frames, 30) / 4)
+
+
+def block_flops(g: BlockGroup, dim: int, tokens: int, latent_frames: int) -> float:
+    """FLOPs of one block's forward: the linears (2 per weight per token), attention (QK^T and PV: 4*dim per
+    token pair, each window also attending to the text tokens) and the text branch."""
+    w = window_tokens(latent_frames)
+    video = tokens * (2 * g.video_linear + 4 * dim * (w + TEXT_TOKENS))
+    windows = max(1, math.ceil(tokens / w))
+    text_weights = g.text_linear or g.video_linear
+    text = TEXT_TOKENS * 2 * text_weights + windows * TEXT_TOKENS * 4 * dim * (w + TEXT_TOKENS)
+    return float(video + text)
+
+
+def _plan(shape: DiTShape, storage: str, free_vram: int, total_vram: int):
+    try:
+        from ..blockswap import plan_blockswap, default_reserve_bytes  # type: ignore[attr-defined]
+    except ImportError:
+        from ..blockswap.config import plan_blockswap, default_reserve_bytes
+    sizes = []
+    for g in shape.groups:
+        sizes += [block_bytes(g, storage)] * g.count
+    other = int(shape.non_block * 2)
+    return plan_blockswap(sizes, other, free_vram, default_reserve_bytes(total_vram))
+
+
+def check_io_vs_compute(ctx) -> list[CheckResult]:
+    if not ctx.is_cuda:
+        return [CheckResult(f"SeedVR2-{m} swap vs compute", SKIP, None, "", "no CUDA device") for m in SEEDVR2_DITS]
+    bw = ctx.measured.get("h2d_pinned_gbps")
+    rate = ctx.measured.get("bf16_tflops")
+    if not bw or not rate:
+        missing = [n for n, v in (("pinned H2D bandwidth", bw), ("bf16 GEMM rate", rate)) if not v]
+        return [CheckResult(f"SeedVR2-{m} swap vs compute", SKIP, None, "", f"needs the {' and '.join(missing)} "
+                            "measured above") for m in SEEDVR2_DITS]
+    import torch
+    free, total = torch.cuda.mem_get_info(ctx.device)
+    out = []
+    for key, shape in SEEDVR2_DITS.items():
+        name = f"SeedVR2-{key} swap vs compute"
+        biggest = max(shape.groups, key=lambda g: g.linear_weights)
+        copy_ms = {s: block_bytes(biggest, s) / (bw * 1e9) * 1e3 for s in STORAGE}
+        cases, lines = [], []
+        for label, tokens, frames in CASES:
+            comp = sum(block_flops(g, shape.dim, tokens, frames) * g.count for g in shape.groups) / shape.num_blocks
+            comp_ms = comp / (rate * 1e12) * 1e3
+            s_free = {s: min(shape.num_blocks, int(shape.num_blocks * comp_ms / copy_ms[s])) for s in STORAGE}
+            cases.append({"case": label, "video_tokens": tokens, "compute_ms_per_block": comp_ms,
+                          "hidden": {s: comp_ms >= copy_ms[s] for s in STORAGE}, "free_swap_blocks": s_free})
+            lines.append(f"{label}: compute {comp_ms:.2f} ms/block -> swap hidden for "
+                         + ", ".join(f"{s} {'all' if s_free[s] >= shape.num_blocks else s_free[s]}"
+                                     for s in STORAGE) + f" of {shape.num_blocks} blocks")
+        plans = {}
+        plan_error = None
+        for s in STORAGE:
+            try:
+                plans[s] = _plan(shape, s, free, total)
+            except Exception as exc:  # noqa: BLE001
+                plan_error = f"{type(exc).__name__}: {exc}"
+                break
+        data = {"blocks": shape.num_blocks, "largest_block_bytes": {s: block_bytes(biggest, s) for s in STORAGE},
+                "copy_ms_per_block": copy_ms, "h2d_pinned_gbps": bw, "bf16_tflops": rate, "free_vram_bytes": free,
+                "cases": cases}
+        if plans:
+            data["blockswap_plan"] = {s: {"blocks_to_swap": p.blocks_to_swap, "fits": p.fits, "summary": p.summary()}
+                                      for s, p in plans.items()}
+        head = (f"largest block {block_bytes(biggest, 'bf16') / 2**20:.0f} MiB bf16 / "
+                f"{block_bytes(biggest, 'fp8') / 2**20:.0f} fp8 / {block_bytes(biggest, 'nvfp4') / 2**20:.0f} nvfp4 -> "
+                + ", ".join(f"{s} {copy_ms[s]:.2f} ms" for s in STORAGE) + f" per copy at {bw:.1f} GB/s. ")
+        if plan_error:
+            status, value = FAIL, None
+            verdict = f"plan_blockswap failed: {plan_error}"
+        else:
+            p = plans["bf16"]
+            status, value = PASS, p.blocks_to_swap
+            verdict = f"with {free / GiB:.1f} GiB free, bf16 weights: {p.summary()}"
+            if not p.fits:
+                status = WARN
+                verdict += " -- does not fit even fully swapped: use fp8/NVFP4 weights or free VRAM"
+            elif p.blocks_to_swap:
+                # swapped blocks are free up to S_free at the 21-frame 720p batch
+                s_free = cases[2]["free_swap_blocks"]["bf16"]
+                if p.blocks_to_swap > s_free:
+                    status = WARN
+                    verdict += (f" -- copy-bound: {p.blocks_to_swap} swapped > {s_free} hidden at 720p x 21; "
+                                "use fp8/NVFP4 storage or larger batches")
+        out.append(CheckResult(name, status, value, "blocks swapped", head + verdict + ". " + "; ".join(lines),
+                               data=data))
+    return out
+
+
+CHECKS = (check_io_vs_compute,)

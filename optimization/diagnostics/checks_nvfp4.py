@@ -1,0 +1,222 @@
+"""NVFP4: the library imports, quantize/dequantize match an independent CPU reference on this device, and every
+GEMM path this GPU supports is correct (against the exact reference product) and timed against bf16."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from .nvfp4_reference import reference_roundtrip, sqnr_db
+from .result import FAIL, PASS, SKIP, WARN, CheckResult
+from .timing import cuda_ms, rel_err, tflops
+
+SECTION = "NVFP4"
+
+GEMM_SHAPE = (4096, 3072, 12288)       # M, K, N: SeedVR2-7B MLP up-projection on a 720p window batch
+CPU_GEMM_SHAPE = (64, 3072, 512)
+# Relative error vs the exact product with the dequantized weight (the weight's own NVFP4 error is not counted):
+# bf16 output rounding for the dequantizing paths, FP8 activations (+ NVFP4->FP8 weight re-quantization) for the
+# FP8 speed path, NVFP4 activations for the FP4 tensor-core path (~9.5 % element error).
+PATH_TOLERANCE = {"reference": 1e-2, "fidelity": 1e-2, "fp8_speed": 0.08, "fp4_tensorcore": 0.15}
+PATH_LABEL = {"fp4_tensorcore": "FP4 tensor cores (W4A4)", "fp8_speed": "FP8 speed path (W8A8)",
+              "fidelity": "fidelity path (W4A16)", "reference": "reference (dequantize + matmul)"}
+
+
+def _import_nvfp4():
+    from ..nvfp4 import format as fmt
+    return fmt
+
+
+def check_nvfp4_library(ctx) -> CheckResult:
+    name = "NVFP4 library"
+    parts, errors = [], []
+    for mod in ("format", "linear", "selftest", "kernels"):
+        try:
+            m = __import__(f"{__package__.rsplit('.', 1)[0]}.nvfp4.{mod}", fromlist=["_"])
+            parts.append(mod)
+            if mod == "kernels":
+                parts[-1] += f" (triton {'yes' if getattr(m, 'HAS_TRITON', False) else 'no'})"
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"optimization.nvfp4.{mod}: {type(exc).__name__}: {exc}")
+    ctx.measured["nvfp4_import_errors"] = errors
+    if errors:
+        return CheckResult(name, FAIL, None, "", "import failed: " + "; ".join(errors)
+                           + ". Fix: pip install -r requirements.txt, or reinstall the pack")
+    return CheckResult(name, PASS, "imported", "", "modules: " + ", ".join(parts))
+
+
+def _corrupt_packed(fmt, packed):
+    return fmt.swap_nibbles(packed)
+
+
+def check_nvfp4_quantize(ctx) -> CheckResult:
+    name = "NVFP4 quantize/dequantize"
+    try:
+        fmt = _import_nvfp4()
+    except Exception as exc:  # noqa: BLE001
+        return CheckResult(name, FAIL, None, "% mismatch", f"optimization.nvfp4.format failed to import: "
+                           f"{type(exc).__name__}: {exc}")
+    dev = ctx.device
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(256, 3072, generator=gen)
+    w[3, :16] = 0.0                      # an all-zero block
+    w[5, 16:32] *= 1e-3                  # a tiny block
+    want = reference_roundtrip(w)
+    packed, scales, g = fmt.quantize_nvfp4(w.to(dev))
+    if ctx.fault("nvfp4_wrong"):
+        packed = _corrupt_packed(fmt, packed)
+    got = fmt.dequantize_nvfp4(packed, scales, g, dtype=torch.float32, shape=tuple(w.shape)).cpu()
+    bad = ((got - want).abs() > 1e-6 * want.abs() + 1e-30).float().mean().item()
+    snr_lib, snr_ref = sqnr_db(w, got), sqnr_db(w, want)
+    data = {"mismatch_fraction": bad, "sqnr_db": snr_lib, "reference_sqnr_db": snr_ref, "device": str(dev)}
+    extra = []
+    if ctx.is_cuda:
+        # the device must reproduce the CPU bytes exactly (plain-torch path and, when present, the Triton kernels)
+        p_cpu, s_cpu, g_cpu = fmt.quantize_nvfp4(w)
+        same = bool(torch.equal(packed.cpu(), p_cpu) and torch.equal(scales.cpu().view(torch.uint8),
+                                                                     s_cpu.view(torch.uint8)))
+        data["device_bytes_equal_cpu"] = same
+        extra.append(f"device bytes {'==' if same else '!='} CPU bytes")
+        try:
+            from ..nvfp4 import kernels
+            if kernels.triton_usable(w.to(dev)):
+                q_t, s_t = kernels.quantize_act_nvfp4(w.to(dev), g_cpu.to(dev))
+                if ctx.fault("nvfp4_wrong"):
+                    q_t = _corrupt_packed(fmt, q_t)
+                tri_same = bool(torch.equal(q_t.cpu(), p_cpu) and torch.equal(
+                    s_t.cpu().view(torch.uint8), s_cpu.view(torch.uint8)))
+                d_t = kernels.dequantize_nvfp4_triton(p_cpu.to(dev), s_cpu.to(dev), g_cpu, tuple(w.shape),
+                                                      dtype=torch.float32).cpu()
+                deq_same = bool(torch.equal(d_t, fmt.dequantize_nvfp4(p_cpu, s_cpu, g_cpu, shape=tuple(w.shape))))
+                data.update(triton_quantize_equal_cpu=tri_same, triton_dequantize_equal_cpu=deq_same)
+                extra.append(f"Triton quantize {'==' if tri_same else '!='} CPU, dequantize {'==' if deq_same else '!='} CPU")
+                same = same and tri_same and deq_same
+        except Exception as exc:  # noqa: BLE001
+            data["triton_error"] = f"{type(exc).__name__}: {exc}"
+            extra.append(f"Triton kernels failed: {type(exc).__name__}: {exc}")
+            same = False
+        data["device_consistent"] = same
+    else:
+        same = True
+    detail = (f"256x3072 Gaussian weight quantized on {dev}: {bad * 100:.3f}% of decoded values differ from the "
+              f"independent CPU reference; round-trip SQNR {snr_lib:.2f} dB (reference {snr_ref:.2f} dB)")
+    if extra:
+        detail += "; " + ", ".join(extra)
+    if bad > 1e-3 or not same or abs(snr_lib - snr_ref) > 0.5:
+        return CheckResult(name, FAIL, round(bad * 100, 4), "% mismatch", detail + ". NVFP4 weights would decode "
+                           "wrongly on this machine: set SEEDVR2BW_NVFP4_GEMM=reference and report the output", data=data)
+    return CheckResult(name, PASS, round(bad * 100, 4), "% mismatch", detail, data=data)
+
+
+@contextlib.contextmanager
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def build_linear(w: torch.Tensor, bias, path: str, device):
+    """An NVFP4Linear holding ``w`` quantized, running ``path``; returns (module, dequantized fp32 weight)."""
+    from ..nvfp4 import linear as lin_mod
+    cls = lin_mod.NVFP4Linear
+    mod = cls.from_float(w, bias, path=path)  # adapted to the library's constructor
+    mod = mod.to(device)
+    return mod, mod.dequantized_weight(torch.float32)
+
+
+def _expected_paths(policy) -> set:
+    """Paths this GPU's profile should support (the chain from the profile's starting path down)."""
+    from .. import hardware
+    starts = getattr(hardware, "_PROFILE_NVFP4_START", {})
+    start = starts.get(getattr(policy, "profile", ""), "reference")
+    return set(hardware.NVFP4_PATHS[hardware.NVFP4_PATHS.index(start):])
+
+
+def check_nvfp4_gemm(ctx) -> list[CheckResult]:
+    try:
+        from .. import hardware
+        from ..nvfp4.selftest import run_gemm_selftest
+    except Exception as exc:  # noqa: BLE001
+        return [CheckResult("NVFP4 GEMM paths", FAIL, None, "", f"optimization.nvfp4 failed to import: "
+                            f"{type(exc).__name__}: {exc}")]
+    policy = ctx.measured.get("policy") or hardware.get_policy(ctx.device)
+    expected = _expected_paths(policy)
+    paths = [p for p in hardware.NVFP4_PATHS if p != "reference"] if ctx.is_cuda else ["reference"]
+    out = []
+    if not ctx.is_cuda:
+        out.append(CheckResult("NVFP4 GEMM paths", SKIP, None, "", "no CUDA device: the FP4 tensor-core, FP8 speed and "
+                               "fidelity paths are skipped; only the reference path is checked on CPU"))
+    m, k, n = GEMM_SHAPE if ctx.is_cuda else CPU_GEMM_SHAPE
+    dev = ctx.device
+    dtype = torch.bfloat16 if ctx.is_cuda else torch.float32
+    gen = torch.Generator().manual_seed(3)
+    w_cpu = torch.randn(n, k, generator=gen) * k ** -0.5
+    x = torch.randn(m, k, generator=gen).to(dev, dtype)
+    bias = (torch.randn(n, generator=gen) * 0.1).to(dev, dtype)
+    bf16_ms = None
+    if ctx.is_cuda:
+        from .checks_compute import bf16_linear_ms
+        bf16_ms = bf16_linear_ms(ctx, (m, k, n))
+    for path in paths:
+        row = f"NVFP4 {PATH_LABEL[path]}"
+        unit = "x bf16" if ctx.is_cuda else "rel err"
+        try:
+            ok, why = run_gemm_selftest(path, dev)
+        except Exception as exc:  # noqa: BLE001
+            ok, why = False, f"self-test crashed: {type(exc).__name__}: {exc}"
+        if not ok:
+            if path in expected:
+                out.append(CheckResult(row, FAIL, None, unit, f"self-test failed on a GPU whose profile "
+                                       f"({policy.profile}) should run it: {why}. The policy falls back to the next "
+                                       f"path", data={"selftest": why}))
+            else:
+                out.append(CheckResult(row, SKIP, None, unit, f"not supported here ({policy.profile}): {why}",
+                                       data={"selftest": why}))
+            continue
+        try:
+            mod, w_deq = build_linear(w_cpu.to(dev), bias, path, dev)
+            with torch.no_grad():
+                y = mod(x)
+                if ctx.fault("nvfp4_wrong"):
+                    y = y.roll(1, dims=-1)
+                if ctx.is_cuda:
+                    with _no_tf32():
+                        want = torch.addmm(bias.float(), x.float(), w_deq.to(dev).float().t())
+                else:
+                    want = torch.addmm(bias.float(), x.float(), reference_roundtrip(w_cpu).t())
+        except Exception as exc:  # noqa: BLE001
+            out.append(CheckResult(row, FAIL, None, unit, f"passed its self-test but failed on the SeedVR2 shape "
+                                   f"{m}x{k}x{n}: {type(exc).__name__}: {exc}"))
+            continue
+        err = rel_err(y, want)
+        tol = PATH_TOLERANCE[path]
+        data = {"rel_err": err, "tolerance": tol, "shape_mkn": [m, k, n], "selftest": why,
+                "policy_path": policy.nvfp4_gemm}
+        if err > tol or err != err:
+            out.append(CheckResult(row, FAIL, round(err, 4), "rel err", f"wrong values: relative error {err:.3g} vs the "
+                                   f"exact product (tolerance {tol}) on {m}x{k}x{n}", data=data))
+            continue
+        if not ctx.is_cuda:
+            out.append(CheckResult(row, PASS, round(err, 6), "rel err", f"{m}x{k}x{n} on CPU: relative error {err:.2e} "
+                                   f"vs the independent reference (tolerance {tol})", data=data))
+            continue
+        with torch.no_grad():
+            ms = cuda_ms(lambda: mod(x), reps=5 if ctx.quick else 20, warmup=3)
+        speed = bf16_ms / ms
+        data.update(ms=ms, bf16_ms=bf16_ms, speedup_vs_bf16=speed, tflops=tflops(2 * m * k * n, ms))
+        detail = (f"{m}x{k}x{n}: {ms:.3f} ms vs bf16 {bf16_ms:.3f} ms = {speed:.2f}x bf16 "
+                  f"({tflops(2 * m * k * n, ms):.0f} TFLOP/s); relative error {err:.2e} (tolerance {tol})"
+                  + ("; the policy's choice" if path == policy.nvfp4_gemm else ""))
+        status = PASS
+        if path in ("fp4_tensorcore", "fp8_speed") and speed < 1.0:
+            status = WARN
+            detail += "; slower than bf16 although it is meant as the speed path"
+        out.append(CheckResult(row, status, round(speed, 3), "x bf16", detail, data=data))
+    return out
+
+
+CHECKS = (check_nvfp4_library, check_nvfp4_quantize, check_nvfp4_gemm)

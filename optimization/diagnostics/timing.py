@@ -1,0 +1,57 @@
+"""Small timing helpers: CUDA events around the work, median of several repetitions."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def cuda_ms(fn: Callable[[], object], reps: int = 5, warmup: int = 1, stream=None) -> float:
+    """Median GPU time of ``fn()`` in ms, measured with events on ``stream`` (default: the current one)."""
+    stream = stream or torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record()
+            fn()
+            end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def wall_ms(fn: Callable[[], object], reps: int = 5, warmup: int = 1, sync: bool = True) -> float:
+    """Median host wall time of ``fn()`` (with a device synchronize after it when ``sync``) in ms."""
+    for _ in range(warmup):
+        fn()
+        if sync and torch.cuda.is_available():
+            torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        if sync and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9 if ms > 0 else float("nan")
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12 if ms > 0 else float("nan")
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float(), want.float()
+    denom = want.norm().item()
+    return (got - want).norm().item() / denom if denom > 0 else float((got - want).norm().item())
