@@ -1,0 +1,329 @@
+"""NVFP4 and FP8 storage formats, exact on CPU (the reference every other path is checked against).
+
+NVFP4 = FP4 E2M1 elements (+-{0, 0.5, 1, 1.5, 2, 3, 4, 6}), one FP8 E4M3 scale per 16 consecutive
+elements along K (the last dimension), one FP32 per-tensor ("global") scale ``g = amax / (6 * 448)``.
+Decoded value: ``x = code_value * block_scale * g``.
+
+Storage conventions of this pack (the *internal* convention, identical to ComfyUI's checkpoint format):
+
+* **Nibble order ``hi_first``**: element ``2j`` of a row sits in the HIGH nibble (bits 4-7) of byte ``j``,
+  element ``2j+1`` in the low nibble. This is comfy-kitchen's default (``pack_uint4(hi_first=True)``) and
+  therefore what ComfyUI NVFP4 files hold. PyTorch's helpers, torchao and nvidia-modelopt use the opposite
+  (``lo_first``: element 2j in the low nibble). Conversion happens at the boundary only
+  (``checkpoint.py`` when reading a ModelOpt export, ``to_nibble_order``); a GEMM whose two operands use
+  the same order is correct either way because a swapped pair never straddles a 16-element block.
+  Example: the values (6, 0.5) are codes (7, 1) -> byte 0x71 hi_first, 0x17 lo_first.
+* **Padding**: rows and columns are zero-padded to multiples of 16 (ComfyUI's ``TensorCoreNVFP4Layout``
+  does the same), so ``packed`` is ``uint8 [roundup(N,16), roundup(K,16)/2]``.
+* **Block scales**: ``float8_e4m3fn``, stored swizzled in cuBLAS's 128x4 tile layout
+  ``[roundup(R,128), roundup(K/16,4)]`` (zero padded). Inside a 128x4 tile the scale of row ``32*i + j``
+  and column ``c`` sits at byte ``16*j + 4*i + c``; tiles are stored row-block-major.
+* **Global scale**: a 0-d float32 tensor.
+
+Two quantization recipes are provided, each bit-exact with its library on CPU:
+
+* ``recipe="comfy"`` (default): comfy-kitchen's eager ``quantize_nvfp4``: ``s = (amax/6)/g`` clamped to
+  <= 448 and rounded to E4M3; an all-zero block (or one whose scale underflows E4M3) is stored as zeros;
+  elements ``x / (g*s)`` clamped to +-6 and rounded to nearest even; the sign of -0.0 is kept.
+* ``recipe="modelopt"``: nvidia-modelopt's ``NVFP4QTensor.quantize``: ``s = amax/(6*g)``, zero scales set
+  to 1, clamped to ``[2^-9, 448]``; elements ``x / (s*g)``; -0.0 is stored as +0.
+
+Element rounding is round-to-nearest-even on the E2M1 grid, with saturation to +-6 (no Inf/NaN in E2M1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+F4_E2M1_MAX = 6.0
+F8_E4M3_MAX = 448.0
+BLOCK = 16
+NIBBLE_ORDER = "hi_first"          # the pack's internal order (ComfyUI / comfy-kitchen)
+NIBBLE_ORDERS = ("hi_first", "lo_first")
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_LUT_CACHE: dict = {}
+
+
+def roundup(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _lut(device, dtype=torch.float32) -> torch.Tensor:
+    key = (str(device), dtype)
+    t = _LUT_CACHE.get(key)
+    if t is None:
+        t = torch.tensor(E2M1_VALUES, dtype=torch.float32).to(device=device, dtype=dtype)
+        _LUT_CACHE[key] = t
+    return t
+
+
+# ----------------------------------------------------------------------------------------------------------
+# E2M1 element codes
+# ----------------------------------------------------------------------------------------------------------
+def e2m1_magnitude_code(a: torch.Tensor) -> torch.Tensor:
+    """|x| (float32, >= 0) -> 3-bit magnitude code, round-to-nearest-even, saturating at 6.
+
+    Midpoints and where their ties go (to the even code): 0.25->0, 0.75->2 (1.0), 1.25->2 (1.0),
+    1.75->4 (2.0), 2.5->4 (2.0), 3.5->6 (4.0), 5->6 (4.0).
+    """
+    c = (a > 0.25).to(torch.uint8)
+    c += (a >= 0.75)
+    c += (a > 1.25)
+    c += (a >= 1.75)
+    c += (a > 2.5)
+    c += (a >= 3.5)
+    c += (a > 5.0)
+    return c
+
+
+def encode_e2m1(x: torch.Tensor, negative_zero: bool = True) -> torch.Tensor:
+    """float32 (already divided by its scale) -> uint8 4-bit codes (sign bit 3). RNE, saturating.
+
+    ``negative_zero=True`` keeps the IEEE sign (so -0.0 and tiny negatives that round to 0 give code 8),
+    like comfy-kitchen; ``False`` takes the sign from ``x < 0`` (so -0.0 -> code 0), like ModelOpt.
+    """
+    x = x.float()
+    sign = torch.signbit(x) if negative_zero else (x < 0)
+    return e2m1_magnitude_code(x.abs()) | (sign.to(torch.uint8) << 3)
+
+
+def decode_e2m1(codes: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return _lut(codes.device, dtype)[codes.long()]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Nibble packing
+# ----------------------------------------------------------------------------------------------------------
+def pack_fp4(codes: torch.Tensor, nibble_order: str = NIBBLE_ORDER) -> torch.Tensor:
+    """uint8 codes [..., 2n] -> packed bytes [..., n]."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"last dimension must be even, got {tuple(codes.shape)}")
+    even, odd = codes[..., 0::2].to(torch.uint8), codes[..., 1::2].to(torch.uint8)
+    if nibble_order == "hi_first":
+        return (even << 4) | odd
+    if nibble_order == "lo_first":
+        return (odd << 4) | even
+    raise ValueError(f"nibble_order must be one of {NIBBLE_ORDERS}, got {nibble_order!r}")
+
+
+def unpack_fp4(packed: torch.Tensor, nibble_order: str = NIBBLE_ORDER) -> torch.Tensor:
+    """packed bytes [..., n] -> uint8 codes [..., 2n]."""
+    hi, lo = packed >> 4, packed & 0x0F
+    if nibble_order == "hi_first":
+        pair = (hi, lo)
+    elif nibble_order == "lo_first":
+        pair = (lo, hi)
+    else:
+        raise ValueError(f"nibble_order must be one of {NIBBLE_ORDERS}, got {nibble_order!r}")
+    return torch.stack(pair, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def swap_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """hi_first <-> lo_first without re-quantizing (0xAB -> 0xBA)."""
+    return ((packed << 4) | (packed >> 4)).to(torch.uint8)
+
+
+def to_nibble_order(packed: torch.Tensor, src: str, dst: str = NIBBLE_ORDER) -> torch.Tensor:
+    if src not in NIBBLE_ORDERS or dst not in NIBBLE_ORDERS:
+        raise ValueError(f"nibble orders must be in {NIBBLE_ORDERS}: {src!r}, {dst!r}")
+    return packed if src == dst else swap_nibbles(packed)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 128x4 block-scale swizzle (cuBLAS "1D block scaling factors layout")
+# ----------------------------------------------------------------------------------------------------------
+def swizzled_scale_shape(rows: int, blocks: int) -> tuple[int, int]:
+    return roundup(rows, 128), roundup(blocks, 4)
+
+
+def swizzle_block_scales(scales: torch.Tensor) -> torch.Tensor:
+    """[R, C] -> [roundup(R,128), roundup(C,4)] in the 128x4 tile layout (zero padded)."""
+    rows, cols = scales.shape
+    pr, pc = swizzled_scale_shape(rows, cols)
+    padded = scales
+    if (pr, pc) != (rows, cols):
+        padded = torch.zeros((pr, pc), dtype=scales.dtype, device=scales.device)
+        padded[:rows, :cols] = scales
+    nrb, ncb = pr // 128, pc // 4
+    t = padded.view(nrb, 4, 32, ncb, 4)          # row = 32*i + j  ->  (rb, i, j, cb, c)
+    t = t.permute(0, 3, 2, 1, 4)                 # (rb, cb, j, i, c): byte 16*j + 4*i + c inside a tile
+    return t.reshape(pr, pc).contiguous()
+
+
+def unswizzle_block_scales(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of ``swizzle_block_scales``, cropped to [rows, cols]."""
+    pr, pc = swizzled_scale_shape(rows, cols)
+    if swizzled.numel() != pr * pc:
+        raise ValueError(f"swizzled scales have {swizzled.numel()} elements, expected {pr}x{pc}")
+    nrb, ncb = pr // 128, pc // 4
+    t = swizzled.reshape(nrb, ncb, 32, 4, 4)     # (rb, cb, j, i, c)
+    t = t.permute(0, 3, 2, 1, 4)                 # (rb, i, j, cb, c)
+    return t.reshape(pr, pc)[:rows, :cols].contiguous()
+
+
+def swizzled_scale_index(row: torch.Tensor, col: torch.Tensor, n_col_blocks4: int) -> torch.Tensor:
+    """Flat byte offset of scale (row, col) in the swizzled layout (n_col_blocks4 = roundup(C,4)//4)."""
+    return ((row // 128) * n_col_blocks4 + col // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4 + col % 4
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Quantize / dequantize
+# ----------------------------------------------------------------------------------------------------------
+def global_scale_for(x: torch.Tensor) -> torch.Tensor:
+    """``amax(|x|) / (6 * 448)`` in float32 (1.0 for an all-zero tensor, so nothing divides by zero)."""
+    amax = x.detach().abs().amax().float()
+    g = amax / (F4_E2M1_MAX * F8_E4M3_MAX)
+    return torch.where(g > 0, g, torch.ones_like(g))
+
+
+@dataclass
+class NVFP4Tensor:
+    """A quantized 2-D tensor in the pack's internal convention (see the module docstring)."""
+    packed: torch.Tensor        # uint8 [roundup(R,16), roundup(K,16)//2], hi_first
+    block_scale: torch.Tensor   # float8_e4m3fn [roundup(R,128), roundup(roundup(K,16)//16, 4)], swizzled
+    global_scale: torch.Tensor  # float32, 0-d
+    shape: tuple[int, int]      # logical (R, K)
+
+    @property
+    def padded_shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.block_scale, self.global_scale))
+
+    def to(self, device) -> "NVFP4Tensor":
+        return NVFP4Tensor(self.packed.to(device), self.block_scale.to(device), self.global_scale.to(device),
+                           self.shape)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        return dequantize_nvfp4(self.packed, self.block_scale, self.global_scale, dtype=dtype, shape=self.shape)
+
+
+def block_scales_nvfp4(xb: torch.Tensor, g: torch.Tensor, recipe: str = "comfy") -> torch.Tensor:
+    """Per-block E4M3 scales for x viewed as [..., nblocks, 16]."""
+    amax = xb.abs().amax(dim=-1).float()
+    if recipe == "comfy":
+        s = (amax / F4_E2M1_MAX) / g
+        s = torch.clamp(s, max=F8_E4M3_MAX)
+        return s.to(torch.float8_e4m3fn)
+    if recipe == "modelopt":
+        s = amax / (F4_E2M1_MAX * g)
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        return s.clamp(min=2.0 ** -9, max=F8_E4M3_MAX).to(torch.float8_e4m3fn)
+    raise ValueError(f"recipe must be 'comfy' or 'modelopt', got {recipe!r}")
+
+
+def quantize_nvfp4_codes(x: torch.Tensor, g: torch.Tensor, recipe: str = "comfy"):
+    """x [R, K] (K % 16 == 0) -> (codes uint8 [R, K], scales e4m3 [R, K/16]) without packing/swizzling."""
+    rows, cols = x.shape
+    xb = x.reshape(rows, cols // BLOCK, BLOCK)
+    s8 = block_scales_nvfp4(xb, g, recipe)
+    sf = s8.float()
+    if recipe == "comfy":
+        total = g * sf
+        zero = total == 0
+        safe = torch.where(zero, torch.ones_like(total), total)
+        d = xb.float() / safe.unsqueeze(-1)
+        d = torch.where(zero.unsqueeze(-1), torch.zeros_like(d), d)
+        d = torch.clamp(d, -F4_E2M1_MAX, F4_E2M1_MAX)
+        codes = encode_e2m1(d, negative_zero=True)
+    else:
+        d = xb.float() / (sf * g).unsqueeze(-1)
+        codes = encode_e2m1(d, negative_zero=False)
+    return codes.reshape(rows, cols), s8
+
+
+def quantize_nvfp4(w: torch.Tensor, global_scale: torch.Tensor | float | None = None, *, recipe: str = "comfy",
+                   nibble_order: str = NIBBLE_ORDER, swizzle: bool = True, pad_rows: int = 16,
+                   return_tensor: bool = False):
+    """Quantize a 2-D tensor to NVFP4.
+
+    Returns ``(packed uint8 [Rp, Kp/2], block_scale e4m3, global_scale fp32 0-d)`` where ``Rp``/``Kp`` are R/K
+    rounded up to ``pad_rows``/16 and the block scales are swizzled ``[roundup(Rp,128), roundup(Kp/16,4)]``
+    (or flat ``[Rp, Kp/16]`` with ``swizzle=False``). ``return_tensor=True`` gives an ``NVFP4Tensor``.
+    Works on any device with plain torch ops (the CPU result is the reference).
+    """
+    if w.dim() != 2:
+        raise ValueError(f"NVFP4 quantizes 2-D tensors, got shape {tuple(w.shape)}")
+    rows, cols = w.shape
+    if global_scale is None:
+        g = global_scale_for(w)
+    else:
+        g = torch.as_tensor(global_scale, dtype=torch.float32).to(w.device).reshape(())
+    pr, pc = roundup(rows, max(pad_rows, 1)), roundup(cols, BLOCK)
+    x = w
+    if (pr, pc) != (rows, cols):
+        x = torch.nn.functional.pad(w, (0, pc - cols, 0, pr - rows))
+    codes, s8 = quantize_nvfp4_codes(x, g, recipe)
+    packed = pack_fp4(codes, nibble_order)
+    scales = swizzle_block_scales(s8) if swizzle else s8
+    if return_tensor:
+        if not swizzle or nibble_order != NIBBLE_ORDER:
+            raise ValueError("NVFP4Tensor holds the internal convention (swizzled, hi_first)")
+        return NVFP4Tensor(packed, scales, g, (rows, cols))
+    return packed, scales, g
+
+
+def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+                     dtype=torch.float32, shape: tuple[int, int] | None = None,
+                     nibble_order: str = NIBBLE_ORDER, swizzled: bool = True) -> torch.Tensor:
+    """NVFP4 -> ``dtype``: ``code_value * (global_scale * block_scale)`` in float32, then one cast.
+
+    For ``dtype=float32`` this is bit-identical to comfy-kitchen's eager ``dequantize_nvfp4``.
+    ``shape`` crops the padding away (default: the padded shape).
+    """
+    rows, half = packed.shape
+    cols = half * 2
+    nb = cols // BLOCK
+    codes = unpack_fp4(packed, nibble_order)
+    vals = decode_e2m1(codes).reshape(rows, nb, BLOCK)
+    s = unswizzle_block_scales(block_scale, rows, nb) if swizzled else block_scale.reshape(rows, nb)
+    total = global_scale.float().to(packed.device) * s.float()
+    out = (vals * total.unsqueeze(-1)).reshape(rows, cols)
+    if shape is not None:
+        out = out[: shape[0], : shape[1]]
+    return out.to(dtype)
+
+
+def nvfp4_storage_bytes(rows: int, cols: int) -> int:
+    """Bytes of one NVFP4 weight in this pack's layout (packed + swizzled scales + global scale)."""
+    pr, pc = roundup(rows, 16), roundup(cols, 16)
+    sr, sc = swizzled_scale_shape(pr, pc // BLOCK)
+    return pr * pc // 2 + sr * sc + 4
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FP8 helpers (FP8 storage linear, NVFP4 -> FP8 conversion for the sm_89/sm_90 speed path)
+# ----------------------------------------------------------------------------------------------------------
+def quantize_fp8_rowwise(w: torch.Tensor, dtype=torch.float8_e4m3fn):
+    """Per-row (per-output-channel) scale = amax_row / 448; returns (fp8 [R, K], scale fp32 [R])."""
+    fmax = torch.finfo(dtype).max
+    amax = w.detach().abs().amax(dim=1).float()
+    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+    q = (w.float() / scale.unsqueeze(1)).clamp(-fmax, fmax).to(dtype)
+    return q, scale
+
+
+def quantize_fp8_per_tensor(w: torch.Tensor, dtype=torch.float8_e4m3fn):
+    """Per-tensor scale = amax / 448 (ComfyUI's ``weight_scale`` convention: w ~= q * scale)."""
+    fmax = torch.finfo(dtype).max
+    amax = w.detach().abs().amax().float()
+    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+    q = (w.float() / scale).clamp(-fmax, fmax).to(dtype)
+    return q, scale
+
+
+def nvfp4_to_fp8_rowwise(t: NVFP4Tensor, dtype=torch.float8_e4m3fn):
+    """Convert an NVFP4 weight once to FP8 E4M3 with per-output-channel scales (cropped to its logical shape)."""
+    return quantize_fp8_rowwise(t.dequantize(torch.float32), dtype)
+
+
+def quantize_act_fp8_rowwise_reference(x: torch.Tensor, dtype=torch.float8_e4m3fn):
+    """Per-token activation FP8 quantization; the Triton kernel reproduces this bit for bit."""
+    fmax = torch.finfo(dtype).max
+    amax = x.abs().amax(dim=-1).float()
+    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+    q = (x.float() / scale.unsqueeze(-1)).clamp(-fmax, fmax).to(dtype)
+    return q, scale

@@ -1,0 +1,282 @@
+"""Triton kernels for the NVFP4 / FP8 linear paths (optional: ``HAS_TRITON`` says whether they exist).
+
+* ``quantize_act_nvfp4``: activations -> NVFP4 (packed hi_first + E4M3 block scales written directly in the
+  swizzled 128x4 layout) in one pass, given a global scale on the device. Bit-exact with
+  ``format.quantize_nvfp4(recipe="comfy")``. Used by the sm_100/sm_120 FP4 tensor-core path.
+* ``quantize_act_fp8_rowwise``: per-token FP8 E4M3 quantization (amax, scale, cast) in one kernel.
+  Bit-exact with ``format.quantize_act_fp8_rowwise_reference``. Used by the sm_89/sm_90 speed path.
+* ``dequantize_nvfp4_triton``: NVFP4 -> bf16/fp16/fp32 weight, bit-exact with ``format.dequantize_nvfp4``.
+* ``w4a16_linear``: fused NVFP4-weight x bf16-activation GEMM (weights decoded in registers; fp32
+  accumulation; global scale and bias in the epilogue). Used by the fidelity path for small M.
+
+All divisions use ``div_rn`` (IEEE round-to-nearest) so results match the CPU reference bit for bit.
+None of these kernels uses FP4 instructions, so they run (and are tested) on any GPU Triton supports.
+"""
+from __future__ import annotations
+
+import torch
+
+from .format import F8_E4M3_MAX, roundup
+
+try:  # pragma: no cover - exercised on GPU machines
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except Exception:  # noqa: BLE001
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+MAX_ELEMENTS_PER_CALL = 2 ** 31 - 2 ** 20   # stay clear of 32-bit index overflow inside one launch
+
+
+import os
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # lets the CPU run the kernels (tests only)
+
+
+def triton_usable(t: torch.Tensor) -> bool:
+    return HAS_TRITON and (t.is_cuda or _INTERPRET)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _e2m1_code(d):
+        """float32 (already scaled, any range) -> 4-bit code, RNE, saturating; sign from the IEEE sign bit."""
+        a = tl.abs(d)
+        c = (a > 0.25).to(tl.int32)
+        c += (a >= 0.75).to(tl.int32)
+        c += (a > 1.25).to(tl.int32)
+        c += (a >= 1.75).to(tl.int32)
+        c += (a > 2.5).to(tl.int32)
+        c += (a >= 3.5).to(tl.int32)
+        c += (a > 5.0).to(tl.int32)
+        neg = (d.to(tl.int32, bitcast=True) >> 31) & 1
+        return c | (neg << 3)
+
+    @triton.jit
+    def _e2m1_value(code):
+        """4-bit code (int32) -> float32 value."""
+        mag = code & 7
+        e = mag >> 1
+        m = mag & 1
+        normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)
+        val = tl.where(mag < 2, mag.to(tl.float32) * 0.5, normal)
+        return tl.where((code & 8) != 0, -val, val)
+
+    @triton.jit
+    def _swz_offset(row, col, NCB4):
+        return ((row // 128) * NCB4 + col // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4 + col % 4
+
+    @triton.jit
+    def _act_nvfp4_kernel(x_ptr, q_ptr, s_ptr, g_ptr, M, K, stride_xm, row0, NCB4,
+                          BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_b = tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_b * BLOCK_B * 16 + tl.arange(0, BLOCK_B * 16)
+        rmask = rows < M
+        cmask = cols < K
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :],
+                    mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        g = tl.load(g_ptr)
+        xb = tl.reshape(x, (BLOCK_M, BLOCK_B, 16))
+        amax = tl.max(tl.abs(xb), axis=2)
+        s = tl.math.div_rn(tl.math.div_rn(amax, 6.0), g)
+        s = tl.minimum(s, 448.0)
+        s8 = s.to(tl.float8e4nv)
+        total = g * s8.to(tl.float32)
+        zero = total == 0.0
+        safe = tl.where(zero, 1.0, total)
+        d = tl.math.div_rn(xb, safe[:, :, None])
+        d = tl.where(zero[:, :, None], 0.0, d)
+        d = tl.minimum(tl.maximum(d, -6.0), 6.0)
+        codes = _e2m1_code(d)
+        codes = tl.reshape(codes, (BLOCK_M, BLOCK_B * 8, 2))
+        even, odd = tl.split(codes)
+        byte = ((even << 4) | odd).to(tl.uint8)
+        pcols = pid_b * BLOCK_B * 8 + tl.arange(0, BLOCK_B * 8)
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * (K // 2) + pcols[None, :], byte,
+                 mask=rmask[:, None] & (pcols[None, :] < K // 2))
+        bcols = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+        grow = rows + row0
+        off = _swz_offset(grow[:, None].to(tl.int64), bcols[None, :], NCB4)
+        tl.store(s_ptr + off, s8, mask=rmask[:, None] & (bcols[None, :] < K // 16))
+
+    @triton.jit
+    def _act_fp8_row_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_K)
+        mask = cols < K
+        x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=0)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+        q = tl.math.div_rn(x, scale)
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        tl.store(q_ptr + row * K + cols, q.to(tl.float8e4nv), mask=mask)
+        tl.store(s_ptr + row, scale)
+
+    @triton.jit
+    def _dequant_kernel(p_ptr, s_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        pcols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (rows[:, None] < R) & (pcols[None, :] < HALF)
+        p = tl.load(p_ptr + rows[:, None].to(tl.int64) * HALF + pcols[None, :], mask=mask, other=0).to(tl.int32)
+        g = tl.load(g_ptr)
+        blk = (pcols * 2) // 16
+        soff = _swz_offset(rows[:, None].to(tl.int64), blk[None, :], NCB4)
+        s = tl.load(s_ptr + soff, mask=mask, other=0.0).to(tl.float32)
+        total = g * s
+        hi = _e2m1_value(p >> 4) * total
+        lo = _e2m1_value(p & 15) * total
+        vals = tl.reshape(tl.join(hi, lo), (BLOCK_R, BLOCK_C * 2))
+        ocols = pid_c * BLOCK_C * 2 + tl.arange(0, BLOCK_C * 2)
+        omask = (rows[:, None] < N_OUT) & (ocols[None, :] < K_OUT)
+        tl.store(o_ptr + rows[:, None].to(tl.int64) * K_OUT + ocols[None, :], vals.to(o_ptr.dtype.element_ty),
+                 mask=omask)
+
+    def _w4a16_configs():
+        out = []
+        for bm, bn, bk, w, st in ((16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 3),
+                                  (64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3),
+                                  (64, 256, 64, 8, 3), (128, 256, 64, 8, 3)):
+            out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st))
+        return out
+
+    @triton.jit
+    def _w4a16_kernel_raw(x_ptr, p_ptr, s_ptr, g_ptr, b_ptr, o_ptr, M, N, K, M_BUCKET, stride_xm, NCB4,
+                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m = tl.program_id(1)
+        pid_n = tl.program_id(0)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        rkp = tl.arange(0, BLOCK_K // 2)
+        rkb = tl.arange(0, BLOCK_K // 16)
+        HALF = K // 2
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+        p_ptrs = p_ptr + rn[:, None].to(tl.int64) * HALF + rkp[None, :]
+        for k0 in range(0, K, BLOCK_K):
+            kmask = (k0 + rk) < K
+            x = tl.load(x_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
+            pmask = (rn[:, None] < N) & ((k0 // 2 + rkp)[None, :] < HALF)
+            p = tl.load(p_ptrs, mask=pmask, other=0).to(tl.int32)
+            soff = _swz_offset(rn[:, None].to(tl.int64), (k0 // 16 + rkb)[None, :], NCB4)
+            s = tl.load(s_ptr + soff, mask=(rn[:, None] < N) & ((k0 // 16 + rkb)[None, :] < K // 16),
+                        other=0.0).to(tl.float32)
+            hi = _e2m1_value(p >> 4)
+            lo = _e2m1_value(p & 15)
+            w = tl.reshape(tl.join(hi, lo), (BLOCK_N, BLOCK_K // 16, 16))
+            w = tl.reshape(w * s[:, :, None], (BLOCK_N, BLOCK_K)).to(x.dtype)
+            acc = tl.dot(x, tl.trans(w), acc)
+            x_ptrs += BLOCK_K
+            p_ptrs += BLOCK_K // 2
+        g = tl.load(g_ptr)
+        acc = acc * g
+        if HAS_BIAS:
+            b = tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+            acc = acc + b[None, :]
+        tl.store(o_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(o_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    _w4a16_kernel = triton.autotune(configs=_w4a16_configs(), key=["M_BUCKET", "N", "K"])(_w4a16_kernel_raw)
+
+
+def _check_triton(t: torch.Tensor):
+    if not HAS_TRITON:
+        raise RuntimeError("Triton is not installed")
+    if not (t.is_cuda or _INTERPRET):
+        raise RuntimeError("Triton kernels need a CUDA tensor")
+
+
+def quantize_act_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, chunk_rows: int | None = None):
+    """x [M, K] (K % 16 == 0) -> (packed uint8 [M, K/2] hi_first, swizzled e4m3 scales
+    [roundup(M,128), roundup(K/16,4)]). Large inputs are processed in row chunks (multiples of 128) so no
+    launch indexes more than ``MAX_ELEMENTS_PER_CALL`` elements; the global scale is the whole tensor's."""
+    _check_triton(x)
+    M, K = x.shape
+    if K % 16:
+        raise ValueError(f"K={K} is not a multiple of 16")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    nb = K // 16
+    sr, sc = roundup(M, 128), roundup(nb, 4)
+    q = torch.empty((M, K // 2), dtype=torch.uint8, device=x.device)
+    pad = (sr != M) or (sc != nb)
+    s = (torch.zeros if pad else torch.empty)((sr, sc), dtype=torch.float8_e4m3fn, device=x.device)
+    g = global_scale.to(device=x.device, dtype=torch.float32).reshape(1)
+    if chunk_rows is None:
+        chunk_rows = max(128, (MAX_ELEMENTS_PER_CALL // max(K, 1)) // 128 * 128)
+    BLOCK_M, BLOCK_B = 32, 8
+    for r0 in range(0, M, chunk_rows):
+        mc = min(chunk_rows, M - r0)
+        grid = (triton.cdiv(mc, BLOCK_M), triton.cdiv(nb, BLOCK_B))
+        _act_nvfp4_kernel[grid](x[r0:r0 + mc], q[r0:r0 + mc], s, g, mc, K, x.stride(0), r0, sc // 4,
+                                BLOCK_M=BLOCK_M, BLOCK_B=BLOCK_B, num_warps=4)
+    return q, s
+
+
+def quantize_act_fp8_rowwise(x: torch.Tensor):
+    """x [M, K] -> (fp8 e4m3 [M, K], scale fp32 [M]) with scale = amax_row / 448."""
+    _check_triton(x)
+    M, K = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M == 0:
+        return q, s
+    BLOCK_K = triton.next_power_of_2(K)
+    warps = 4 if BLOCK_K <= 2048 else (8 if BLOCK_K <= 8192 else 16)
+    _act_fp8_row_kernel[(M,)](x, q, s, K, x.stride(0), BLOCK_K=BLOCK_K, num_warps=warps)
+    return q, s
+
+
+def dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype=torch.bfloat16, out=None):
+    """NVFP4 (internal convention) -> ``dtype`` [shape], bit-exact with ``format.dequantize_nvfp4``."""
+    _check_triton(packed)
+    R, HALF = packed.shape
+    n, k = shape
+    if out is None:
+        out = torch.empty((n, k), dtype=dtype, device=packed.device)
+    sc = block_scale.shape[1]
+    g = global_scale.to(device=packed.device, dtype=torch.float32).reshape(1)
+    BLOCK_R, BLOCK_C = 32, 64
+    grid = (triton.cdiv(n, BLOCK_R), triton.cdiv(min(HALF, (k + 1) // 2), BLOCK_C))
+    _dequant_kernel[grid](packed, block_scale, g, out, R, HALF, n, k, sc // 4,
+                          BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4)
+    return out
+
+
+def _m_bucket(m: int) -> int:
+    for b in (16, 32, 64, 128, 256, 512, 1024):
+        if m <= b:
+            return b
+    return 2048
+
+
+def w4a16_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=None):
+    """y[M, n] = x[M, Kp] @ dequant(W)^T (+ bias). x must already be padded to the weight's padded K."""
+    _check_triton(x)
+    M, K = x.shape
+    if packed.shape[1] * 2 != K:
+        raise ValueError(f"activation K={K} does not match the packed weight's K={packed.shape[1] * 2}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((M, n), dtype=x.dtype, device=x.device)
+    g = global_scale.to(device=x.device, dtype=torch.float32).reshape(1)
+    sc = block_scale.shape[1]
+    args = (x, packed, block_scale, g, bias if bias is not None else x, out, M, n, K, _m_bucket(M), x.stride(0),
+            sc // 4)
+    if _INTERPRET:
+        grid = (triton.cdiv(n, 32), triton.cdiv(M, 16))
+        _w4a16_kernel_raw[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)
+    else:
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(M, meta["BLOCK_M"]))  # noqa: E731
+        _w4a16_kernel[grid](*args, HAS_BIAS=bias is not None)
+    return out

@@ -1,0 +1,542 @@
+"""Quantized linear modules with one interface, and the functions that put them into a model.
+
+``NVFP4Linear`` holds an NVFP4 weight (ComfyUI's layout, see ``format.py``) and runs it on one of four paths:
+
+* ``fp4_tensorcore`` (sm_100 / sm_120): activations quantized to NVFP4 by one Triton kernel (rows chunked),
+  real FP4 GEMM through ``torch.nn.functional.scaled_mm`` (two-level NVFP4 recipe, global scales as
+  cuBLASLt alpha) or, on torch without it, ``torch._scaled_mm`` with single-level scales and the global
+  scales applied after; bias added after. The weight is stored swizzled once at load.
+* ``fp8_speed`` (sm_89 / sm_90): the NVFP4 weight converted once (per device) to FP8 E4M3 with per-output-
+  channel scales; activations quantized per token by a Triton kernel; ``torch._scaled_mm`` row-wise.
+* ``fidelity``: NVFP4 -> bf16 and a bf16 GEMM (Triton dequant kernel + cuBLAS), or for small M the fused
+  Triton W4A16 kernel that decodes the weight in registers.
+* ``reference``: exact dequantize (fp32) + fp32 matmul. The oracle for every test, and the CPU path.
+
+``path="auto"`` asks the hardware policy (``optimization.hardware.get_policy(device).nvfp4_gemm``) once per
+device; any explicit path overrides it. ``expected_output`` computes on the CPU, exactly, what a path should
+return (same quantizers, exact arithmetic) so that each path can be checked against its own emulation.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Callable, Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from . import format as fmt
+from . import kernels as K
+from .checkpoint import detect_layer_format, load_fp8_layer, load_nvfp4_layer
+from .format import NVFP4Tensor
+
+log = logging.getLogger(__name__)
+
+PATHS = ("fp4_tensorcore", "fp8_speed", "fidelity", "reference")
+SMALL_M = 256                # fidelity path: fused W4A16 kernel at or below this many rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# path resolution
+# ----------------------------------------------------------------------------------------------------------
+def _policy_path(device: torch.device) -> str:
+    try:
+        from ..hardware import get_policy
+        return get_policy(device).nvfp4_gemm
+    except Exception as exc:  # noqa: BLE001 - policy module missing or failing: decide from the capability
+        log.debug("hardware policy unavailable (%s); deciding the NVFP4 path from the device", exc)
+    if device.type != "cuda":
+        return "reference"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major in (10, 12):
+        return "fp4_tensorcore"
+    if (major, minor) >= (8, 9):
+        return "fp8_speed"
+    return "fidelity"
+
+
+def resolve_path(path: str | None, device) -> str:
+    device = torch.device(device)
+    if path in (None, "auto"):
+        path = _policy_path(device)
+    if path not in PATHS:
+        raise ValueError(f"NVFP4 path must be one of {PATHS} or 'auto', got {path!r}")
+    if device.type != "cuda" and path != "reference":
+        return "reference"
+    return path
+
+
+def fp4_gemm_supported(device) -> tuple[bool, str]:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, "not a CUDA device"
+    cap = torch.cuda.get_device_capability(device)
+    if cap[0] not in (10, 12):
+        return False, f"sm_{cap[0]}{cap[1]} has no FP4 tensor cores (needs sm_100/sm_120)"
+    if not hasattr(torch, "float4_e2m1fn_x2"):
+        return False, "this torch has no float4_e2m1fn_x2"
+    return True, "ok"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FP4 GEMM operands (checked bit-exactly on CPU) and the call
+# ----------------------------------------------------------------------------------------------------------
+def activation_global_scale(x: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
+    if input_scale is not None:
+        return input_scale.to(device=x.device, dtype=torch.float32).reshape(())
+    return fmt.global_scale_for(x)
+
+
+def quantize_activation_nvfp4(x2: torch.Tensor, g: torch.Tensor):
+    """[M, Kp] -> (packed uint8 [M, Kp/2] hi_first, swizzled e4m3 [roundup(M,128), roundup(Kp/16,4)])."""
+    if K.triton_usable(x2):
+        return K.quantize_act_nvfp4(x2, g)
+    packed, scales, _ = fmt.quantize_nvfp4(x2, g, pad_rows=1)
+    return packed, scales
+
+
+def fp4_gemm_operands(x2: torch.Tensor, weight: NVFP4Tensor, input_scale: torch.Tensor | None = None) -> dict:
+    """Every tensor the FP4 GEMM receives. ``x2`` must be [M, Kp] (padded like the weight)."""
+    g_a = activation_global_scale(x2, input_scale)
+    a, sa = quantize_activation_nvfp4(x2, g_a)
+    return {"a": a, "scale_a": sa, "global_a": g_a, "b": weight.packed, "scale_b": weight.block_scale,
+            "global_b": weight.global_scale.to(x2.device)}
+
+
+def fp4_gemm(ops: dict, out_dtype=torch.bfloat16, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """out[M, Np] = dequant(a) @ dequant(b)^T on FP4 tensor cores (sm_100 / sm_120 only)."""
+    fp4 = torch.float4_e2m1fn_x2
+    a = ops["a"].view(fp4)
+    b = ops["b"].view(fp4).t()
+    if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
+        ST, SW = F.ScalingType, F.SwizzleType
+        out = F.scaled_mm(a, b,
+                          scale_a=[ops["scale_a"].reshape(-1), ops["global_a"].reshape(())],
+                          scale_recipe_a=[ST.BlockWise1x16, ST.TensorWise],
+                          scale_b=[ops["scale_b"].reshape(-1), ops["global_b"].reshape(())],
+                          scale_recipe_b=[ST.BlockWise1x16, ST.TensorWise],
+                          swizzle_a=[SW.SWIZZLE_32_4_4, SW.NO_SWIZZLE],
+                          swizzle_b=[SW.SWIZZLE_32_4_4, SW.NO_SWIZZLE],
+                          output_dtype=out_dtype)
+    else:
+        out = torch._scaled_mm(a, b, scale_a=ops["scale_a"].reshape(-1), scale_b=ops["scale_b"].reshape(-1),
+                               out_dtype=out_dtype)
+        out = out * (ops["global_a"] * ops["global_b"]).to(out_dtype)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# modules
+# ----------------------------------------------------------------------------------------------------------
+class _QuantLinearBase(torch.nn.Module):
+    in_features: int
+    out_features: int
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class NVFP4Linear(_QuantLinearBase):
+    """nn.Linear replacement holding an NVFP4 weight. Buffers use ComfyUI's key names, so ``state_dict()``
+    yields a ComfyUI NVFP4 layer (``weight``, ``weight_scale``, ``weight_scale_2``, [``input_scale``],
+    ``comfy_quant``)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 dtype=torch.bfloat16, path: str = "auto", fp8_fast_accum: bool = True):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        pr, pc = fmt.roundup(out_features, 16), fmt.roundup(in_features, 16)
+        sr, sc = fmt.swizzled_scale_shape(pr, pc // 16)
+        self.register_buffer("weight", torch.zeros((pr, pc // 2), dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale", torch.zeros((sr, sc), dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer("weight_scale_2", torch.ones((), dtype=torch.float32, device=device))
+        self.register_buffer("input_scale", None)
+        self.register_buffer("pre_quant_scale", None)
+        self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
+                                       requires_grad=False) if bias else None
+        self.path = path
+        self.fp8_fast_accum = fp8_fast_accum
+        self._derived: dict = {}
+
+    # -- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def from_nvfp4(cls, t: NVFP4Tensor, bias=None, input_scale=None, path="auto", dtype=torch.bfloat16,
+                   pre_quant_scale=None):
+        n, k = t.shape
+        m = cls(k, n, bias=bias is not None, device="meta", dtype=dtype, path=path)
+        m.weight = t.packed
+        m.weight_scale = t.block_scale
+        m.weight_scale_2 = t.global_scale.float().reshape(())
+        if bias is not None:
+            m.bias = torch.nn.Parameter(bias.detach().to(dtype).to(t.packed.device), requires_grad=False)
+        if input_scale is not None:
+            m.register_buffer("input_scale", input_scale.float().reshape(()).to(t.packed.device))
+        if pre_quant_scale is not None:
+            m.register_buffer("pre_quant_scale", pre_quant_scale.to(t.packed.device))
+        return m
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, path="auto", recipe="comfy", input_scale=None, dtype=None):
+        w = linear.weight.detach()
+        t = fmt.quantize_nvfp4(w.float() if w.dtype not in (torch.float32, torch.bfloat16, torch.float16) else w,
+                               recipe=recipe, return_tensor=True)
+        return cls.from_nvfp4(t, bias=linear.bias, input_scale=input_scale, path=path,
+                              dtype=dtype or (linear.bias.dtype if linear.bias is not None else torch.bfloat16))
+
+    @property
+    def nvfp4(self) -> NVFP4Tensor:
+        return NVFP4Tensor(self.weight, self.weight_scale, self.weight_scale_2, (self.out_features, self.in_features))
+
+    def dequantize_weight(self, dtype=torch.float32) -> torch.Tensor:
+        if dtype != torch.float32 and K.triton_usable(self.weight):
+            return K.dequantize_nvfp4_triton(self.weight, self.weight_scale, self.weight_scale_2,
+                                             (self.out_features, self.in_features), dtype=dtype)
+        return self.nvfp4.dequantize(dtype)
+
+    def weight_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.weight_scale, self.weight_scale_2))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        from .checkpoint import comfy_quant_tensor
+        destination[prefix + "comfy_quant"] = comfy_quant_tensor({"format": "nvfp4", "nibble_order": fmt.NIBBLE_ORDER})
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        state_dict.pop(prefix + "comfy_quant", None)
+        for name in ("input_scale", "pre_quant_scale"):
+            v = state_dict.pop(prefix + name, None)
+            if v is not None:
+                self.register_buffer(name, v.float().reshape(()) if v.numel() == 1 else v)
+        self._derived.clear()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _apply(self, fn, recurse=True):
+        self._derived.clear()
+        return super()._apply(fn, recurse)
+
+    # -- forward --------------------------------------------------------------------------------------------
+    def effective_path(self, device) -> str:
+        path = resolve_path(self.path, device)
+        if path == "fp4_tensorcore" and not fp4_gemm_supported(device)[0]:
+            path = "fp8_speed"
+        if path == "fp8_speed" and (self.in_features % 16 or self.out_features % 16):
+            path = "fidelity"
+        return path
+
+    def _padded_input(self, x2):
+        kp = self.weight.shape[1] * 2
+        if x2.shape[1] != kp:
+            x2 = F.pad(x2, (0, kp - x2.shape[1]))
+        return x2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.pre_quant_scale is not None:
+            x2 = x2 * self.pre_quant_scale.to(x2.dtype)
+        path = self.effective_path(x.device)
+        y = getattr(self, "_forward_" + path)(x2)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _forward_reference(self, x2):
+        w = self.nvfp4.dequantize(torch.float32)
+        b = self.bias.float() if self.bias is not None else None
+        return F.linear(x2.float(), w, b).to(x2.dtype)
+
+    def _forward_fidelity(self, x2):
+        dtype = x2.dtype if x2.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        if x2.shape[0] <= SMALL_M and K.triton_usable(x2) and x2.dtype in (torch.bfloat16, torch.float16):
+            xp = self._padded_input(x2)
+            b = self.bias.to(dtype) if self.bias is not None else None
+            return K.w4a16_linear(xp, self.weight, self.weight_scale, self.weight_scale_2, self.out_features, bias=b)
+        w = self.dequantize_weight(dtype)
+        b = self.bias.to(dtype) if self.bias is not None else None
+        return F.linear(x2.to(dtype), w, b).to(x2.dtype)
+
+    def _fp8_weight(self, device):
+        key = ("fp8", str(device))
+        if key not in self._derived:
+            w = self.dequantize_weight(torch.float32)
+            self._derived[key] = fmt.quantize_fp8_rowwise(w)
+        return self._derived[key]
+
+    def _forward_fp8_speed(self, x2):
+        w8, sw = self._fp8_weight(x2.device)
+        if K.triton_usable(x2):
+            xq, sx = K.quantize_act_fp8_rowwise(x2)
+        else:
+            xq, sx = fmt.quantize_act_fp8_rowwise_reference(x2)
+        b = self.bias.to(torch.bfloat16) if self.bias is not None else None
+        y = torch._scaled_mm(xq, w8.t(), scale_a=sx.reshape(-1, 1), scale_b=sw.reshape(1, -1),
+                             out_dtype=torch.bfloat16, bias=b, use_fast_accum=self.fp8_fast_accum)
+        return y.to(x2.dtype)
+
+    def _forward_fp4_tensorcore(self, x2):
+        out_dtype = x2.dtype if x2.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        ops = fp4_gemm_operands(self._padded_input(x2), self.nvfp4, self.input_scale)
+        y = fp4_gemm(ops, out_dtype, None)
+        y = y[:, : self.out_features]
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(x2.dtype)
+
+
+class FP8Linear(_QuantLinearBase):
+    """nn.Linear replacement holding an FP8 E4M3 weight (w ~= weight * weight_scale, scale 0-d or per row).
+
+    The weight stays FP8 in memory; each call casts it to the compute dtype (``mode="cast"``, default, any
+    device). ``mode="scaled_mm"`` (sm_89+) runs ``torch._scaled_mm`` with per-token FP8 activations instead.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=torch.bfloat16, mode="cast"):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros((out_features, in_features), dtype=torch.float8_e4m3fn,
+                                                   device=device))
+        self.register_buffer("weight_scale", torch.ones((), dtype=torch.float32, device=device))
+        self.register_buffer("input_scale", None)
+        self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
+                                       requires_grad=False) if bias else None
+        self.mode = mode
+        self.compute_dtype = dtype
+
+    @classmethod
+    def from_fp8(cls, w8, scale=None, bias=None, dtype=torch.bfloat16, mode="cast", input_scale=None):
+        n, k = w8.shape
+        m = cls(k, n, bias=bias is not None, device="meta", dtype=dtype, mode=mode)
+        m.weight = w8 if w8.dtype == torch.float8_e4m3fn else w8.to(torch.float8_e4m3fn)
+        m.weight_scale = (scale if scale is not None else torch.ones(())).float().to(w8.device)
+        if bias is not None:
+            m.bias = torch.nn.Parameter(bias.detach().to(dtype).to(w8.device), requires_grad=False)
+        if input_scale is not None:
+            m.register_buffer("input_scale", input_scale.float().reshape(()).to(w8.device))
+        return m
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, dtype=None, mode="cast"):
+        w8, s = fmt.quantize_fp8_per_tensor(linear.weight.detach())
+        return cls.from_fp8(w8, s, linear.bias, dtype=dtype or linear.weight.dtype, mode=mode)
+
+    def weight_nbytes(self) -> int:
+        return self.weight.numel() + self.weight_scale.numel() * 4
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        from .checkpoint import comfy_quant_tensor
+        destination[prefix + "comfy_quant"] = comfy_quant_tensor({"format": "float8_e4m3fn"})
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        state_dict.pop(prefix + "comfy_quant", None)
+        v = state_dict.pop(prefix + "input_scale", None)
+        if v is not None:
+            self.register_buffer("input_scale", v.float().reshape(()))
+        ws = state_dict.get(prefix + "weight_scale")
+        if ws is not None and ws.shape != self.weight_scale.shape:
+            self.weight_scale = torch.empty_like(ws, dtype=torch.float32, device=self.weight_scale.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def dequantize_weight(self, dtype=torch.bfloat16):
+        s = self.weight_scale
+        s = s.reshape(-1, 1) if s.numel() > 1 else s
+        return (self.weight.to(dtype) * s.to(dtype)) if dtype != torch.float32 else self.weight.float() * s
+
+    def forward(self, x):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.mode == "scaled_mm" and x.is_cuda and self.in_features % 16 == 0 and self.out_features % 16 == 0:
+            xq, sx = K.quantize_act_fp8_rowwise(x2) if K.triton_usable(x2) else fmt.quantize_act_fp8_rowwise_reference(x2)
+            sw = self.weight_scale.float()
+            sw = sw.reshape(1, -1) if sw.numel() > 1 else sw.reshape(1, 1).expand(1, self.out_features).contiguous()
+            b = self.bias.to(torch.bfloat16) if self.bias is not None else None
+            y = torch._scaled_mm(xq, self.weight.t(), scale_a=sx.reshape(-1, 1), scale_b=sw,
+                                 out_dtype=torch.bfloat16, bias=b).to(x.dtype)
+        else:
+            dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else self.compute_dtype
+            w = self.dequantize_weight(dtype)
+            y = F.linear(x2.to(dtype), w, self.bias.to(dtype) if self.bias is not None else None).to(x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# expected outputs (CPU, exact) for each path
+# ----------------------------------------------------------------------------------------------------------
+def expected_output(layer: NVFP4Linear, x: torch.Tensor, path: str) -> torch.Tensor:
+    """What ``path`` should compute for ``x``, emulated on the CPU in float64 with the pack's quantizers."""
+    layer_cpu_w = NVFP4Tensor(layer.weight.cpu(), layer.weight_scale.cpu(), layer.weight_scale_2.cpu(),
+                              (layer.out_features, layer.in_features))
+    x2 = x.reshape(-1, x.shape[-1]).detach().cpu()
+    if layer.pre_quant_scale is not None:
+        x2 = x2 * layer.pre_quant_scale.cpu().to(x2.dtype)
+    w = layer_cpu_w.dequantize(torch.float32).double()
+    b = layer.bias.detach().cpu().double() if layer.bias is not None else None
+    if path in ("reference", "fidelity"):
+        y = x2.double() @ w.t()
+    elif path == "fp8_speed":
+        w8, sw = fmt.quantize_fp8_rowwise(w.float())
+        xq, sx = fmt.quantize_act_fp8_rowwise_reference(x2)
+        y = (xq.double() * sx.double()[:, None]) @ (w8.double() * sw.double()[:, None]).t()
+    elif path == "fp4_tensorcore":
+        kp = layer.weight.shape[1] * 2
+        xp = F.pad(x2, (0, kp - x2.shape[1])) if x2.shape[1] != kp else x2
+        g = activation_global_scale(xp, layer.input_scale.cpu() if layer.input_scale is not None else None)
+        pa, sa, _ = fmt.quantize_nvfp4(xp, g, pad_rows=1)
+        xa = fmt.dequantize_nvfp4(pa, sa, g, torch.float32).double()[:, : layer.in_features]
+        y = xa @ w.t()
+    else:
+        raise ValueError(path)
+    if b is not None:
+        y = y + b
+    return y.reshape(*x.shape[:-1], layer.out_features)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# keep rule, replace_linears, quantize_model_linears
+# ----------------------------------------------------------------------------------------------------------
+DEFAULT_KEEP_PATTERNS = (
+    r"(^|\.)[^.]*(embed|embedding)[^.]*(\.|$)",                      # embeddings (x_embedder, pos_embed, ...)
+    r"(^|\.)(emb_in|time_in|vector_in|guidance_in|t_embedder|y_embedder|time_text_embed|timestep\w*)(\.|$)",
+    r"(^|\.)[^.]*norm[^.]*(\.|$)",                                   # norms
+    r"(^|\.)(ada\w*|adaln\w*|\w*_mod|mod|modulation|\w*modulation\w*)(\.|$)",  # modulation / adaLN
+    r"^(vid_in|vid_out|img_in|txt_in|patch_in|patch_out|patch_embed|final_layer|proj_in|proj_out|"
+    r"conv_in|conv_out|x_embedder|norm_out|head)(\.|$)",             # patch-in / patch-out, first / last
+)
+
+
+def make_keep_rule(keep=None) -> Callable[[str, torch.nn.Module], bool]:
+    """Build the "keep in high precision" rule.
+
+    ``keep`` may be None (defaults), a callable ``(name, module) -> bool``, or an iterable of regular
+    expressions (searched in the module name, case-insensitive) which *replace* the default name patterns.
+    Layers whose K (in_features) is not a multiple of 16 are always kept.
+    """
+    if callable(keep):
+        user = keep
+    else:
+        pats = [re.compile(p, re.IGNORECASE) for p in (DEFAULT_KEEP_PATTERNS if keep is None else keep)]
+
+        def user(name, module):
+            return any(p.search(name) for p in pats)
+
+    def rule(name: str, module) -> bool:
+        k = getattr(module, "in_features", None)
+        if k is None and hasattr(module, "weight"):
+            k = module.weight.shape[-1]
+        if k is not None and k % 16:
+            return True
+        return bool(user(name, module))
+
+    return rule
+
+
+def _set_module(model: torch.nn.Module, name: str, new: torch.nn.Module):
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def _path_from_policy(policy) -> str:
+    if policy is None:
+        return "auto"
+    if isinstance(policy, str):
+        return policy
+    return getattr(policy, "nvfp4_gemm", "auto")
+
+
+def replace_linears(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], policy=None,
+                    keep_high_precision=None, prefix: str = "", dtype=torch.bfloat16, metadata: Mapping | None = None,
+                    nvfp4_source: str = "auto", fp8_mode: str = "cast", load_rest: bool = False) -> dict:
+    """Swap every ``nn.Linear`` of ``model`` for the format ``state_dict`` holds for it and load its tensors.
+
+    NVFP4 keys -> ``NVFP4Linear`` (path from ``policy.nvfp4_gemm``, a path string, or "auto"); FP8 weights ->
+    ``FP8Linear``; plain weights are copied into the existing ``nn.Linear``. A layer the keep rule selects is
+    loaded as a plain ``nn.Linear`` in ``dtype`` even if the file holds it quantized (dequantized exactly).
+    ``prefix`` is prepended to module names to form state-dict keys. ``load_rest=True`` then loads every
+    other matching key with ``load_state_dict(strict=False)``. Returns a report
+    ``{"nvfp4": [...], "fp8": [...], "plain": [...], "kept": [...], "missing": [...]}``.
+    """
+    keep = make_keep_rule(keep_high_precision)
+    path = _path_from_policy(policy)
+    report = {"nvfp4": [], "fp8": [], "plain": [], "kept": [], "missing": []}
+    used = set()
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        key = prefix + name
+        kind = detect_layer_format(state_dict, key, metadata)
+        if kind is None:
+            report["missing"].append(name)
+            continue
+        device = module.weight.device if module.weight.device.type != "meta" else torch.device("cpu")
+        used.update(k for k in state_dict if k.startswith(key + "."))
+        if kind == "nvfp4":
+            d = load_nvfp4_layer(state_dict, key, module.out_features, module.in_features, nvfp4_source, metadata)
+            if keep(name, module):
+                _load_plain(module, d["weight"].dequantize(torch.float32), d["bias"], dtype, device)
+                report["kept"].append(name)
+                continue
+            new = NVFP4Linear.from_nvfp4(d["weight"].to(device), d["bias"], d["input_scale"], path=path, dtype=dtype,
+                                         pre_quant_scale=d["pre_quant_scale"])
+            _set_module(model, name, new)
+            report["nvfp4"].append(name)
+        elif kind == "fp8":
+            d = load_fp8_layer(state_dict, key)
+            if keep(name, module):
+                s = d["weight_scale"]
+                w = d["weight"].float() * (s.reshape(-1, 1) if s.numel() > 1 else s)
+                _load_plain(module, w, d["bias"], dtype, device)
+                report["kept"].append(name)
+                continue
+            new = FP8Linear.from_fp8(d["weight"].to(device), d["weight_scale"], d["bias"], dtype=dtype, mode=fp8_mode,
+                                     input_scale=d["input_scale"])
+            _set_module(model, name, new)
+            report["fp8"].append(name)
+        else:
+            _load_plain(module, state_dict[key + ".weight"], state_dict.get(key + ".bias"), None, device)
+            report["plain"].append(name)
+    if load_rest:
+        rest = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix) and k not in used}
+        model.load_state_dict(rest, strict=False)
+    return report
+
+
+def _load_plain(module: torch.nn.Linear, w, b, dtype, device):
+    dtype = dtype or w.dtype
+    module.weight = torch.nn.Parameter(w.detach().to(device=device, dtype=dtype), requires_grad=False)
+    if b is not None:
+        module.bias = torch.nn.Parameter(b.detach().to(device=device, dtype=dtype), requires_grad=False)
+
+
+def quantize_model_linears(model: torch.nn.Module, policy=None, keep=None, fmt_name: str = "nvfp4",
+                           recipe: str = "comfy", fp8_mode: str = "cast") -> dict:
+    """Quantize an in-memory model's ``nn.Linear`` layers (NVFP4 or FP8) in place, layer by layer."""
+    rule = make_keep_rule(keep)
+    path = _path_from_policy(policy)
+    report = {"quantized": [], "kept": []}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if rule(name, module):
+            report["kept"].append(name)
+            continue
+        if fmt_name == "nvfp4":
+            new = NVFP4Linear.from_linear(module, path=path, recipe=recipe, dtype=module.weight.dtype
+                                          if module.weight.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
+        elif fmt_name == "fp8":
+            new = FP8Linear.from_linear(module, mode=fp8_mode)
+        else:
+            raise ValueError(f"format must be 'nvfp4' or 'fp8', got {fmt_name!r}")
+        _set_module(model, name, new)
+        report["quantized"].append(name)
+    return report
+
+
+def iter_quantized(model: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Module]]:
+    for name, m in model.named_modules():
+        if isinstance(m, (NVFP4Linear, FP8Linear)):
+            yield name, m
