@@ -234,6 +234,23 @@ def _call_with_optional(fn, *args, should_stop=None, **kwargs):
     return fn(*args, **kwargs)
 
 
+class SeedVR2Cancelled(RuntimeError):
+    """``should_stop()`` returned True."""
+
+
+def _stop_checker(should_stop):
+    """Wrap a ``should_stop`` that may raise (ComfyUI's interrupt check) or return True (-> raise);
+    the wrapper returns False otherwise, so the models (which accept either style) keep going."""
+    if should_stop is None:
+        return lambda: False
+
+    def check():
+        if should_stop():
+            raise SeedVR2Cancelled("SeedVR2 upscale cancelled")
+        return False
+    return check
+
+
 def _split_posterior(out) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept the usual shapes of an encoder result: (mean, logvar), an object with ``posterior`` /
     ``latent_dist`` / ``mean``+``logvar``, or a 32-channel moments tensor."""
@@ -349,7 +366,7 @@ class SeedVR2Runner:
         self.dit_dtype = dit_dtype or _param_dtype(dit)
         self.vae_dtype = vae_dtype or _param_dtype(vae)
         self.offload_device = torch.device(offload_device)
-        self.should_stop = should_stop or (lambda: None)
+        self.should_stop = _stop_checker(should_stop)
         self.free_memory = free_memory
         self.scaling_factor = float(getattr(vae, "scaling_factor", DEFAULT_SCALING_FACTOR))
         if text_embedding is None:
@@ -371,18 +388,32 @@ class SeedVR2Runner:
         return None
 
     def _tile_for(self, mode: str, given: int, h: int, w: int, frames: int, encode: bool) -> int:
+        """Tile edge in pixels (multiple of 16) or 0 for no tiling."""
         if mode == "off":
             return 0
         if given and given > 0:
             tile = given
-        elif mode == "on":
-            tile = choose_tile_size(h, w, frames, self._free_bytes(), encode, self.vae_dtype) or 512
         else:
-            tile = choose_tile_size(h, w, frames, self._free_bytes(), encode, self.vae_dtype)
+            free = self._free_bytes()
+            if free is None:
+                tile = 0 if mode == "auto" else 512
+            else:
+                tile = self._auto_tile(free, h, w, frames, encode)
         if tile <= 0:
             return 0
         tile = max(SIZE_MULTIPLE * 2, (tile // SIZE_MULTIPLE) * SIZE_MULTIPLE)
         return 0 if (tile >= h and tile >= w) else tile
+
+    def _auto_tile(self, free: int, h: int, w: int, frames: int, encode: bool) -> int:
+        cfg = getattr(self.vae, "config", None)
+        if cfg is not None and hasattr(cfg, "block_out_channels"):
+            try:  # the VAE's own estimate (models/seedvr2/vae/tiling.py)
+                from .vae.tiling import choose_tile_size as vae_choose
+                tile, _ = vae_choose(free, "encode" if encode else "decode", self.vae_dtype, cfg)
+                return tile if encode else tile * SPATIAL_FACTOR
+            except ImportError:
+                pass
+        return choose_tile_size(h, w, frames, free, encode, self.vae_dtype)
 
     def encode(self, x: torch.Tensor, tiling: VAETiling) -> tuple[torch.Tensor, torch.Tensor]:
         """x (1, 3, T, H, W) in [-1, 1] -> mean, logvar (1, 16, t, H/8, W/8), float32."""
@@ -399,13 +430,10 @@ class SeedVR2Runner:
 
         if tile:
             overlap = min(max(0, (tiling.overlap // SIZE_MULTIPLE) * SIZE_MULTIPLE), tile // 2)
-            if hasattr(vae, "tiled_encode") and getattr(vae, "supports_tiling", True):
-                try:
-                    moments = _split_posterior(_call_with_optional(
-                        vae.tiled_encode, x, tile_size=tile, tile_overlap=overlap, should_stop=self.should_stop))
-                    return moments[0].float(), moments[1].float()
-                except (TypeError, NotImplementedError):
-                    pass
+            if hasattr(vae, "encode_tiled"):  # models/seedvr2/vae: tile/overlap in pixels
+                with torch.no_grad(), self._autocast(self.vae_dtype):
+                    mean, logvar = _split_posterior(vae.encode_tiled(x, tile, overlap, should_stop=self.should_stop))
+                return mean.float(), logvar.float()
             moments = tiled_spatial(enc, x, tile, overlap, 1.0 / SPATIAL_FACTOR, 2 * LATENT_CHANNELS)
         else:
             moments = enc(x)
@@ -431,14 +459,10 @@ class SeedVR2Runner:
         if tile:
             tl = tile // SPATIAL_FACTOR
             ol = min(max(0, tiling.overlap // SPATIAL_FACTOR), tl // 2)
-            if hasattr(vae, "tiled_decode") and getattr(vae, "supports_tiling", True):
-                try:
-                    out = _decoded_tensor(_call_with_optional(
-                        vae.tiled_decode, z, tile_size=tile, tile_overlap=ol * SPATIAL_FACTOR,
-                        should_stop=self.should_stop))
-                    return (out.unsqueeze(2) if out.dim() == 4 else out).float()
-                except (TypeError, NotImplementedError):
-                    pass
+            if hasattr(vae, "decode_tiled"):  # models/seedvr2/vae: tile/overlap in latents
+                with torch.no_grad(), self._autocast(self.vae_dtype):
+                    out = _decoded_tensor(vae.decode_tiled(z, tl, ol, should_stop=self.should_stop))
+                return (out.unsqueeze(2) if out.dim() == 4 else out).float()
             return tiled_spatial(dec, z, tl, ol, float(SPATIAL_FACTOR), 3)
         return dec(z)
 
