@@ -219,6 +219,11 @@ def load_dit(
     cfg = config_from_state_dict(sd, source)
     model = build_dit(cfg, device="meta", attention_backend=attention_backend, block_runner=block_runner)
 
+    if dtype is not None:
+        sd = {k: (v.to(dtype) if v.is_floating_point() and v.dtype not in _FP8 and not k.endswith("rope.freqs") else v)
+              for k, v in sd.items()}
+
+    linear_names = set()
     if is_quantized(sd):
         try:
             from ....optimization.nvfp4.linear import replace_linears
@@ -229,18 +234,28 @@ def load_dit(
                 f"Use an fp16/bf16 checkpoint."
             ) from exc
         if policy is None:
-            from ....optimization.hardware import get_policy
+            try:
+                from ....optimization.hardware import get_policy
 
-            policy = get_policy(torch.device(device))
-        kwargs = {} if keep_high_precision is None else {"keep_high_precision": keep_high_precision}
-        replace_linears(model, sd, policy, **kwargs)
+                policy = get_policy(torch.device(device))
+            except Exception as exc:  # noqa: BLE001 - fall back to the format's own choice
+                _log.warning("no hardware policy (%s); quantized linears use their automatic path", exc)
+        report = replace_linears(model, sd, policy, keep_high_precision=keep_high_precision,
+                                 dtype=dtype or torch.bfloat16)
+        if report.get("missing"):
+            raise DiTCheckpointError(f"{source}: no weights for linear layers {report['missing'][:8]}")
+        linear_names = {n for kind in ("nvfp4", "fp8", "plain", "kept") for n in report.get(kind, [])}
+        _log.info("%s: %d NVFP4, %d FP8, %d plain linears (%d kept high precision)", source,
+                  len(report.get("nvfp4", [])), len(report.get("fp8", [])), len(report.get("plain", [])),
+                  len(report.get("kept", [])))
 
-    if dtype is not None:
-        sd = {k: (v.to(dtype) if v.is_floating_point() and v.dtype not in _FP8 and not k.endswith("rope.freqs") else v)
-              for k, v in sd.items()}
-    result = model.load_state_dict(sd, strict=False, assign=True)
-    missing = [k for k in result.missing_keys]
-    unexpected = [k for k in result.unexpected_keys]
+    def owned_by_linear(key: str) -> bool:
+        return key.rpartition(".")[0] in linear_names
+
+    rest = {k: v for k, v in sd.items() if not owned_by_linear(k)}
+    result = model.load_state_dict(rest, strict=False, assign=True)
+    missing = [k for k in result.missing_keys if not owned_by_linear(k)]
+    unexpected = list(result.unexpected_keys)
     if missing or unexpected:
         raise DiTCheckpointError(
             f"{source}: detected SeedVR2-{cfg.variant.upper()} (dim {cfg.dim}, {cfg.num_layers} blocks) but the "
