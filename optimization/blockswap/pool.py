@@ -109,6 +109,8 @@ class PinnedPool:
         self.pin_failures = 0
         self._warned_owners: set = set()
         self._owner_caps: dict[int, Optional[int]] = {}
+        self._failed_owners: set = set()   # a failed pin stops further attempts for that owner (WDDM: one
+                                           # failed pin poisons later ones; no retries on the hot path)
 
     # ------------------------------------------------------------------ accounting
     def owner_pinned_bytes(self, owner: int) -> int:
@@ -157,7 +159,7 @@ class PinnedPool:
                 self.hits += 1
                 return True
             self.misses += 1
-            if repin and e.backend is not None and self._room_possible(e):
+            if repin and e.backend is not None and e.owner not in self._failed_owners and self._room_possible(e):
                 self._try_pin(e)
             return e.pinned
 
@@ -178,6 +180,7 @@ class PinnedPool:
                 self._unpin(e)
             self._owner_caps.pop(owner, None)
             self._warned_owners.discard(owner)
+            self._failed_owners.discard(owner)
             return freed
 
     # ------------------------------------------------------------------ internals
@@ -192,7 +195,7 @@ class PinnedPool:
         return self.pinned_bytes - evictable + e.nbytes <= self.cap_bytes
 
     def _try_pin(self, e: _Entry) -> None:
-        if e.pinned or e.nbytes == 0:
+        if e.pinned or e.nbytes == 0 or e.owner in self._failed_owners:
             return
         if not self._owner_room(e) or e.nbytes > self.cap_bytes:
             self._warn(e, "pinned cap reached")
@@ -213,6 +216,7 @@ class PinnedPool:
             self.pinned_bytes += e.nbytes
         else:
             self.pin_failures += 1
+            self._failed_owners.add(e.owner)
             self._warn(e, "pinning failed")
 
     def _unpin(self, e: _Entry) -> None:

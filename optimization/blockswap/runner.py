@@ -391,6 +391,8 @@ class BlockSwapRunner:
 # ---------------------------------------------------------------------------------------------- attach / detach
 
 def _tensors_on(model: nn.Module, device: torch.device) -> int:
+    if device.type == "cpu":          # FakeBackend: the host is not VRAM
+        return 0
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
         if id(t) not in seen and t.device == device:
