@@ -1,0 +1,187 @@
+"""Benchmark NVFP4 linear paths on SeedVR2 shapes: bf16 cuBLAS, comfy-kitchen, and our paths, in one run.
+
+    python scripts/bench_nvfp4.py [--m 64,256,1024,4096,16384,32768] [--shapes 2560x6912,...]
+                                  [--paths bf16,ck,fidelity,fp8_speed,fp4_tensorcore] [--json out.json]
+
+Shapes are KxN (in x out): SeedVR2 3B hidden 2560 / MLP 6912, 7B hidden 3072 / MLP 12288, plus qkv/out.
+Timing: CUDA events via triton.testing.do_bench (median, warm-up first, rotating inputs); each path's
+one-time weight preparation (NVFP4->FP8 conversion) happens before timing, per-call work (activation
+quantization, weight dequantization) is inside. Accuracy vs the fp32 product of the *unquantized* weights:
+relative error ||y - y_ref|| / ||y_ref|| and SNR dB on M=1024 (or the smallest M given).
+
+"ck" = comfy-kitchen's NVFP4 linear as ComfyUI runs it on this GPU. On sm < 10 ComfyUI disables the nvfp4
+compute format and runs it with full_precision_mm: ck.dequantize_nvfp4(weight) -> bf16, then F.linear.
+The backend comfy-kitchen picked (cuda / triton / eager) is reported.
+"""
+import argparse
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+
+import _pack  # noqa: F401
+import torch
+import torch.nn.functional as F
+
+from seedvr2bw.optimization.nvfp4 import format as fmt
+from seedvr2bw.optimization.nvfp4 import kernels as K
+from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear, fp4_gemm_supported
+
+DEFAULT_SHAPES = "2560x6912,6912x2560,3072x12288,12288x3072,3072x9216,3072x3072"
+DEFAULT_M = "64,256,1024,4096,16384,32768"
+
+
+def _bench(fn, warmup_ms=25, rep_ms=100):
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def _ck_setup():
+    try:
+        import comfy_kitchen as ck
+        backends = ck.list_backends()
+        return ck, backends
+    except Exception as exc:  # noqa: BLE001
+        return None, f"comfy-kitchen unavailable: {type(exc).__name__}: {exc}"
+
+
+def _git_commit():
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", default=DEFAULT_M)
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap.add_argument("--paths", default="bf16,ck,fidelity,fp8_speed,fp4_tensorcore")
+    ap.add_argument("--rep-ms", type=float, default=100)
+    ap.add_argument("--acc-m", type=int, default=1024)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 1
+    dev = torch.device("cuda")
+    ms = [int(v) for v in args.m.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    paths = args.paths.split(",")
+    if "fp4_tensorcore" in paths and not fp4_gemm_supported(dev)[0]:
+        print(f"fp4_tensorcore skipped: {fp4_gemm_supported(dev)[1]}")
+        paths.remove("fp4_tensorcore")
+    ck, ck_info = _ck_setup() if "ck" in paths else (None, "not requested")
+    if "ck" in paths and ck is None:
+        print(ck_info)
+        paths.remove("ck")
+    info = {"device": torch.cuda.get_device_name(dev), "capability": list(torch.cuda.get_device_capability(dev)),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "commit": _git_commit(),
+            "python": platform.python_version(), "comfy_kitchen": str(ck_info),
+            "triton": __import__("triton").__version__ if K.HAS_TRITON else None, "paths": paths,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if ck is not None:
+        info["comfy_kitchen_version"] = getattr(ck, "__version__", "?")
+    print(json.dumps(info))
+    results = []
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for (k, n) in shapes:
+        w = (torch.randn(n, k, generator=gen) * 0.02).to(dev)
+        bias = (torch.randn(n, generator=gen) * 0.01).to(dev, torch.bfloat16)
+        w_bf16 = w.to(torch.bfloat16)
+        t = fmt.quantize_nvfp4(w, return_tensor=True)
+        wrel = ((t.dequantize(torch.float32) - w).norm() / w.norm()).item()
+        layers = {p: NVFP4Linear.from_nvfp4(t, bias=bias, path=p) for p in ("fidelity", "fp8_speed", "fp4_tensorcore")
+                  if p in paths}
+        if "fp8_speed" in layers:
+            layers["fp8_speed"]._fp8_weight(dev)        # one-time conversion, outside the timing
+        if ck is not None:
+            ck_q = t.packed
+            ck_s = t.block_scale
+            ck_g = t.global_scale
+
+            def ck_linear(x):
+                wd = ck.dequantize_nvfp4(ck_q, ck_g, ck_s, torch.bfloat16)
+                if wd.shape != (n, k):
+                    wd = wd[:n, :k]
+                return F.linear(x, wd, bias)
+        fns = {"bf16": lambda x: F.linear(x, w_bf16, bias)}
+        if ck is not None:
+            fns["ck"] = ck_linear
+        for p, layer in layers.items():
+            fns[p] = layer
+        for m in ms:
+            xs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16) for _ in range(2 if m * k > 2 ** 26 else 4)]
+            row = {"K": k, "N": n, "M": m, "weight_rel_err": wrel}
+            flops = 2.0 * m * k * n
+            for p in paths:
+                fn = fns[p]
+                it = [0]
+
+                def call():
+                    it[0] = (it[0] + 1) % len(xs)
+                    return fn(xs[it[0]])
+                try:
+                    call()
+                    torch.cuda.synchronize()
+                    ms_ = _bench(call, rep_ms=args.rep_ms)
+                    row[f"{p}_ms"] = ms_
+                    row[f"{p}_tflops"] = flops / ms_ / 1e9
+                except Exception as exc:  # noqa: BLE001
+                    row[f"{p}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            for p in paths:
+                if p != "bf16" and f"{p}_ms" in row and "bf16_ms" in row:
+                    row[f"{p}_vs_bf16"] = row["bf16_ms"] / row[f"{p}_ms"]
+            if "ck_ms" in row:
+                for p in ("fidelity", "fp8_speed"):
+                    if f"{p}_ms" in row:
+                        row[f"{p}_vs_ck"] = row["ck_ms"] / row[f"{p}_ms"]
+            if m == args.acc_m or (args.acc_m not in ms and m == ms[0]):
+                x = xs[0]
+                ref = x.float() @ w.t() + bias.float()
+                for p in paths:
+                    try:
+                        y = fns[p](x).float()
+                        e = (y - ref).norm() / ref.norm()
+                        row[f"{p}_rel_err"] = e.item()
+                        row[f"{p}_snr_db"] = -20 * math.log10(max(e.item(), 1e-30))
+                    except Exception as exc:  # noqa: BLE001
+                        row[f"{p}_acc_error"] = str(exc).splitlines()[0]
+            results.append(row)
+            line = f"K={k:5d} N={n:5d} M={m:5d} " + " ".join(
+                f"{p}={row[f'{p}_ms']:.4f}ms" + (f"({row[f'{p}_vs_bf16']:.2f}x)" if f"{p}_vs_bf16" in row else "")
+                for p in paths if f"{p}_ms" in row)
+            if "fidelity_vs_ck" in row:
+                line += f" fid/ck={row['fidelity_vs_ck']:.2f}x"
+            print(line, flush=True)
+            del xs
+        del layers, fns
+        torch.cuda.empty_cache()
+    # accuracy summary
+    acc = [r for r in results if "bf16_rel_err" in r]
+    summary = {}
+    for p in paths:
+        es = [r[f"{p}_rel_err"] for r in acc if f"{p}_rel_err" in r]
+        if es:
+            summary[f"{p}_rel_err_mean"] = sum(es) / len(es)
+            summary[f"{p}_snr_db_mean"] = sum(-20 * math.log10(e) for e in es) / len(es)
+    summary["weight_rel_err_mean"] = sum(r["weight_rel_err"] for r in acc) / max(len(acc), 1)
+    print(json.dumps(summary))
+    print("\n| K | N | M | " + " | ".join(f"{p} ms" for p in paths) + " | " +
+          " | ".join(f"{p}/bf16" for p in paths if p != "bf16") + " | fid/ck |")
+    for r in results:
+        cells = [f"{r.get(p + '_ms', float('nan')):.4f}" for p in paths]
+        ratios = [f"{r.get(p + '_vs_bf16', float('nan')):.2f}" for p in paths if p != "bf16"]
+        print(f"| {r['K']} | {r['N']} | {r['M']} | " + " | ".join(cells) + " | " + " | ".join(ratios) +
+              f" | {r.get('fidelity_vs_ck', float('nan')):.2f} |")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"info": info, "results": results, "accuracy": summary}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""NVFP4 / FP8 paths on a CUDA GPU, each checked against the exact CPU reference.
+
+Needs a CUDA device (skips otherwise) and Triton for the kernel tests. The FP4 tensor-core test needs
+sm_100 / sm_120 and skips elsewhere with that reason.
+"""
+import pytest
+import torch
+
+from seedvr2bw.optimization.nvfp4 import format as fmt
+from seedvr2bw.optimization.nvfp4 import kernels as K
+from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear, expected_output, fp4_gemm_supported
+from seedvr2bw.optimization.nvfp4.selftest import run_gemm_selftest
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_triton = pytest.mark.skipif(not K.HAS_TRITON, reason="needs Triton")
+DEV = "cuda"
+
+
+def _u8(t):
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+def _adversarial(m, k, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 3
+    x[0] = 0                                   # an all-zero row
+    x[1, :16] = 2.5                            # all-equal block
+    x[2, :16] = 1e-30                          # scale underflows E4M3 -> zeros
+    x[3, 16:32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2) * (6 / 6)  # ties
+    x[4, :k] = torch.finfo(torch.bfloat16).max / 4 * torch.sign(torch.randn(k, generator=g))  # extreme finite
+    x[5, 0] = -0.0
+    return x.to(dtype)
+
+
+@cuda
+@needs_triton
+@pytest.mark.parametrize("m,k", [(1, 16), (200, 96), (300, 48), (128, 3072), (513, 2560)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_act_nvfp4_kernel_bit_exact(m, k, dtype):
+    x = _adversarial(m, k, dtype, m * 7 + k) if m > 8 else torch.randn(m, k).to(dtype)
+    if dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4)
+    g = fmt.global_scale_for(x)
+    q, s = K.quantize_act_nvfp4(x.to(DEV), g.to(DEV))
+    pr, sr, _ = fmt.quantize_nvfp4(x, g, pad_rows=1)
+    assert q.shape == pr.shape and s.shape == sr.shape
+    assert torch.equal(q.cpu(), pr)
+    assert torch.equal(_u8(s.cpu()), _u8(sr))
+
+
+@cuda
+@needs_triton
+def test_act_nvfp4_kernel_chunked_rows_match_unchunked():
+    x = torch.randn(1000, 256, dtype=torch.bfloat16, device=DEV)
+    g = fmt.global_scale_for(x)
+    q1, s1 = K.quantize_act_nvfp4(x, g)
+    q2, s2 = K.quantize_act_nvfp4(x, g, chunk_rows=128)
+    assert torch.equal(q1, q2) and torch.equal(_u8(s1), _u8(s2))
+
+
+@cuda
+@needs_triton
+@pytest.mark.parametrize("m,k", [(1, 32), (77, 3072), (256, 12288), (33, 100)])
+def test_act_fp8_kernel_bit_exact(m, k):
+    x = (torch.randn(m, k) * 5).to(torch.bfloat16)
+    x[0] = 0
+    q, s = K.quantize_act_fp8_rowwise(x.to(DEV))
+    qr, sr = fmt.quantize_act_fp8_rowwise_reference(x)
+    assert torch.equal(s.cpu(), sr)
+    assert torch.equal(_u8(q.cpu()), _u8(qr))
+
+
+@cuda
+@needs_triton
+@pytest.mark.parametrize("n,k", [(70, 96), (3072, 2560), (300, 48)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequant_kernel_bit_exact(n, k, dtype):
+    t = fmt.quantize_nvfp4(torch.randn(n, k), return_tensor=True)
+    want = t.dequantize(dtype)
+    got = K.dequantize_nvfp4_triton(t.packed.to(DEV), t.block_scale.to(DEV), t.global_scale.to(DEV), t.shape, dtype)
+    assert torch.equal(got.cpu(), want)
+
+
+def _layer(n, k, path, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    b = torch.randn(n, generator=g) if bias else None
+    return NVFP4Linear.from_nvfp4(fmt.quantize_nvfp4(w, return_tensor=True), bias=b, path=path)
+
+
+@cuda
+@pytest.mark.parametrize("path,tol", [("reference", 5e-3), ("fidelity", 1e-2), ("fp8_speed", 2e-2)])
+@pytest.mark.parametrize("m", [1, 64, 256, 1000])
+@pytest.mark.parametrize("n,k", [(96, 160), (512, 2560), (80, 72)])
+def test_paths_match_their_cpu_emulation(path, tol, m, n, k):
+    if path == "fp8_speed" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need sm_89+")
+    layer = _layer(n, k, path, seed=m + n)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    want = expected_output(layer, x, path)
+    got = layer.to(DEV)(x.to(DEV))
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    err = ((got.double().cpu() - want).norm() / want.norm()).item()
+    assert err < tol, err
+
+
+@cuda
+def test_fidelity_is_close_to_exact_reference_across_the_small_m_switch():
+    layer = _layer(384, 512, "fidelity")
+    for m in (255, 256, 257):
+        x = torch.randn(m, 512).to(torch.bfloat16)
+        want = expected_output(layer, x, "reference")
+        got = layer.to(DEV)(x.to(DEV)).double().cpu()
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+@cuda
+@pytest.mark.parametrize("path", ["fidelity", "fp8_speed", "reference"])
+def test_selftest_passes(path):
+    if path == "fp8_speed" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need sm_89+")
+    ok, why = run_gemm_selftest(path, DEV)
+    assert ok, why
+
+
+@cuda
+def test_fp4_selftest_reports_reason_off_blackwell():
+    ok, why = run_gemm_selftest("fp4_tensorcore", DEV)
+    supported, reason = fp4_gemm_supported(DEV)
+    if not supported:
+        assert not ok and reason in why
+
+
+@cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or not fp4_gemm_supported("cuda")[0],
+                    reason="FP4 tensor-core GEMM needs an sm_100/sm_120 GPU "
+                           "(this device has no FP4 tensor cores, or no GPU)")
+@pytest.mark.parametrize("m", [1, 100, 128, 1000])
+def test_fp4_tensorcore_matches_cpu_emulation(m):
+    layer = _layer(256, 512, "fp4_tensorcore")
+    x = torch.randn(m, 512).to(torch.bfloat16)
+    want = expected_output(layer, x, "fp4_tensorcore")
+    got = layer.to(DEV)(x.to(DEV)).double().cpu()
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 2e-2, err
+    ok, why = run_gemm_selftest("fp4_tensorcore", DEV)
+    assert ok, why
+
+
+@cuda
+def test_fp8_linear_scaled_mm_close_to_cast():
+    from seedvr2bw.optimization.nvfp4.linear import FP8Linear
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need sm_89+")
+    lin = torch.nn.Linear(256, 128).to(torch.bfloat16)
+    a = FP8Linear.from_linear(lin, mode="cast").to(DEV)
+    b = FP8Linear.from_linear(lin, mode="scaled_mm").to(DEV)
+    x = torch.randn(64, 256, dtype=torch.bfloat16, device=DEV)
+    ya, yb = a(x).float(), b(x).float()
+    assert ((ya - yb).norm() / ya.norm()).item() < 5e-2
+    assert a.weight.dtype == torch.float8_e4m3fn
