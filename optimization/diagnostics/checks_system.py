@@ -3,6 +3,7 @@ and the ComfyUI tree. None of them measures anything on the GPU."""
 from __future__ import annotations
 
 import ctypes
+import os
 import importlib.metadata as md
 import importlib.util
 import platform
@@ -10,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -46,8 +48,6 @@ def check_torch(ctx) -> CheckResult:
     vt = _ver_tuple(ver)
     if vt < (2, 1):
         return CheckResult("PyTorch", FAIL, ver, "", detail + "; torch >= 2.1 is needed", data=data)
-    if not cuda and not hip and torch.cuda.is_available() is False and ctx.is_cuda:
-        return CheckResult("PyTorch", FAIL, ver, "", detail + "; a CUDA build of torch is needed for the GPU", data=data)
     if vt < (2, 7):
         return CheckResult("PyTorch", WARN, ver, "", detail + "; torch >= 2.7 (CUDA 12.8) is needed for the FP4 "
                            "tensor-core GEMM and for Blackwell GPUs", data=data)
@@ -205,7 +205,14 @@ def check_packages(ctx) -> list[CheckResult]:
 
 def find_comfyui_version(pack_root) -> tuple[str | None, str | None]:
     """(version, path) of the ComfyUI tree this pack sits in (ComfyUI/custom_nodes/<pack>/), if any."""
-    candidates = [pack_root.parent.parent / "comfyui_version.py"]
+    roots = [pack_root, Path(os.path.abspath(__file__)).parents[2]]  # resolved, and as reached (symlinked packs)
+    if sys.argv and sys.argv[0].endswith(".py"):
+        roots.append(Path(os.path.abspath(sys.argv[0])).parents[1])  # scripts/<this>.py -> the pack folder
+    candidates = []
+    for root in roots:
+        path = root.parent.parent / "comfyui_version.py"  # ComfyUI/custom_nodes/<pack>/ -> ComfyUI/
+        if path not in candidates:
+            candidates.append(path)
     for path in candidates:
         try:
             text = path.read_text(encoding="utf-8")

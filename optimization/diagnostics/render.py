@@ -13,7 +13,8 @@ def _fmt_value(r) -> str:
     if r.value is None:
         return "-"
     if isinstance(r.value, float):
-        v = f"{r.value:.3g}" if abs(r.value) < 100 else f"{r.value:.0f}"
+        a = abs(r.value)
+        v = f"{r.value:.2e}" if 0 < a < 0.01 else (f"{r.value:.3g}" if a < 100 else f"{r.value:.0f}")
     else:
         v = str(r.value)
     return f"{v} {r.unit}".strip() if r.unit else v
@@ -36,8 +37,9 @@ def render_text(report, verbose: bool = True) -> str:
         if r.detail and (verbose or r.status in (WARN, FAIL)):
             if r.status == SKIP and not verbose:
                 continue
-            for piece in textwrap.wrap(r.detail, WIDTH - 8):
-                lines.append(f"        {piece}")
+            for para in r.detail.splitlines():
+                for i, piece in enumerate(textwrap.wrap(para, WIDTH - 10)):
+                    lines.append(("        " if i == 0 else "          ") + piece)
     c = report.counts()
     lines.append("")
     lines.append(f"Summary: {c['PASS']} PASS, {c['WARN']} WARN, {c['FAIL']} FAIL, {c['SKIP']} SKIP"
