@@ -100,6 +100,7 @@ def cuda_ready(ctx) -> bool:
 def vram_info(ctx) -> tuple[int, int]:
     """(free, total) bytes of the device (tests monkeypatch this)."""
     import torch
+    torch.cuda.empty_cache()  # the diagnostic's own cached blocks are not the user's
     return torch.cuda.mem_get_info(ctx.device)
 
 

@@ -103,6 +103,12 @@ def run_diagnostics(device=None, quick: bool = False, faults=None, sections=None
         ctx.measured.pop(key)  # free the benchmark buffers
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+        host_empty = getattr(torch._C, "_host_emptyCache", None)  # hand the pinned test buffers back to the OS
+        if host_empty is not None:
+            try:
+                host_empty()
+            except Exception:  # noqa: BLE001
+                pass
     meta = {"pack_version": _pack_version(), "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "gpu_checks": "run" if dev.type == "cuda" else
             "skipped: no CUDA device"}
