@@ -1,0 +1,269 @@
+#!/usr/bin/env python
+"""Benchmark the SeedVR2 DiT (3B, 7B) per step, with random bf16 weights at the real sizes (no download).
+
+For each model x resolution x frame count: time of one DiT forward (median of N after warm-up), peak
+VRAM, model FLOPs (the linears plus the attention of the actual windows: 4*S^2*heads*head_dim per
+segment of S tokens) and MFU against a bf16 peak measured in the same run with a large torch.matmul.
+
+Latent sizes follow the pipeline: frames padded to 4n+1 -> T = (n-1)/4 + 1 latent frames; pixels padded
+to a multiple of 16 -> H/8 x W/8 latent; tokens after the 1x2x2 patch = T * H/16 * W/16. Text: 58 tokens
+(the official positive prompt embedding).
+
+VAE: ``--vae`` (default when models/seedvr2/vae imports) adds encode/decode timings of the SeedVR2 VAE
+with random bf16 weights for the same inputs. <<< VAE HOOK: see ``bench_vae`` below. >>>
+
+    python scripts/bench_seedvr2.py                 # full table
+    python scripts/bench_seedvr2.py --quick         # fewer iterations / cases (device smoke run)
+    python scripts/bench_seedvr2.py --json out.json
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import _pack  # noqa: F401  (registers the checkout as `seedvr2bw`)
+import torch
+
+from seedvr2bw.models.seedvr2.dit import SEEDVR2_3B, SEEDVR2_7B, NaDiT
+from seedvr2bw.models.seedvr2.dit.window import build_joint_layout
+from seedvr2bw.optimization.attention import available_backends, resolve_backend
+
+RESOLUTIONS = {"720p": (720, 1280), "1080p": (1080, 1920)}
+TXT_LEN = 58
+
+
+def latent_grid(height: int, width: int, frames: int):
+    n = math.ceil((frames - 1) / 4) if frames > 1 else 0
+    padded = 4 * n + 1
+    h16, w16 = math.ceil(height / 16) * 16, math.ceil(width / 16) * 16
+    return padded, (n + 1, h16 // 8, w16 // 8)  # frames after padding, latent (T, H, W)
+
+
+# --------------------------------------------------------------------------------------------------
+# FLOPs
+# --------------------------------------------------------------------------------------------------
+def dit_flops(cfg, latent, txt_len=TXT_LEN) -> dict:
+    T, H, W = latent
+    grid = (T, H // 2, W // 2)
+    nv, nt = grid[0] * grid[1] * grid[2], txt_len
+    d, inner, hid = cfg.dim, cfg.inner_dim, cfg.mlp_hidden
+    mlp_mats = 3 if cfg.mlp_type == "swiglu" else 2
+    lin = 0.0
+    lin += 2 * nv * (cfg.vid_in_channels * 4) * d + 2 * nt * cfg.txt_in_dim * d + 2 * nv * d * cfg.vid_out_channels * 4
+    attn = 0.0
+    seg_cache = {}
+    for i in range(cfg.num_layers):
+        last = i == cfg.num_layers - 1
+        n_txt_out = 0 if last else nt  # the last block computes no text outputs
+        lin += 2 * (nv + nt) * d * 3 * inner  # qkv (text q/k/v are needed by the video even in the last block)
+        lin += 2 * (nv + n_txt_out) * inner * d  # out projection
+        lin += 2 * (nv + n_txt_out) * d * hid * mlp_mats  # MLP
+        m = cfg.window_methods[i]
+        if m not in seg_cache:
+            lay = build_joint_layout([grid], [nt], m, cfg.window, "cpu")
+            seg_cache[m] = lay.plan.q_lens
+        attn += sum(4.0 * s * s * inner for s in seg_cache[m])
+    return {"linear": lin, "attention": attn, "total": lin + attn, "tokens": nv,
+            "segments": {m: len(v) for m, v in seg_cache.items()},
+            "max_segment": max(max(v) for v in seg_cache.values())}
+
+
+# --------------------------------------------------------------------------------------------------
+# Timing helpers
+# --------------------------------------------------------------------------------------------------
+def cuda_time(fn, warmup: int, iters: int):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1000.0)
+    return statistics.median(times), times
+
+
+def bf16_peak_tflops(n: int = 8192, iters: int = 20) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    med, _ = cuda_time(lambda: torch.matmul(a, b), warmup=3, iters=iters)
+    del a, b
+    return 2 * n ** 3 / med / 1e12
+
+
+def random_dit(cfg, backend: str) -> NaDiT:
+    model = NaDiT(cfg, attention_backend=backend, device="cuda", dtype=torch.bfloat16).eval().requires_grad_(False)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("_scale", "norm_q.vid.weight", "norm_k.vid.weight", "norm_q.txt.weight",
+                              "norm_k.txt.weight", "norm_q.all.weight", "norm_k.all.weight", "vid_out_norm.weight")):
+                p.fill_(1.0)
+            elif p.dim() == 2:
+                p.normal_(0, 1 / math.sqrt(p.shape[1]), generator=g)
+            else:
+                p.normal_(0, 0.02, generator=g)
+    return model
+
+
+def bench_dit(name, cfg, cases, args, peak):
+    rows = []
+    model = random_dit(cfg, args.backend)
+    weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 30
+    for res, frames in cases:
+        h, w = RESOLUTIONS[res]
+        padded, latent = latent_grid(h, w, frames)
+        T, H, W = latent
+        fl = dit_flops(cfg, latent)
+        vid = torch.randn(T * H * W, cfg.vid_in_channels, device="cuda", dtype=torch.bfloat16)
+        txt = torch.randn(TXT_LEN, cfg.txt_in_dim, device="cuda", dtype=torch.bfloat16)
+        vs = torch.tensor([[T, H, W]], device="cuda")
+        ts = torch.tensor([[TXT_LEN]], device="cuda")
+        t = torch.tensor([1000.0], device="cuda")
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        row = {"model": name, "res": res, "frames": frames, "padded_frames": padded, "latent": list(latent),
+               "tokens": fl["tokens"], "max_window_tokens": fl["max_segment"], "tflop": fl["total"] / 1e12,
+               "attn_flop_share": fl["attention"] / fl["total"], "weights_gib": weights_gib}
+        try:
+            with torch.no_grad():
+                med, times = cuda_time(lambda: model(vid, txt, vs, ts, t), args.warmup, args.iters)
+            row.update(step_s=med, times_s=times, peak_vram_gib=torch.cuda.max_memory_allocated() / 2 ** 30,
+                       tflops=fl["total"] / med / 1e12, mfu=fl["total"] / med / 1e12 / peak)
+        except torch.cuda.OutOfMemoryError as exc:
+            row.update(error=f"OOM: {str(exc)[:120]}")
+        rows.append(row)
+        print(fmt_row(row), flush=True)
+        del vid, txt
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# VAE hook (the VAE lives in models/seedvr2/vae, written separately)
+# --------------------------------------------------------------------------------------------------
+def bench_vae(cases, args):
+    """Encode/decode timings of the SeedVR2 VAE with random bf16 weights. Returns [] when not importable."""
+    try:
+        from seedvr2bw.models.seedvr2.vae import SEEDVR2_VAE, VideoAutoencoder
+    except Exception as exc:  # noqa: BLE001
+        print(f"# VAE skipped: {type(exc).__name__}: {exc}")
+        return []
+    vae = VideoAutoencoder(SEEDVR2_VAE).to("cuda", torch.bfloat16).eval().requires_grad_(False)
+    rows = []
+    for res, frames in cases:
+        h, w = RESOLUTIONS[res]
+        padded, (T, H, W) = latent_grid(h, w, frames)
+        x = torch.rand(1, 3, padded, H * 8, W * 8, device="cuda", dtype=torch.bfloat16) * 2 - 1
+        z = torch.randn(1, 16, T, H, W, device="cuda", dtype=torch.bfloat16)
+        row = {"model": "vae", "res": res, "frames": frames, "padded_frames": padded, "latent": [T, H, W]}
+        for what, fn in (("encode", lambda: vae.encode(x)), ("decode", lambda: vae.decode(z))):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                med, _ = cuda_time(fn, args.vae_warmup, args.vae_iters)
+                row[f"{what}_s"] = med
+                row[f"{what}_peak_vram_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+            except torch.cuda.OutOfMemoryError as exc:
+                row[f"{what}_error"] = f"OOM: {str(exc)[:100]}"
+        rows.append(row)
+        print("vae   {res:>6} {frames:>3}f  encode {e}  decode {d}".format(
+            res=res, frames=frames,
+            e=f"{row['encode_s']:.3f}s ({row['encode_peak_vram_gib']:.1f} GiB)" if "encode_s" in row else row.get("encode_error"),
+            d=f"{row['decode_s']:.3f}s ({row['decode_peak_vram_gib']:.1f} GiB)" if "decode_s" in row else row.get("decode_error")),
+            flush=True)
+        del x, z
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+def fmt_header():
+    return (f"{'model':>5} {'res':>6} {'frm':>4} {'latent THW':>13} {'tokens':>7} {'maxwin':>6} "
+            f"{'TFLOP':>8} {'attn%':>6} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8}")
+
+
+def fmt_row(r):
+    if "error" in r:
+        return f"{r['model']:>5} {r['res']:>6} {r['frames']:>4} {str(tuple(r['latent'])):>13} {r['tokens']:>7}  {r['error']}"
+    return (f"{r['model']:>5} {r['res']:>6} {r['frames']:>4} {str(tuple(r['latent'])):>13} {r['tokens']:>7} "
+            f"{r['max_window_tokens']:>6} {r['tflop']:>8.1f} {100 * r['attn_flop_share']:>5.1f}% {r['step_s']:>8.3f} "
+            f"{r['tflops']:>8.1f} {100 * r['mfu']:>5.1f}% {r['peak_vram_gib']:>8.1f}")
+
+
+def git_commit():
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(__file__),
+                                       stderr=subprocess.DEVNULL).decode().strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="3b,7b", help="comma list of 3b,7b")
+    ap.add_argument("--res", default="720p,1080p", help="comma list of 720p,1080p")
+    ap.add_argument("--frames", default="1,21", help="comma list of frame counts")
+    ap.add_argument("--backend", default="auto", help="attention backend (auto, sdpa, flash_attn, sage)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="warmup 1, iters 3, VAE iters 1")
+    ap.add_argument("--vae", dest="vae", action="store_true", default=True, help="include VAE timings (default)")
+    ap.add_argument("--no-vae", dest="vae", action="store_false")
+    ap.add_argument("--vae-res", default=None, help="VAE cases (default: same as --res)")
+    ap.add_argument("--vae-iters", type=int, default=3)
+    ap.add_argument("--vae-warmup", type=int, default=1)
+    ap.add_argument("--flops-only", action="store_true", help="print the FLOP counts and exit (no GPU needed)")
+    ap.add_argument("--json", default=None, help="write the results to this path")
+    args = ap.parse_args()
+    if args.quick:
+        args.warmup, args.iters, args.vae_iters, args.vae_warmup = 1, 3, 1, 1
+
+    cfgs = {"3b": SEEDVR2_3B, "7b": SEEDVR2_7B}
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    cases = [(r.strip(), int(f)) for r in args.res.split(",") for f in args.frames.split(",")]
+    if args.flops_only:
+        for m in models:
+            for res, frames in cases:
+                _, latent = latent_grid(*RESOLUTIONS[res], frames)
+                fl = dit_flops(cfgs[m], latent)
+                print(f"{m} {res} {frames}f latent {latent}: {fl['tokens']} tokens, {fl['total'] / 1e12:.1f} TFLOP "
+                      f"(attention {100 * fl['attention'] / fl['total']:.1f}%), windows {fl['segments']}")
+        return
+    if not torch.cuda.is_available():
+        sys.exit("bench_seedvr2.py needs a CUDA device (use --flops-only for the counts)")
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    backend = resolve_backend(args.backend, torch.device("cuda"))
+    args.backend = backend
+    peak = bf16_peak_tflops()
+    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit(),
+            "attention_backend": backend, "available_backends": available_backends("cuda"),
+            "bf16_matmul_peak_tflops": peak, "warmup": args.warmup, "iters": args.iters,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    print(f"# {info['device']} | torch {info['torch']} | commit {info['commit']} | attention {backend} "
+          f"(available {info['available_backends']}) | measured bf16 matmul peak {peak:.0f} TFLOP/s")
+    print(fmt_header(), flush=True)
+    rows = []
+    for m in models:
+        rows += bench_dit(m, cfgs[m], cases, args, peak)
+    vae_rows = []
+    if args.vae:
+        vres = args.vae_res.split(",") if args.vae_res else [r for r, _ in cases]
+        vcases = [c for c in cases if c[0] in vres]
+        vae_rows = bench_vae(list(dict.fromkeys(vcases)), args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "dit": rows, "vae": vae_rows}, f, indent=1)
+        print(f"# wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
