@@ -56,6 +56,7 @@ def make(n=8, d=32, fp8=False, seed=0):
 def attach(model, backend=None, pool=None, **cfg):
     backend = backend or FakeBackend()
     pool = pool or PinnedPool(1 << 30)
+    cfg.setdefault("small_tensor_bytes", 0)          # toy tensors are tiny: stream them all
     runner = attach_blockswap(model, BlockSwapConfig(**cfg), backend=backend, pool=pool)
     return runner, backend, pool
 
@@ -349,12 +350,25 @@ def test_closed_runner_refuses_and_detach_twice():
         next(runner.iterate(m.blocks))
 
 
-def test_detach_restore_device():
+def test_detach_restore_cpu_keeps_single_host_copy():
     m, ref = make(n=4)
     runner, be, pool = attach(m, blocks_to_swap=4)
-    arena_ptr = runner.units[0].arena.buffer.data_ptr()
+    arena = runner.units[0].arena.buffer
     detach(m, restore_device="cpu")
-    assert m.blocks[0].lin.weight.data_ptr() != arena_ptr
+    w = m.blocks[0].lin.weight
+    assert arena.data_ptr() <= w.data_ptr() < arena.data_ptr() + arena.numel()   # no copy made
+    assert pool.pinned_bytes == 0
     with torch.no_grad():
         x = torch.randn(2, 32)
+        assert torch.equal(m(x), ref(x))
+
+
+def test_small_tensors_stay_resident():
+    m, ref = make(n=4, d=128)
+    runner, be, pool = attach(m, blocks_to_swap=4, small_tensor_bytes=16384)
+    names = [r.name for r in runner.units[0].arena.records]
+    assert names == ["lin.weight"]                     # 64 KiB; codes (8 KiB), gate, norm, bias stay
+    assert "gate" not in names and "norm.weight" not in names and "lin.bias" not in names
+    with torch.no_grad():
+        x = torch.randn(2, 128)
         assert torch.equal(m(x), ref(x))

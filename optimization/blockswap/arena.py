@@ -16,6 +16,7 @@ from torch import nn
 
 ALIGN = 256
 PAGE = 4096
+SMALL_TENSOR_BYTES = 16384   # smaller tensors (norm weights, RoPE freqs, modulation, scalar scales) stay on the GPU
 
 
 @dataclass
@@ -32,11 +33,12 @@ def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
-def swappable_tensors(module: nn.Module):
+def swappable_tensors(module: nn.Module, small_bytes: int = SMALL_TENSOR_BYTES):
     """(qualified name, tensor) for each parameter and buffer of `module` to stream, de-duplicated.
 
-    Trainable parameters (requires_grad, e.g. LoRA adapters) and tensor subclasses are left out: they stay on
-    the compute device.
+    Left out (they stay on the compute device): trainable parameters (requires_grad, e.g. LoRA adapters), tensor
+    subclasses, and tensors under `small_bytes` (a few KB per block; like ComfyUI's force-loaded small weights,
+    and code that reads e.g. a block's RoPE freqs outside the block's forward keeps working).
     """
     seen = set()
     out = []
@@ -48,13 +50,15 @@ def swappable_tensors(module: nn.Module):
             continue
         if type(t.data) is not torch.Tensor or t.is_sparse or t.is_quantized:
             continue
+        if t.numel() * t.element_size() < small_bytes:
+            continue
         out.append((name, t))
     return out
 
 
-def module_bytes(module: nn.Module, only_swappable: bool = False) -> int:
+def module_bytes(module: nn.Module, only_swappable: bool = False, small_bytes: int = SMALL_TENSOR_BYTES) -> int:
     if only_swappable:
-        return sum(t.numel() * t.element_size() for _, t in swappable_tensors(module))
+        return sum(t.numel() * t.element_size() for _, t in swappable_tensors(module, small_bytes))
     seen, total = set(), 0
     for t in list(module.parameters()) + list(module.buffers()):
         if id(t) not in seen:
@@ -76,10 +80,10 @@ def arena_layout(tensors) -> tuple[list[tuple], int]:
 class HostArena:
     """Packs `module`'s swappable tensors into one page-aligned host buffer and re-points them at it."""
 
-    def __init__(self, module: nn.Module, name: str = "", pin_fn=None):
+    def __init__(self, module: nn.Module, name: str = "", pin_fn=None, small_bytes: int = SMALL_TENSOR_BYTES):
         self.module = module
         self.name = name
-        tensors = swappable_tensors(module)
+        tensors = swappable_tensors(module, small_bytes)
         layout, total = arena_layout(tensors)
         self.nbytes = total
         self.payload_bytes = sum(n for _, n in layout)
@@ -116,10 +120,13 @@ class HostArena:
             r.tensor.data = v
 
     def restore_to(self, device: Optional[torch.device]) -> None:
-        """Give each tensor its own storage again (on `device`, or a fresh host tensor) and drop the arena."""
+        """Move the tensors to `device` and drop the arena. For a CPU device nothing is copied: the tensors keep
+        pointing at the (unpinned) arena, which stays alive through them -- never a second host copy."""
+        if device is None or torch.device(device).type == "cpu":
+            return
         with torch.no_grad():
             for r, v in zip(self.records, self.host_views):
-                r.tensor.data = v.to(device, copy=True) if device is not None else v.clone()
+                r.tensor.data = v.to(device, copy=True)
         self.records, self.host_views = [], []
         self.buffer = self._raw = None
 

@@ -33,6 +33,7 @@ class BlockSwapConfig:
     pinned_cap_bytes: Optional[int] = None
     reserve_bytes: Optional[int] = None
     debug_timing: bool = False  # per-copy CUDA events (bench / diagnostics); off on the hot path by default
+    small_tensor_bytes: int = 16384  # tensors smaller than this stay on the GPU (norms, RoPE freqs, scales)
 
     def __post_init__(self):
         if isinstance(self.blocks_to_swap, str):

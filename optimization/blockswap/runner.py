@@ -115,7 +115,8 @@ class BlockSwapRunner:
             for pos, (name, module, kind) in enumerate(units):
                 key = name
                 arena = HostArena(module, name,
-                                  pin_fn=lambda buf, key=key: pool.add(self.owner, key, buf, backend, sync=sync))
+                                  pin_fn=lambda buf, key=key: pool.add(self.owner, key, buf, backend, sync=sync),
+                                  small_bytes=config.small_tensor_bytes)
                 self.units.append(_Unit(pos, name, module, kind, arena))
             self._by_module = {id(u.module): u for u in self.units}
             slot_bytes = max((u.used_bytes for u in self.units), default=0)
@@ -177,7 +178,8 @@ class BlockSwapRunner:
     def close(self, restore_device=None) -> None:
         """Release everything: wait for in-flight copies, unpin every arena, free the ring, remove the hooks.
 
-        The swapped tensors then point at their (pageable) host arena, or at fresh tensors on `restore_device`.
+        The swapped tensors then point at their (pageable) host arena (also for restore_device="cpu": no copy),
+        or at fresh tensors on a GPU `restore_device`.
         Safe to call twice, after an exception, or from `detach`.
         """
         if self.closed:
@@ -196,12 +198,14 @@ class BlockSwapRunner:
                 u.slot = None
                 u.views = {}
             self.slots = []
-            self.pool.release_owner(self.owner)
-            self._finalizer.detach()
-            if restore_device is not None:
-                dev = torch.device(restore_device)
-                for u in getattr(self, "units", []):
-                    u.arena.restore_to(dev)
+            try:
+                if restore_device is not None:   # while still pinned: fast copies
+                    dev = torch.device(restore_device)
+                    for u in getattr(self, "units", []):
+                        u.arena.restore_to(dev)
+            finally:
+                self.pool.release_owner(self.owner)
+                self._finalizer.detach()
 
     def invalidate(self) -> None:
         """Forget what the ring slots hold (call after changing the host weights in place)."""
@@ -434,12 +438,14 @@ def attach_blockswap(model: nn.Module, config: Optional[BlockSwapConfig] = None,
     pool = pool or get_pinned_pool(device)
     blocks = getattr(model, blocks_attr)
     n = len(blocks)
-    block_bytes = [module_bytes(b, only_swappable=True) for b in blocks]
+    small = config.small_tensor_bytes
+    block_bytes = [module_bytes(b, only_swappable=True, small_bytes=small) for b in blocks]
     block_ids = {id(b) for b in blocks}
     io_children = [(name, m) for name, m in model.named_children()
-                   if m is not blocks and id(m) not in block_ids and module_bytes(m, only_swappable=True) > 0]
-    io_total = sum(module_bytes(m, only_swappable=True) for _, m in io_children)
-    other_bytes = module_bytes(model) - sum(module_bytes(b) for b in blocks)
+                   if m is not blocks and id(m) not in block_ids
+                   and module_bytes(m, only_swappable=True, small_bytes=small) > 0]
+    io_total = sum(module_bytes(m, only_swappable=True, small_bytes=small) for _, m in io_children)
+    other_bytes = module_bytes(model) - sum(block_bytes)
     swap_io = bool(config.swap_io_components)
 
     if config.is_auto:
@@ -468,7 +474,7 @@ def attach_blockswap(model: nn.Module, config: Optional[BlockSwapConfig] = None,
             units += [(f"{blocks_attr}.{i}", blocks[i], "block") for i in range(n) if i in swapped_set]
         elif swap_io and any(child is m for _, m in io_children):
             units.append((name, child, "io"))
-    keep = {id(t) for _, m, _ in units for _, t in swappable_tensors(m)}
+    keep = {id(t) for _, m, _ in units for _, t in swappable_tensors(m, small)}
     _move_rest(model, keep, device)          # resident blocks, I/O, trainable tensors: on the GPU
     runner = BlockSwapRunner(units, config, backend, pool, swapped_indices=swapped, num_blocks=n)
     if backend.device.type == "cuda":
@@ -485,8 +491,8 @@ def attach_blockswap(model: nn.Module, config: Optional[BlockSwapConfig] = None,
 def detach(model_or_runner, restore_device=None) -> dict:
     """Release the runner of a model (or a runner): pinned memory, ring buffers, hooks. Returns its last stats.
 
-    `restore_device`: move the swapped blocks there (e.g. the GPU, or "cpu" for plain host tensors); by default
-    they stay in their (now pageable) host arenas.
+    `restore_device`: a GPU moves the swapped blocks back there; None or "cpu" leaves them in their (now
+    pageable) host arenas, without a copy.
     """
     runner = getattr(model_or_runner, "block_runner", model_or_runner)
     stats = runner.stats() if hasattr(runner, "stats") else {}
