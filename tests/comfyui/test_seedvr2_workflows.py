@@ -1,0 +1,221 @@
+"""The example SeedVR2 workflows (workflows/seedvr2_*.json, UI format) run end to end in a real ComfyUI on
+CPU with the tiny checkpoints (tests/make_tiny_models.py), converted to API prompts by ui_to_api.py."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .ui_to_api import WorkflowConversionError, from_node_classes, ui_to_api
+
+REPO = Path(__file__).resolve().parents[2]
+WORKFLOWS = REPO / "workflows"
+IMAGE_WF = WORKFLOWS / "seedvr2_image_upscale.json"
+VIDEO_WF = WORKFLOWS / "seedvr2_video_upscale.json"
+PACK_NODES = {"SeedVR2BW_LoadDiT", "SeedVR2BW_LoadVAE", "SeedVR2BW_Upscale"}
+IN_W, IN_H = 40, 24   # input image size (landscape)
+
+
+def _node_id(wf: dict, ctype: str) -> int:
+    return next(n["id"] for n in wf["nodes"] if n["type"] == ctype)
+
+
+@pytest.fixture(scope="module")
+def tiny(comfy_inprocess, tmp_path_factory):
+    """Tiny models in a SEEDVR2 folder registered with folder_paths, and an input image example.png."""
+    import sys
+    sys.path.insert(0, str(REPO / "tests"))
+    from make_tiny_models import make_tiny_models
+    models = tmp_path_factory.mktemp("models")
+    paths = make_tiny_models(models, flux=True)
+    fp = comfy_inprocess.folder_paths
+    fp.add_model_folder_path("seedvr2", str(models / "SEEDVR2"))
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    arr = (rng.random((IN_H, IN_W, 3)) * 255).astype(np.uint8)
+    Image.fromarray(arr).save(os.path.join(fp.get_input_directory(), "example.png"))
+    rgba = np.concatenate([arr, np.full((IN_H, IN_W, 1), 200, np.uint8)], axis=-1)
+    Image.fromarray(rgba, "RGBA").save(os.path.join(fp.get_input_directory(), "example_rgba.png"))
+    return paths
+
+
+def _convert(comfy, path, overrides=None):
+    wf = json.loads(Path(path).read_text())
+    return wf, ui_to_api(wf, from_node_classes(comfy.node_classes), overrides)
+
+
+def _tiny_overrides(wf, **upscale):
+    return {
+        _node_id(wf, "SeedVR2BW_LoadDiT"): {"model": "seedvr2_tiny_3b.safetensors"},
+        _node_id(wf, "SeedVR2BW_LoadVAE"): {"model": "ema_vae_tiny.safetensors"},
+        _node_id(wf, "SeedVR2BW_Upscale"): upscale,
+    }
+
+
+def _output_files(comfy, outputs, node_id, key="images"):
+    out_dir = Path(comfy.folder_paths.get_output_directory())
+    items = outputs[str(node_id)][key]
+    return [out_dir / it.get("subfolder", "") / it["filename"] for it in items]
+
+
+# ----------------------------------------------------------------------------------------- static checks
+@pytest.mark.parametrize("path", [IMAGE_WF, VIDEO_WF], ids=["image", "video"])
+def test_workflow_is_ui_format_and_matches_schemas(comfy_inprocess, tiny, path):
+    wf = json.loads(path.read_text())
+    assert wf["version"] == 0.4 and wf["links"] and wf["nodes"]
+    for n in wf["nodes"]:
+        assert {"id", "type", "pos", "size", "inputs", "outputs", "widgets_values"} <= set(n), n["type"]
+    types = {n["type"] for n in wf["nodes"]} - {"Note"}
+    missing = [t for t in types if t not in comfy_inprocess.node_classes]
+    assert not missing, f"node types not registered: {missing}"
+    assert PACK_NODES <= types
+    prompt = ui_to_api(wf, from_node_classes(comfy_inprocess.node_classes))  # raises on widget mismatch
+    ok, err, _outs, node_errors = comfy_inprocess.validate(_tiny_prompt_for_validation(comfy_inprocess, wf, prompt))
+    assert ok, (err, node_errors)
+
+
+def _tiny_prompt_for_validation(comfy, wf, prompt):
+    for nid, ch in _tiny_overrides(wf).items():
+        prompt[str(nid)]["inputs"].update(ch)
+    return prompt
+
+
+def test_converter_rejects_wrong_widget_count(comfy_inprocess):
+    wf = json.loads(IMAGE_WF.read_text())
+    up = next(n for n in wf["nodes"] if n["type"] == "SeedVR2BW_Upscale")
+    up["widgets_values"] = up["widgets_values"][:-1]
+    with pytest.raises(WorkflowConversionError, match="widget"):
+        ui_to_api(wf, from_node_classes(comfy_inprocess.node_classes))
+
+
+def test_model_lists_show_tiny_files(comfy_inprocess, tiny):
+    dit = comfy_inprocess.node_classes["SeedVR2BW_LoadDiT"].INPUT_TYPES()["required"]["model"][1]["options"]
+    vae = comfy_inprocess.node_classes["SeedVR2BW_LoadVAE"].INPUT_TYPES()["required"]["model"][1]["options"]
+    assert "seedvr2_tiny_3b.safetensors" in dit and "seedvr2_tiny_7b.safetensors" in dit
+    assert "ema_vae_tiny.safetensors" in vae and "ema_vae_tiny.safetensors" not in dit
+    assert not any(n.startswith(("pos_emb", "neg_emb")) for n in dit + vae)
+
+
+# ----------------------------------------------------------------------------------------- end to end
+def test_image_workflow_runs(comfy_inprocess, tiny):
+    wf, prompt = _convert(comfy_inprocess, IMAGE_WF)
+    for nid, ch in _tiny_overrides(wf, resolution=32).items():
+        prompt[str(nid)]["inputs"].update(ch)
+    res = comfy_inprocess.run(prompt)
+    assert res.success, res.error
+    from PIL import Image
+    files = _output_files(comfy_inprocess, res.outputs, _node_id(wf, "SaveImage"))
+    assert len(files) == 1
+    with Image.open(files[0]) as im:
+        assert im.size == (53, 32)  # 40x24 -> shortest edge 32 -> 53.33 -> 53
+    assert "progress" in res.event_names()
+
+
+def test_image_workflow_scale_factor_rgba_7b(comfy_inprocess, tiny):
+    wf, prompt = _convert(comfy_inprocess, IMAGE_WF)
+    ov = _tiny_overrides(wf, size_mode="scale_factor", scale_factor=1.5, color_correction="lab")
+    ov[_node_id(wf, "SeedVR2BW_LoadDiT")] = {"model": "seedvr2_tiny_7b.safetensors"}
+    ov[_node_id(wf, "LoadImage")] = {"image": "example_rgba.png"}
+    for nid, ch in ov.items():
+        prompt[str(nid)]["inputs"].update(ch)
+    res = comfy_inprocess.run(prompt)
+    assert res.success, res.error
+    from PIL import Image
+    with Image.open(_output_files(comfy_inprocess, res.outputs, _node_id(wf, "SaveImage"))[0]) as im:
+        assert im.size == (60, 36)
+
+
+def test_video_workflow_runs(comfy_inprocess, tiny):
+    wf, prompt = _convert(comfy_inprocess, VIDEO_WF)
+    ov = _tiny_overrides(wf, resolution=16, batch_size=5, temporal_overlap=1)
+    ov[_node_id(wf, "RepeatImageBatch")] = {"amount": 7}
+    for nid, ch in ov.items():
+        prompt[str(nid)]["inputs"].update(ch)
+    res = comfy_inprocess.run(prompt)
+    assert res.success, res.error
+    from PIL import Image
+    files = _output_files(comfy_inprocess, res.outputs, _node_id(wf, "SaveAnimatedWEBP"))
+    with Image.open(files[0]) as im:
+        assert im.size == (27, 16)  # 40x24 -> 16 x 26.67 -> 27
+        assert getattr(im, "n_frames", 1) == 7
+
+
+def test_models_registered_with_comfy_and_freed(comfy_inprocess, tiny):
+    """After a run the models are in ComfyUI's loaded-model list; 'Unload models' (/free) releases them."""
+    from seedvr2bw.nodes import seedvr2 as nodes_mod  # noqa: F401  (same classes ComfyUI loaded)
+    wf, prompt = _convert(comfy_inprocess, IMAGE_WF)
+    for nid, ch in _tiny_overrides(wf, resolution=24).items():
+        prompt[str(nid)]["inputs"].update(ch)
+    res = comfy_inprocess.run(prompt)
+    assert res.success, res.error
+    mm = comfy_inprocess.model_management
+
+    def ours():
+        return [lm for lm in mm.current_loaded_models
+                if lm.model is not None and type(lm.model.model).__name__ == "_Host"]
+    assert ours(), "the SeedVR2 models were not loaded through comfy.model_management"
+    mm.unload_all_models()
+    assert not ours()
+
+
+# ----------------------------------------------------------------------------------------- errors
+def _run_with(comfy, **upscale):
+    wf, prompt = _convert(comfy, IMAGE_WF)
+    for nid, ch in _tiny_overrides(wf, resolution=24, **upscale).items():
+        prompt[str(nid)]["inputs"].update(ch)
+    return wf, prompt
+
+
+def _error_text(res) -> str:
+    err = res.error or {}
+    return f"{err.get('exception_type', '')}: {err.get('exception_message', '')} {err}"
+
+
+def test_flux_file_in_dit_loader_is_rejected_cleanly(comfy_inprocess, tiny):
+    wf, prompt = _run_with(comfy_inprocess)
+    prompt[str(_node_id(wf, "SeedVR2BW_LoadDiT"))]["inputs"]["model"] = "flux_tiny.safetensors"
+    res = comfy_inprocess.run(prompt)
+    assert not res.success
+    text = _error_text(res)
+    assert "FLUX" in text and "not a SeedVR2 DiT" in text, text
+    assert res.error.get("node_type") == "SeedVR2BW_LoadDiT"
+
+
+def test_vae_file_in_dit_loader_is_rejected(comfy_inprocess, tiny):
+    wf, prompt = _run_with(comfy_inprocess)
+    prompt[str(_node_id(wf, "SeedVR2BW_LoadDiT"))]["inputs"]["model"] = "ema_vae_tiny.safetensors"
+    res = comfy_inprocess.run(prompt)
+    assert not res.success
+    assert "not a SeedVR2 DiT" in _error_text(res)
+
+
+def test_bad_batch_size_is_a_clear_error(comfy_inprocess, tiny):
+    _wf, prompt = _run_with(comfy_inprocess, batch_size=4)
+    res = comfy_inprocess.run(prompt)
+    assert not res.success
+    assert "4n+1" in _error_text(res)
+
+
+def test_missing_embeddings_error_names_file_and_folder(comfy_inprocess, tiny, tmp_path):
+    """A DiT whose folder has no pos_emb (and no SEEDVR2 folder has one): the error names file and folder."""
+    fp = comfy_inprocess.folder_paths
+    lonely = tmp_path / "lonely"
+    lonely.mkdir()
+    shutil.copy(tiny["dit_3b"], lonely / "seedvr2_lonely_3b.safetensors")
+    shutil.copy(tiny["vae"], lonely / "ema_vae_tiny.safetensors")
+    paths = fp.folder_names_and_paths["seedvr2"][0]
+    saved = list(paths)
+    paths[:] = [str(lonely)]
+    try:
+        wf, prompt = _run_with(comfy_inprocess)
+        prompt[str(_node_id(wf, "SeedVR2BW_LoadDiT"))]["inputs"]["model"] = "seedvr2_lonely_3b.safetensors"
+        res = comfy_inprocess.run(prompt)
+    finally:
+        paths[:] = saved
+    assert not res.success
+    text = _error_text(res)
+    assert "pos_emb.pt" in text and str(lonely) in text, text
