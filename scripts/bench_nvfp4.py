@@ -62,6 +62,7 @@ def main(argv=None):
     ap.add_argument("--rep-ms", type=float, default=100)
     ap.add_argument("--acc-m", type=int, default=1024)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--components", action="store_true", help="also time dequant / act-quant / GEMM alone")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -132,6 +133,25 @@ def main(argv=None):
                     row[f"{p}_tflops"] = flops / ms_ / 1e9
                 except Exception as exc:  # noqa: BLE001
                     row[f"{p}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if args.components and K.HAS_TRITON:
+                x = xs[0]
+                try:
+                    row["c_dequant_ms"] = _bench(lambda: K.dequantize_nvfp4_triton(
+                        t.packed, t.block_scale, t.global_scale, (n, k), torch.bfloat16), rep_ms=args.rep_ms)
+                    row["c_act_fp8_ms"] = _bench(lambda: K.quantize_act_fp8_rowwise(x), rep_ms=args.rep_ms)
+                    if "fp8_speed" in layers:
+                        w8, sw = layers["fp8_speed"]._fp8_weight(dev)
+                        xq, sx = K.quantize_act_fp8_rowwise(x)
+                        row["c_fp8_gemm_ms"] = _bench(lambda: torch._scaled_mm(
+                            xq, w8.t(), scale_a=sx.reshape(-1, 1), scale_b=sw.reshape(1, -1), out_dtype=torch.bfloat16,
+                            bias=bias, use_fast_accum=True), rep_ms=args.rep_ms)
+                    if m <= 256:
+                        row["c_w4a16_ms"] = _bench(lambda: K.w4a16_linear(
+                            x, t.packed, t.block_scale, t.global_scale, n, bias), rep_ms=args.rep_ms)
+                except Exception as exc:  # noqa: BLE001
+                    row["c_error"] = str(exc).splitlines()[0]
+                print("   components: " + " ".join(f"{kk[2:]}={vv:.4f}" for kk, vv in row.items()
+                                                  if kk.startswith("c_") and isinstance(vv, float)), flush=True)
             for p in paths:
                 if p != "bf16" and f"{p}_ms" in row and "bf16_ms" in row:
                     row[f"{p}_vs_bf16"] = row["bf16_ms"] / row[f"{p}_ms"]

@@ -117,6 +117,9 @@ if HAS_TRITON:
         tl.store(q_ptr + row * K + cols, q.to(tl.float8e4nv), mask=mask)
         tl.store(s_ptr + row, scale)
 
+    @triton.autotune(configs=[triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
+                              for r, c, w in ((32, 64, 4), (16, 256, 4), (32, 256, 8), (8, 512, 4))],
+                     key=["R", "HALF"])
     @triton.jit
     def _dequant_kernel(p_ptr, s_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -139,52 +142,68 @@ if HAS_TRITON:
         tl.store(o_ptr + rows[:, None].to(tl.int64) * K_OUT + ocols[None, :], vals.to(o_ptr.dtype.element_ty),
                  mask=omask)
 
+    @triton.jit
+    def _e2m1_half_units(code):
+        """4-bit code -> 2 * value as float32 (exact small integers), via an in-register nibble table."""
+        mag = code & 7
+        v2 = (0x8643210 >> (mag * 4)) & 15
+        v2 = tl.where(mag == 7, 12, v2)
+        v2 = tl.where((code & 8) != 0, -v2, v2)
+        return v2.to(tl.float32)
+
     def _w4a16_configs():
         out = []
-        for bm, bn, bk, w, st in ((16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 3),
-                                  (64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3),
-                                  (64, 256, 64, 8, 3), (128, 256, 64, 8, 3)):
-            out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st))
+        for bm, bn, bk, sk, w, st in ((16, 64, 256, 1, 4, 4), (16, 64, 256, 4, 4, 4), (16, 128, 256, 2, 4, 4),
+                                      (32, 64, 256, 2, 4, 4), (32, 128, 128, 4, 4, 4), (64, 64, 256, 2, 4, 3),
+                                      (64, 128, 128, 1, 4, 3), (64, 128, 128, 4, 8, 3), (128, 128, 128, 1, 8, 3),
+                                      (128, 128, 128, 2, 8, 3), (128, 64, 128, 4, 4, 3), (256, 128, 64, 1, 8, 3)):
+            out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk},
+                                     num_warps=w, num_stages=st))
         return out
 
     @triton.jit
-    def _w4a16_kernel_raw(x_ptr, p_ptr, s_ptr, g_ptr, b_ptr, o_ptr, M, N, K, M_BUCKET, stride_xm, NCB4,
-                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid_m = tl.program_id(1)
+    def _w4a16_kernel_raw(x_ptr, p_ptr, s_ptr, g_ptr, ws_ptr, M, N, K, M_BUCKET, stride_xm, NCB4,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          SPLIT_K: tl.constexpr):
+        """ws[M, N] (+)= x @ dequant(W)^T in fp32. Even / odd K elements are the high / low nibbles of a byte,
+        so x is read as its even and odd columns and the weight needs no interleaving."""
         pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
         rkp = tl.arange(0, BLOCK_K // 2)
-        rkb = tl.arange(0, BLOCK_K // 16)
         HALF = K // 2
+        k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_lo = pid_k * k_per
+        k_hi = tl.minimum(k_lo + k_per, K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-        p_ptrs = p_ptr + rn[:, None].to(tl.int64) * HALF + rkp[None, :]
-        for k0 in range(0, K, BLOCK_K):
-            kmask = (k0 + rk) < K
-            x = tl.load(x_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
-            pmask = (rn[:, None] < N) & ((k0 // 2 + rkp)[None, :] < HALF)
-            p = tl.load(p_ptrs, mask=pmask, other=0).to(tl.int32)
-            soff = _swz_offset(rn[:, None].to(tl.int64), (k0 // 16 + rkb)[None, :], NCB4)
-            s = tl.load(s_ptr + soff, mask=(rn[:, None] < N) & ((k0 // 16 + rkb)[None, :] < K // 16),
-                        other=0.0).to(tl.float32)
-            hi = _e2m1_value(p >> 4)
-            lo = _e2m1_value(p & 15)
-            w = tl.reshape(tl.join(hi, lo), (BLOCK_N, BLOCK_K // 16, 16))
-            w = tl.reshape(w * s[:, :, None], (BLOCK_N, BLOCK_K)).to(x.dtype)
-            acc = tl.dot(x, tl.trans(w), acc)
-            x_ptrs += BLOCK_K
-            p_ptrs += BLOCK_K // 2
+        mmask = rm[:, None] < M
+        nmask = rn[:, None] < N
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            pk = k0 // 2 + rkp
+            pkm = pk[None, :] < HALF
+            xrow = x_ptr + rm[:, None].to(tl.int64) * stride_xm + 2 * pk[None, :]
+            xe = tl.load(xrow, mask=mmask & pkm, other=0.0)
+            xo = tl.load(xrow + 1, mask=mmask & pkm, other=0.0)
+            p = tl.load(p_ptr + rn[:, None].to(tl.int64) * HALF + pk[None, :], mask=nmask & pkm, other=0).to(tl.int32)
+            soff = _swz_offset(rn[:, None].to(tl.int64), (pk // 8)[None, :], NCB4)
+            s = tl.load(s_ptr + soff, mask=nmask & pkm, other=0.0).to(tl.float32)
+            wh = (_e2m1_half_units(p >> 4) * s).to(xe.dtype)
+            wl = (_e2m1_half_units(p & 15) * s).to(xe.dtype)
+            acc = tl.dot(xe, tl.trans(wh), acc)
+            acc = tl.dot(xo, tl.trans(wl), acc)
         g = tl.load(g_ptr)
-        acc = acc * g
-        if HAS_BIAS:
-            b = tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-            acc = acc + b[None, :]
-        tl.store(o_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(o_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+        acc = acc * (g * 0.5)
+        optr = ws_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
+        omask = (rm[:, None] < M) & (rn[None, :] < N)
+        if SPLIT_K == 1:
+            tl.store(optr, acc, mask=omask)
+        else:
+            tl.atomic_add(optr, acc, mask=omask, sem="relaxed")
 
-    _w4a16_kernel = triton.autotune(configs=_w4a16_configs(), key=["M_BUCKET", "N", "K"])(_w4a16_kernel_raw)
+    _w4a16_kernel = triton.autotune(configs=_w4a16_configs(), key=["M_BUCKET", "N", "K"],
+                                    reset_to_zero=["ws_ptr"])(_w4a16_kernel_raw)
 
 
 def _check_triton(t: torch.Tensor):
@@ -246,10 +265,13 @@ def dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype=torc
         out = torch.empty((n, k), dtype=dtype, device=packed.device)
     sc = block_scale.shape[1]
     g = global_scale.to(device=packed.device, dtype=torch.float32).reshape(1)
-    BLOCK_R, BLOCK_C = 32, 64
-    grid = (triton.cdiv(n, BLOCK_R), triton.cdiv(min(HALF, (k + 1) // 2), BLOCK_C))
-    _dequant_kernel[grid](packed, block_scale, g, out, R, HALF, n, k, sc // 4,
-                          BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4)
+    kh = min(HALF, (k + 1) // 2)
+    if _INTERPRET:
+        _dequant_kernel.fn[(triton.cdiv(n, 32), triton.cdiv(kh, 64))](packed, block_scale, g, out, R, HALF, n, k,
+                                                                       sc // 4, BLOCK_R=32, BLOCK_C=64)
+    else:
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_R"]), triton.cdiv(kh, meta["BLOCK_C"]))  # noqa: E731
+        _dequant_kernel[grid](packed, block_scale, g, out, R, HALF, n, k, sc // 4)
     return out
 
 
@@ -261,22 +283,24 @@ def _m_bucket(m: int) -> int:
 
 
 def w4a16_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=None):
-    """y[M, n] = x[M, Kp] @ dequant(W)^T (+ bias). x must already be padded to the weight's padded K."""
+    """y[M, n] = x[M, Kp] @ dequant(W)^T (+ bias), fp32 accumulation, output in x's dtype.
+    x must already be padded to the weight's padded K. Split-K over the grid keeps the GPU busy at small M."""
     _check_triton(x)
     M, K = x.shape
     if packed.shape[1] * 2 != K:
         raise ValueError(f"activation K={K} does not match the packed weight's K={packed.shape[1] * 2}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty((M, n), dtype=x.dtype, device=x.device)
+    ws = torch.zeros((M, n), dtype=torch.float32, device=x.device)
     g = global_scale.to(device=x.device, dtype=torch.float32).reshape(1)
     sc = block_scale.shape[1]
-    args = (x, packed, block_scale, g, bias if bias is not None else x, out, M, n, K, _m_bucket(M), x.stride(0),
-            sc // 4)
+    args = (x, packed, block_scale, g, ws, M, n, K, _m_bucket(M), x.stride(0), sc // 4)
     if _INTERPRET:
-        grid = (triton.cdiv(n, 32), triton.cdiv(M, 16))
-        _w4a16_kernel_raw[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)
+        grid = (triton.cdiv(n, 32), triton.cdiv(M, 16), 2)
+        _w4a16_kernel_raw[grid](*args, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=2)
     else:
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(M, meta["BLOCK_M"]))  # noqa: E731
-        _w4a16_kernel[grid](*args, HAS_BIAS=bias is not None)
-    return out
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(M, meta["BLOCK_M"]), meta["SPLIT_K"])  # noqa: E731
+        _w4a16_kernel[grid](*args)
+    if bias is not None:
+        ws += bias.float()
+    return ws.to(x.dtype)

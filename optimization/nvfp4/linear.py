@@ -220,6 +220,13 @@ class NVFP4Linear(_QuantLinearBase):
 
     # -- forward --------------------------------------------------------------------------------------------
     def effective_path(self, device) -> str:
+        key = ("path", self.path, str(device))
+        path = self._derived.get(key)
+        if path is None:
+            path = self._derived[key] = self._decide_path(device)
+        return path
+
+    def _decide_path(self, device) -> str:
         path = resolve_path(self.path, device)
         if path == "fp4_tensorcore" and not fp4_gemm_supported(device)[0]:
             path = "fp8_speed"
