@@ -300,14 +300,16 @@ class SeedVR2LoadDiT(io.ComfyNode):
         device = mm.get_torch_device()
         dtype = _resolve_dtype(compute_dtype, device)
         backend = _choose_attention(attention, device)
+        policy = _policy(device)
         try:
-            dit = load_dit(path, device="cpu", dtype=dtype, attention_backend=backend)
+            # weights land on the offload device; the ModelPatcher moves them to `device` when needed.
+            # The policy of the *compute* device decides the fp8/NVFP4 linear path.
+            dit = load_dit(path, device="cpu", dtype=dtype, attention_backend=backend, policy=policy)
         except (ValueError, NotImplementedError) as exc:
             raise ValueError(f"SeedVR2 Load DiT: {exc}") from exc
         cfg = getattr(dit, "config", None)
         emb = load_text_embeddings(path, extra_dirs=seedvr2_dirs(), expected_dim=getattr(cfg, "txt_in_dim", None))
         patcher = _make_patcher(dit, device, mm.unet_offload_device())
-        policy = _policy(device)
         _log.info("[SeedVR2-BW] DiT %s (%s, %s, attention %s)%s", os.path.basename(path),
                   getattr(cfg, "variant", "?"), dtype, backend, f"; {policy.summary()}" if policy else "")
         handle = SeedVR2DiTModel(patcher=patcher, embeddings=emb, dtype=dtype, attention=backend, path=path,

@@ -402,3 +402,11 @@ def test_real_models_video_chunks_alpha():
                     P.UpscaleSettings(resolution=16, batch_size=5, temporal_overlap=1, color_correction="lab"))
     assert out.shape == (6, 16, 16, 4) and torch.isfinite(out).all()
     torch.testing.assert_close(out[..., 3], frames[..., 3])
+
+
+def test_frame_group_does_not_change_the_result():
+    frames = torch.rand(7, 16, 24, 3, generator=torch.Generator().manual_seed(11))
+    s = P.UpscaleSettings(resolution=20, batch_size=5, temporal_overlap=2, color_correction="wavelet")
+    a = P.upscale(frames, FakeDiT(), FakeVAE(logvar=-3.0), TXT, s, frame_group=1)
+    b = P.upscale(frames, FakeDiT(), FakeVAE(logvar=-3.0), TXT, s, frame_group=8)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=0)

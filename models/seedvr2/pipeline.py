@@ -441,7 +441,7 @@ class SeedVR2Runner:
         return mean, logvar
 
     def decode(self, z: torch.Tensor, tiling: VAETiling) -> torch.Tensor:
-        """z (1, 16, t, h, w) (unscaled) -> pixels (1, 3, 4(t-1)+1, 8h, 8w) in about [-1, 1], float32."""
+        """z (1, 16, t, h, w) (unscaled) -> pixels (1, 3, 4(t-1)+1, 8h, 8w) in about [-1, 1] (VAE dtype)."""
         z = z.to(self.device, self.vae_dtype)
         h, w = z.shape[-2:]
         tile = self._tile_for(tiling.decode, tiling.decode_tile, h * SPATIAL_FACTOR, w * SPATIAL_FACTOR,
@@ -454,7 +454,7 @@ class SeedVR2Runner:
                 out = _decoded_tensor(_call_with_optional(vae.decode, t, should_stop=self.should_stop))
             if out.dim() == 4:  # single frame: the wrapper squeezes time
                 out = out.unsqueeze(2)
-            return out.float()
+            return out
 
         if tile:
             tl = tile // SPATIAL_FACTOR
@@ -462,7 +462,7 @@ class SeedVR2Runner:
             if hasattr(vae, "decode_tiled"):  # models/seedvr2/vae: tile/overlap in latents
                 with torch.no_grad(), self._autocast(self.vae_dtype):
                     out = _decoded_tensor(vae.decode_tiled(z, tl, ol, should_stop=self.should_stop))
-                return (out.unsqueeze(2) if out.dim() == 4 else out).float()
+                return out.unsqueeze(2) if out.dim() == 4 else out
             return tiled_spatial(dec, z, tl, ol, float(SPATIAL_FACTOR), 3)
         return dec(z)
 
@@ -507,11 +507,12 @@ def upscale(frames: torch.Tensor, dit, vae, text_embedding: torch.Tensor, settin
             should_stop: Optional[Callable[[], None]] = None,
             progress: Optional[Callable[[int, int], None]] = None,
             hooks: Optional[PipelineHooks] = None,
-            free_memory: Optional[Callable[[], int]] = None) -> torch.Tensor:
+            free_memory: Optional[Callable[[], int]] = None, frame_group: int = 8) -> torch.Tensor:
     """Upscale ``frames`` (T, H, W, C in [0, 1], C = 3 or 4) -> (T, th, tw, C) float32 on ``output_device``.
 
     ``should_stop()`` is called between chunks/tiles (and handed to the models when they accept it);
-    it must raise to stop. ``progress(done, total)`` is called after each chunk of each phase.
+    it must raise to stop (or return True). ``progress(done, total)`` is called after each chunk of each
+    phase. ``frame_group``: frames resized / colour-corrected at a time (bounds device temporaries).
     """
     s = settings or UpscaleSettings()
     hooks = hooks or PipelineHooks()
@@ -538,19 +539,31 @@ def upscale(frames: torch.Tensor, dit, vae, text_embedding: torch.Tensor, settin
         if progress is not None:
             progress(done, total)
 
+    sub = max(1, int(frame_group))
+
     def resized_rgb(s0, e0):
         x = frames[s0:e0, :, :, :3].to(dev, torch.float32).permute(0, 3, 1, 2)
         return resize_frames(x, th, tw)  # (n, 3, th, tw) in [0, 1]
+
+    def vae_input(s0, e0):
+        """(1, 3, T', ph, pw) in [-1, 1], VAE dtype; built ``sub`` frames at a time to bound float32 temporaries."""
+        n = e0 - s0
+        x = torch.empty(1, 3, next_4n1(n), ph, pw, device=dev, dtype=runner.vae_dtype)
+        for i in range(0, n, sub):
+            part = resized_rgb(s0 + i, min(s0 + i + sub, e0))
+            if (ph, pw) != (th, tw):
+                part = F.pad(part, (0, pw - tw, 0, ph - th), mode="replicate")
+            x[0, :, i:i + part.shape[0]] = (part * 2.0 - 1.0).permute(1, 0, 2, 3)
+        if x.shape[2] > n:  # 4n+1: repeat the last frame
+            x[0, :, n:] = x[0, :, n - 1:n]
+        return x
 
     # phase 1: encode + posterior sample
     hooks.before_encode()
     lq_latents = []
     for ci, (s0, e0) in enumerate(chunks):
         stop()
-        x = resized_rgb(s0, e0)
-        x = F.pad(x, (0, pw - tw, 0, ph - th), mode="replicate") if (ph, pw) != (th, tw) else x
-        x = pad_frames_4n1(x * 2.0 - 1.0, dim=0)            # (T', 3, ph, pw) in [-1, 1]
-        x = x.permute(1, 0, 2, 3).unsqueeze(0)             # (1, 3, T', ph, pw)
+        x = vae_input(s0, e0)
         mean, logvar = runner.encode(x, s.tiling)
         g = _seed_generator(s.seed, 1)
         eps = torch.randn(mean.shape, generator=g, dtype=torch.float32).to(mean.device)
@@ -584,11 +597,14 @@ def upscale(frames: torch.Tensor, dit, vae, text_embedding: torch.Tensor, settin
         n = e0 - s0
         if px.shape[1] < n:
             raise RuntimeError(f"VAE decoded {px.shape[1]} frames for a chunk of {n}")
-        px = px[:, :n, :th, :tw].permute(1, 0, 2, 3)                                # (n, 3, th, tw)
-        px = ((px.clamp(-1.0, 1.0) + 1.0) * 0.5)
-        px = color_correct(px, resized_rgb(s0, e0), s.color_correction)
-        w = weights[ci].to(px.device).reshape(-1, 1, 1, 1)
-        out[s0:e0] += (px * w).permute(0, 2, 3, 1).to(out_dev)
+        for i in range(0, n, sub):
+            k = min(sub, n - i)
+            part = px[:, i:i + k, :th, :tw].permute(1, 0, 2, 3).float()              # (k, 3, th, tw)
+            part = (part.clamp(-1.0, 1.0) + 1.0) * 0.5
+            part = color_correct(part, resized_rgb(s0 + i, s0 + i + k), s.color_correction)
+            w = weights[ci][i:i + k].to(part.device).reshape(-1, 1, 1, 1)
+            out[s0 + i:s0 + i + k] += (part * w).permute(0, 2, 3, 1).to(out_dev)
+            del part
         samples[ci] = None
         del px, z
         tick()

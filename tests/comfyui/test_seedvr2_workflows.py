@@ -160,6 +160,8 @@ def test_models_registered_with_comfy_and_freed(comfy_inprocess, tiny):
     assert ours(), "the SeedVR2 models were not loaded through comfy.model_management"
     mm.unload_all_models()
     assert not ours()
+    again = comfy_inprocess.run(prompt)  # cached loader outputs, models reloaded after the unload
+    assert again.success, again.error
 
 
 # ----------------------------------------------------------------------------------------- errors
@@ -219,3 +221,70 @@ def test_missing_embeddings_error_names_file_and_folder(comfy_inprocess, tiny, t
     assert not res.success
     text = _error_text(res)
     assert "pos_emb.pt" in text and str(lonely) in text, text
+
+
+def test_interrupt_stops_the_upscaler_between_chunks(comfy_inprocess, tiny):
+    import time
+    wf, prompt = _convert(comfy_inprocess, VIDEO_WF)
+    ov = _tiny_overrides(wf, resolution=16, batch_size=1, temporal_overlap=0, seed=1234)
+    ov[_node_id(wf, "RepeatImageBatch")] = {"amount": 200}
+    for nid, ch in ov.items():
+        prompt[str(nid)]["inputs"].update(ch)
+    th, box = comfy_inprocess.run_in_thread(prompt)
+    t0 = time.time()
+    while time.time() - t0 < 120 and not any(e == "progress" for e, _ in comfy_inprocess.events_so_far()):
+        time.sleep(0.02)
+    comfy_inprocess.interrupt()
+    th.join(timeout=60)
+    assert not th.is_alive(), "the upscaler did not stop within 60 s of the interrupt"
+    res = box["result"]
+    assert res.status == "execution_interrupted", (res.status, res.error)
+    assert res.error["node_type"] == "SeedVR2BW_Upscale"
+    steps = [d for e, d in res.events if e == "progress"]
+    assert steps and steps[-1]["max"] == 600 and steps[-1]["value"] < 600
+
+
+# ----------------------------------------------------------------------------------------- real server
+@pytest.fixture(scope="module")
+def seedvr2_server(comfy_dir, pack_parent, tmp_path_factory):
+    """A ComfyUI server whose extra_model_paths.yaml has a `seedvr2:` entry with the tiny models."""
+    import sys
+    sys.path.insert(0, str(REPO / "tests"))
+    from make_tiny_models import make_tiny_models
+    from rig.server import ComfyServer
+    work = tmp_path_factory.mktemp("seedvr2_server")
+    models = work / "models"
+    make_tiny_models(models)
+    yaml = work / "seedvr2_paths.yaml"
+    yaml.write_text(f"seedvr2_tiny:\n    seedvr2: {models / 'SEEDVR2'}\n")
+    srv = ComfyServer(comfy_dir, custom_node_dirs=[pack_parent], workdir=work / "srv",
+                      extra_args=["--extra-model-paths-config", str(yaml)])
+    srv.start()
+    from PIL import Image
+    srv.input_dir.mkdir(parents=True, exist_ok=True)
+    arr = (np.random.default_rng(1).random((IN_H, IN_W, 3)) * 255).astype(np.uint8)
+    Image.fromarray(arr).save(srv.input_dir / "example.png")
+    yield srv
+    alive = srv.alive()
+    srv.stop()
+    assert alive, srv.log_tail()
+
+
+def test_image_workflow_through_http_and_free(seedvr2_server):
+    from .ui_to_api import from_object_info
+    srv = seedvr2_server
+    info = srv.object_info()
+    assert "seedvr2_tiny_3b.safetensors" in info["SeedVR2BW_LoadDiT"]["input"]["required"]["model"][1]["options"]
+    wf = json.loads(IMAGE_WF.read_text())
+    prompt = ui_to_api(wf, from_object_info(info), _tiny_overrides(wf, resolution=32))
+    entry = srv.run_prompt(prompt, timeout=300)
+    assert entry["status"]["status_str"] == "success", srv.log_tail()
+    item = entry["outputs"][str(_node_id(wf, "SaveImage"))]["images"][0]
+    from PIL import Image
+    with Image.open(srv.output_dir / item.get("subfolder", "") / item["filename"]) as im:
+        assert im.size == (53, 32)
+    status, _ = srv.request("POST", "/free", {"unload_models": True, "free_memory": True})
+    assert status == 200
+    prompt[str(_node_id(wf, "SaveImage"))]["inputs"]["filename_prefix"] = "SeedVR2_after_free"
+    entry = srv.run_prompt(prompt, timeout=300)
+    assert entry["status"]["status_str"] == "success", srv.log_tail()
