@@ -42,22 +42,31 @@ def tile_spans(size: int, tile: int, overlap: int) -> List[Tuple[int, int]]:
     return [(s, s + tile) for s in starts]
 
 
-def blend_weights(spans: Sequence[Tuple[int, int]], size: int) -> List[torch.Tensor]:
-    """1-D float64 weights per span: linear ramps over the overlap with each neighbour, normalised to sum to 1."""
+def blend_weights(spans: Sequence[Tuple[int, int]], size: int, margin: int = 0) -> List[torch.Tensor]:
+    """1-D float64 weights per span, normalised to sum to 1 at every position.
+
+    Across the overlap of two neighbours the weight ramps linearly from one to the other. `margin` positions at
+    each tile's inner edge get weight 0 (the ramp spans the middle of the overlap), so a tile's border, where its
+    output lacks the context of the neighbour, is never used; for an operation whose receptive field is within
+    `margin`, tiling is then exact up to rounding.
+    """
+    def ramp(dist, o):
+        m = max(0, min(margin, (o - 1) // 2))
+        return ((dist - m + 1) / (o - 2 * m + 1)).clamp(0.0, 1.0)
+
     raw = []
     for i, (a, b) in enumerate(spans):
         p = torch.arange(a, b, dtype=torch.float64)
         w = torch.ones(b - a, dtype=torch.float64)
         if i > 0 and spans[i - 1][1] > a:
-            o = spans[i - 1][1] - a
-            w = torch.minimum(w, (p - a + 1) / (o + 1))
+            w = torch.minimum(w, ramp(p - a, spans[i - 1][1] - a))
         if i < len(spans) - 1 and spans[i + 1][0] < b:
-            o = b - spans[i + 1][0]
-            w = torch.minimum(w, (b - p) / (o + 1))
+            w = torch.minimum(w, ramp(b - 1 - p, b - spans[i + 1][0]))
         raw.append(w)
     total = torch.zeros(size, dtype=torch.float64)
     for (a, b), w in zip(spans, raw):
         total[a:b] += w
+    total = total.clamp_min(1e-12)
     return [w / total[a:b] for (a, b), w in zip(spans, raw)]
 
 
@@ -79,10 +88,11 @@ def _accumulate(out: torch.Tensor, part: torch.Tensor, t0: int, y: Tuple[int, in
 
 @torch.no_grad()
 def decode_tiled(vae, z: torch.Tensor, tile: Pair = 64, overlap: Pair = 8, should_stop=None,
-                 output_device=None, output_dtype=None) -> torch.Tensor:
+                 output_device=None, output_dtype=None, margin: int = 0) -> torch.Tensor:
     """Decode z (B, C, t, h, w) (or (B, C, h, w)) in spatial tiles of `tile` latents overlapping by `overlap`
     latents. The output (B, 3, 4(t-1)+1, 8h, 8w) is preallocated on `output_device` (default: z's device) with
-    `output_dtype` (default float32 when tiles overlap, so the blend accumulates without rounding)."""
+    `output_dtype` (default float32 when tiles overlap, so the blend accumulates without rounding). `margin`
+    (latents) of each tile's inner border is left out of the blend (see blend_weights)."""
     squeeze = z.ndim == 4
     if squeeze:
         z = z.unsqueeze(2)
@@ -90,8 +100,8 @@ def decode_tiled(vae, z: torch.Tensor, tile: Pair = 64, overlap: Pair = 8, shoul
     s, tf = vae.spatial_factor, vae.temporal_factor
     ys, xs = _plan(h, w, tile, overlap)
     single = len(ys) == 1 and len(xs) == 1
-    wys, wxs = blend_weights([(a * s, b_ * s) for a, b_ in ys], h * s), \
-        blend_weights([(a * s, b_ * s) for a, b_ in xs], w * s)
+    wys = blend_weights([(a * s, b_ * s) for a, b_ in ys], h * s, margin * s)
+    wxs = blend_weights([(a * s, b_ * s) for a, b_ in xs], w * s, margin * s)
     dtype = output_dtype or (vae.dtype if single else torch.float32)
     out = torch.zeros((b, vae.config.out_channels, tf * (t - 1) + 1, h * s, w * s),
                       device=output_device or z.device, dtype=dtype)
@@ -107,9 +117,10 @@ def decode_tiled(vae, z: torch.Tensor, tile: Pair = 64, overlap: Pair = 8, shoul
 
 @torch.no_grad()
 def encode_tiled(vae, x: torch.Tensor, tile: Pair = 512, overlap: Pair = 64, should_stop=None,
-                 output_device=None) -> LatentDistribution:
+                 output_device=None, margin: int = 0) -> LatentDistribution:
     """Encode x (B, 3, T, H, W) in spatial tiles of `tile` pixels overlapping by `overlap` pixels (both rounded
-    down to multiples of 8). The latent moments are blended (before the logvar clamp) in float32."""
+    down to multiples of 8). The latent moments are blended (before the logvar clamp) in float32. `margin` (pixels,
+    rounded down to latents) of each tile's inner border is left out of the blend."""
     if x.ndim == 4:
         x = x.unsqueeze(2)
     b, _, t, hp, wp = x.shape
@@ -120,7 +131,7 @@ def encode_tiled(vae, x: torch.Tensor, tile: Pair = 512, overlap: Pair = 64, sho
     h, w = hp // s, wp // s
     ys, xs = _plan(h, w, (max(1, th // s), max(1, tw // s)), (oh // s, ow // s))
     single = len(ys) == 1 and len(xs) == 1
-    wys, wxs = blend_weights(ys, h), blend_weights(xs, w)
+    wys, wxs = blend_weights(ys, h, margin // s), blend_weights(xs, w, margin // s)
     lat_t = (t - 1) // vae.temporal_factor + 1
     out = torch.zeros((b, 2 * vae.config.latent_channels, lat_t, h, w), device=output_device or vae.device,
                       dtype=vae.dtype if single else torch.float32)
