@@ -2,9 +2,10 @@
 
 * Per-block gradient checkpointing through ComfyUI's own seam (``transformer_options["patches_replace"]["dit"]``,
   keys ``("double_block", i)`` / ``("single_block", i)``), so the model class is used as it is.
-* FLUX blocks update their inputs in place (``img += ...``). A checkpointed block recomputed from inputs that the
-  first pass already changed gives wrong gradients (see notes/peer_figures_h100.md), so every block runs on its
-  own copies of ``img``/``txt``.
+* FLUX blocks update tensors in place (``img += ...``) after LayerNorm saved them for backward: eager autograd
+  refuses that, and a checkpoint recompute silently uses the changed tensors (wrong gradients, see
+  notes/peer_figures_h100.md). FLUX.1 blocks therefore run through ``double_block_forward`` /
+  ``single_block_forward`` below: the same ComfyUI modules and weights, with out-of-place residual adds.
 * Attention goes through ComfyUI's ``optimized_attention``; when that is the sub-quadratic or split kernel (their
   chunk size follows free memory, which differs between forward and recompute: Comfy-Org/ComfyUI#15845), we
   override it with ComfyUI's ``attention_pytorch`` (SDPA), which is deterministic in shape.
@@ -31,6 +32,60 @@ def _attention_override():
     return None
 
 
+def _flux1_double(b) -> bool:
+    return getattr(b, "modulation", False) is True and not getattr(b, "flipped_img_txt", False) \
+        and hasattr(b, "img_mod") and hasattr(b, "txt_mod")
+
+
+def _flux1_single(b) -> bool:
+    return getattr(b, "modulation", None) is not None and hasattr(b, "mlp_act")
+
+
+def double_block_forward(b, img, txt, vec, pe, attn_mask, topts):
+    """``DoubleStreamBlock.forward`` of ComfyUI 0.3.75 without its in-place updates (autograd-safe).
+
+    ComfyUI's version does ``img += ...`` after ``img_norm1(img)``/``img_norm2(img)`` saved ``img`` for backward:
+    plain autograd refuses that, and a checkpoint recompute silently uses the changed tensor.
+    Same modules, same weights, same arithmetic order otherwise (checked against the original in the tests).
+    """
+    from comfy.ldm.flux.math import attention
+    img_mod1, img_mod2 = b.img_mod(vec)
+    txt_mod1, txt_mod2 = b.txt_mod(vec)
+    H = b.num_heads
+
+    def qkv(stream, x, m):
+        x = torch.addcmul(m.shift, stream[0](x), 1 + m.scale)
+        t = stream[1].qkv(x)
+        q, k, v = t.view(t.shape[0], t.shape[1], 3, H, -1).permute(2, 0, 3, 1, 4)
+        q, k = stream[1].norm(q, k, v)
+        return q, k, v
+
+    iq, ik, iv = qkv((b.img_norm1, b.img_attn), img, img_mod1)
+    tq, tk, tv = qkv((b.txt_norm1, b.txt_attn), txt, txt_mod1)
+    attn = attention(torch.cat((tq, iq), dim=2), torch.cat((tk, ik), dim=2), torch.cat((tv, iv), dim=2),
+                     pe=pe, mask=attn_mask, transformer_options=topts)
+    T = txt.shape[1]
+    txt_attn, img_attn = attn[:, :T], attn[:, T:]
+    img = img + b.img_attn.proj(img_attn) * img_mod1.gate
+    img = img + b.img_mlp(torch.addcmul(img_mod2.shift, b.img_norm2(img), 1 + img_mod2.scale)) * img_mod2.gate
+    txt = txt + b.txt_attn.proj(txt_attn) * txt_mod1.gate
+    txt = txt + b.txt_mlp(torch.addcmul(txt_mod2.shift, b.txt_norm2(txt), 1 + txt_mod2.scale)) * txt_mod2.gate
+    return img, txt
+
+
+def single_block_forward(b, x, vec, pe, attn_mask, topts):
+    """``SingleStreamBlock.forward`` of ComfyUI 0.3.75 without the in-place ``x += ...``."""
+    from comfy.ldm.flux.math import attention
+    mod, _ = b.modulation(vec)
+    h = b.linear1(torch.addcmul(mod.shift, b.pre_norm(x), 1 + mod.scale))
+    qkv, mlp = torch.split(h, [3 * b.hidden_size, b.mlp_hidden_dim_first], dim=-1)
+    q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, b.num_heads, -1).permute(2, 0, 3, 1, 4)
+    q, k = b.norm(q, k, v)
+    attn = attention(q, k, v, pe=pe, mask=attn_mask, transformer_options=topts)
+    out = b.linear2(torch.cat((attn, b.mlp_act(mlp)), 2))
+    return x + out * mod.gate
+
+
 class FluxTrainForward:
     """Runs ``dm(x_t, sigma, context, y, guidance)`` with per-block checkpointing and optional block runner."""
 
@@ -47,15 +102,19 @@ class FluxTrainForward:
 
     def _double(self, i):
         def replace(args, extra):
-            orig = extra["original_block"]
-            rest = {k: v for k, v in args.items() if k not in ("img", "txt", "vec", "pe")}
-            vec, pe = args["vec"], args["pe"]
+            # ComfyUI's ``original_block`` closes over the loop variable ``block`` (late binding): called again
+            # during the backward recompute it would run the *last* block. Call our own block directly.
+            block = self.dm.double_blocks[i]
+            vec, pe, mask = args["vec"], args["pe"], args.get("attn_mask")
+            topts = dict(args.get("transformer_options") or {})  # block_index etc. as of this block
 
-            def run(img, txt):
-                a = dict(rest)
-                a.update(img=img.clone(), txt=txt.clone(), vec=vec, pe=pe)
-                out = orig(a)
-                return out["img"], out["txt"]
+            if _flux1_double(block):
+                def run(img, txt):
+                    return double_block_forward(block, img, txt, vec, pe, mask, topts)
+            else:  # other FLUX variants: the original block on its own input copies
+                def run(img, txt):
+                    return block(img=img.clone(), txt=txt.clone(), vec=vec, pe=pe, attn_mask=mask,
+                                 transformer_options=topts)
 
             if self.block_runner is not None:
                 self.block_runner.before("double", i)
@@ -65,14 +124,16 @@ class FluxTrainForward:
 
     def _single(self, i):
         def replace(args, extra):
-            orig = extra["original_block"]
-            rest = {k: v for k, v in args.items() if k not in ("img", "vec", "pe")}
-            vec, pe = args["vec"], args["pe"]
+            block = self.dm.single_blocks[i]
+            vec, pe, mask = args["vec"], args["pe"], args.get("attn_mask")
+            topts = dict(args.get("transformer_options") or {})  # block_index etc. as of this block
 
-            def run(img):
-                a = dict(rest)
-                a.update(img=img.clone(), vec=vec, pe=pe)
-                return orig(a)["img"]
+            if _flux1_single(block):
+                def run(img):
+                    return single_block_forward(block, img, vec, pe, mask, topts)
+            else:
+                def run(img):
+                    return block(img.clone(), vec=vec, pe=pe, attn_mask=mask, transformer_options=topts)
 
             if self.block_runner is not None:
                 self.block_runner.before("single", i)
