@@ -195,6 +195,16 @@ def test_vae_file_in_dit_loader_is_rejected(comfy_inprocess, tiny):
     assert "not a SeedVR2 DiT" in _error_text(res)
 
 
+@pytest.mark.parametrize("wrong", ["flux_tiny.safetensors", "seedvr2_tiny_3b.safetensors"])
+def test_wrong_file_in_vae_loader_is_rejected(comfy_inprocess, tiny, wrong):
+    wf, prompt = _run_with(comfy_inprocess)
+    prompt[str(_node_id(wf, "SeedVR2BW_LoadVAE"))]["inputs"]["model"] = wrong
+    res = comfy_inprocess.run(prompt)
+    assert not res.success
+    assert res.error.get("node_type") == "SeedVR2BW_LoadVAE"
+    assert "not a SeedVR2 video VAE" in _error_text(res), _error_text(res)
+
+
 def test_bad_batch_size_is_a_clear_error(comfy_inprocess, tiny):
     _wf, prompt = _run_with(comfy_inprocess, batch_size=4)
     res = comfy_inprocess.run(prompt)
