@@ -4,8 +4,8 @@ qkv = Linear(dim -> 3*heads*head_dim, no bias), viewed as (3, heads, head_dim); 
 RoPE; every window attends over [its video tokens, all text tokens of the sample]; text outputs are
 averaged over the windows; out = Linear(heads*head_dim -> dim, bias).
 
-Norm and RoPE are per token, so they run on the tokens in their original order and a single gather
-(``layout.gather``) builds the packed segments; ``layout.vid_pos`` reads the video outputs back.
+Norm and RoPE are per token, so they run on the tokens in their original order; ``layout.pack``
+scatters them into the packed segments (one pass) and ``layout.vid_pos`` reads the video outputs back.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch import nn
 from ....optimization.attention import varlen_attention
 from .mm import MMPair
 from .norm import RMSNorm
-from .rope import RoPE3d, apply_rope
+from .rope import RoPE3d, RopeTable, apply_rope
 from .window import JointLayout
 
 
@@ -27,10 +27,8 @@ class AttentionContext:
     """What one block needs about the current input shape (built once per shape by the model)."""
 
     layout: JointLayout
-    vid_cos: Optional[torch.Tensor]
-    vid_sin: Optional[torch.Tensor]
-    txt_cos: Optional[torch.Tensor]  # 3B only (text is rotated too)
-    txt_sin: Optional[torch.Tensor]
+    vid_rope: Optional[RopeTable]
+    txt_rope: Optional[RopeTable]  # 3B only (text is rotated too)
     backend: str
 
 
@@ -47,21 +45,23 @@ class NaSwinAttention(nn.Module):
         self.norm_k = MMPair(lambda: RMSNorm(head_dim, eps, device=device, dtype=dtype), shared)
         self.rope = RoPE3d(rope_kind, rope_dim, device=device)
 
-    def _qkv(self, x: torch.Tensor, stream: str, cos, sin) -> torch.Tensor:
+    def _qkv(self, x: torch.Tensor, stream: str, rope: Optional[RopeTable]) -> torch.Tensor:
+        """(N, 3, H, D) with q and k normalised and rotated in place (no stacking copies)."""
         pick = (lambda p: p.for_vid()) if stream == "vid" else (lambda p: p.for_txt())
         qkv = pick(self.proj_qkv)(x).view(x.shape[0], 3, self.heads, self.head_dim)
-        q, k, v = qkv.unbind(1)
-        q, k = pick(self.norm_q)(q), pick(self.norm_k)(k)
-        if cos is not None:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return torch.stack((q, k, v), 1)  # (N, 3, H, D)
+        for slot, norm in ((0, self.norm_q), (1, self.norm_k)):
+            y = pick(norm)(qkv[:, slot])
+            if rope is not None:
+                apply_rope(y, rope, out=qkv[:, slot])
+            else:
+                qkv[:, slot] = y
+        return qkv
 
     def forward(self, vid: torch.Tensor, txt: torch.Tensor, ctx: AttentionContext,
                 need_txt: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         lay = ctx.layout
-        qkv = torch.cat((self._qkv(vid, "vid", ctx.vid_cos, ctx.vid_sin),
-                         self._qkv(txt, "txt", ctx.txt_cos, ctx.txt_sin)))
-        q, k, v = qkv[lay.gather].unbind(1)  # packed: [window video, text] per segment
+        packed = lay.pack(self._qkv(vid, "vid", ctx.vid_rope), self._qkv(txt, "txt", ctx.txt_rope))
+        q, k, v = packed.unbind(1)  # packed: [window video, text] per segment
         plan = lay.plan
         out = varlen_attention(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q,
                                plan.max_seqlen_k, backend=ctx.backend, plan=plan)

@@ -19,7 +19,7 @@ from .attention import AttentionContext, NaSwinAttention
 from .config import DiTConfig
 from .mm import MMPair
 from .mlp import make_mlp
-from .modulation import AdaSingle, modulate_gate, modulate_in
+from .modulation import AdaSingle, gated_residual, modulate_in
 from .norm import rms_norm
 
 
@@ -51,14 +51,14 @@ class MMSRBlock(nn.Module):
         if not self.text_skip:
             a_t = modulate_in(a_t, e_attn, ada_t.attn_shift, ada_t.attn_scale, txt_lens)
         o_v, o_t = self.attn(a_v, a_t, ctx, need_txt=not self.is_last)
-        vid = vid + modulate_gate(o_v, e_attn, ada_v.attn_gate, vid_lens)
+        vid = gated_residual(vid, o_v, e_attn, ada_v.attn_gate, vid_lens)
 
         m_v = modulate_in(rms_norm(vid, None, self.eps), e_mlp, ada_v.mlp_shift, ada_v.mlp_scale, vid_lens)
-        vid = vid + modulate_gate(self.mlp.for_vid()(m_v), e_mlp, ada_v.mlp_gate, vid_lens)
+        vid = gated_residual(vid, self.mlp.for_vid()(m_v), e_mlp, ada_v.mlp_gate, vid_lens)
         if self.is_last:
             return vid, None  # text output of the last block is never used
 
-        txt = txt + modulate_gate(o_t, e_attn, ada_t.attn_gate, txt_lens)
+        txt = gated_residual(txt, o_t, e_attn, ada_t.attn_gate, txt_lens)
         m_t = modulate_in(rms_norm(txt, None, self.eps), e_mlp, ada_t.mlp_shift, ada_t.mlp_scale, txt_lens)
-        txt = txt + modulate_gate(self.mlp.for_txt()(m_t), e_mlp, ada_t.mlp_gate, txt_lens)
+        txt = gated_residual(txt, self.mlp.for_txt()(m_t), e_mlp, ada_t.mlp_gate, txt_lens)
         return vid, txt

@@ -51,15 +51,32 @@ def _per_token(e: torch.Tensor, lens: Optional[List[int]]) -> torch.Tensor:
     return torch.repeat_interleave(e, torch.tensor(lens, device=e.device), dim=0, output_size=sum(lens))
 
 
+def _exact(x: torch.Tensor) -> bool:
+    return x.dtype in (torch.float32, torch.float64)
+
+
 def modulate_in(x, e: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, lens) -> torch.Tensor:
     """x*(e_scale + scale) + (e_shift + shift); ``e`` is the (B, dim, 3) slot of one layer."""
     e = e.float()
     s = _per_token(e[..., 1] + scale.float(), lens)
     b = _per_token(e[..., 0] + shift.float(), lens)
-    return (x.float() * s + b).to(x.dtype)
+    if _exact(x):
+        return x * s.to(x.dtype) + b.to(x.dtype)  # the reference's order: mul, then add
+    # half precision: one fused pass, computed in fp32, stored in the stream dtype
+    return torch.addcmul(b, x, s, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
 
 
 def modulate_gate(x, e: torch.Tensor, gate: torch.Tensor, lens) -> torch.Tensor:
     """x*(e_gate + gate)."""
     g = _per_token(e.float()[..., 2] + gate.float(), lens)
-    return (x.float() * g).to(x.dtype)
+    if _exact(x):
+        return x * g.to(x.dtype)
+    return torch.mul(x, g, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
+
+
+def gated_residual(res: torch.Tensor, x: torch.Tensor, e: torch.Tensor, gate: torch.Tensor, lens) -> torch.Tensor:
+    """res + x*(e_gate + gate): the "out" modulation followed by the residual add."""
+    g = _per_token(e.float()[..., 2] + gate.float(), lens)
+    if _exact(x):
+        return res + x * g.to(x.dtype)
+    return torch.addcmul(res, x, g, out=torch.empty(res.shape, dtype=res.dtype, device=res.device))

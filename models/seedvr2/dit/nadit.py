@@ -29,7 +29,7 @@ from .config import DiTConfig
 from .embedding import PatchIn, PatchOut, TimeEmbedding
 from .modulation import OutAda, modulate_in, split_embedding
 from .norm import RMSNorm
-from .rope import rope_tables, text_angles, video_angles
+from .rope import make_rope_table, text_angles, video_angles
 from .window import build_joint_layout
 
 try:  # the block runners belong to optimization/blockswap (another part of the pack)
@@ -123,12 +123,11 @@ class NaDiT(nn.Module):
         for method in dict.fromkeys(self.config.window_methods):
             lay = build_joint_layout(grids, txt_lens, method, self.config.window, device)
             freqs = self._rope_freqs(method)
-            vcos, vsin = rope_tables(video_angles(kind, freqs, lay.coords, lay.sizes, lay.txt_offset), device)
-            tcos = tsin = None
+            vid_rope = make_rope_table(video_angles(kind, freqs, lay.coords, lay.sizes, lay.txt_offset), device)
+            txt_rope = None
             if kind == "mmrope3d":
-                ta = torch.cat([text_angles(freqs, L) for L in txt_lens])
-                tcos, tsin = rope_tables(ta, device)
-            ctx[method] = AttentionContext(lay, vcos, vsin, tcos, tsin, backend)
+                txt_rope = make_rope_table(torch.cat([text_angles(freqs, L) for L in txt_lens]), device)
+            ctx[method] = AttentionContext(lay, vid_rope, txt_rope, backend)
         self._contexts[key] = ctx
         while len(self._contexts) > self.max_cached_shapes:
             self._contexts.popitem(last=False)

@@ -16,7 +16,8 @@ The frequency vectors are checkpoint buffers ``blocks.N.attn.rope.rope.freqs``; 
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
@@ -87,16 +88,42 @@ def text_angles(freqs: torch.Tensor, length: int) -> torch.Tensor:
     return _pair_repeat(a[:, None, :].expand(length, 3, a.shape[-1]))
 
 
-def rope_tables(angles: torch.Tensor, device) -> Tuple[torch.Tensor, torch.Tensor]:
-    return angles.cos().to(device), angles.sin().to(device)
+@dataclass
+class RopeTable:
+    """Per-token RoPE table. ``cos``/``sin`` (N, R) fp32 in the library layout (each angle twice) for the
+    exact fp32 path; ``cis`` (N, R/2) complex64 = exp(i*angle), one entry per rotated pair, for the
+    half-precision path (one complex multiply instead of the rotate-half expression)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cis: torch.Tensor
+
+    @property
+    def rotated(self) -> int:
+        return self.cos.shape[-1]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the leading ``cos.shape[-1]`` features of x (N, H, D) by per-token tables (N, R); fp32."""
-    r = cos.shape[-1]
-    xf = x.float()
-    head, tail = xf[..., :r], xf[..., r:]
-    pairs = head.unflatten(-1, (r // 2, 2))
-    rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-    out = head * cos[:, None, :] + rotated * sin[:, None, :]
-    return torch.cat((out, tail), dim=-1).to(x.dtype)
+def make_rope_table(angles: torch.Tensor, device) -> RopeTable:
+    per_pair = angles[:, 0::2]
+    return RopeTable(angles.cos().to(device), angles.sin().to(device),
+                     torch.polar(torch.ones_like(per_pair), per_pair).to(device))
+
+
+def apply_rope(x: torch.Tensor, table: RopeTable, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rotate the leading ``table.rotated`` features of x (N, H, D), in fp32, result in x's dtype
+    (written into ``out`` when given; ``out`` may be a strided view, e.g. the q slot of a qkv tensor)."""
+    r = table.rotated
+    if x.dtype in (torch.float32, torch.float64):
+        # the library's expression: x*cos + rotate_half(x)*sin, rotate_half(x0, x1) = (-x1, x0)
+        head, tail = x[..., :r], x[..., r:]
+        pairs = head.unflatten(-1, (r // 2, 2))
+        rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+        y = torch.cat((head * table.cos[:, None, :] + rotated * table.sin[:, None, :], tail), dim=-1)
+        return y if out is None else out.copy_(y)
+    # (x0 + i x1) * (cos + i sin) = (x0 cos - x1 sin) + i (x1 cos + x0 sin): the same pair rotation
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    xc = torch.view_as_complex(x[..., :r].float().unflatten(-1, (r // 2, 2)))
+    out[..., :r] = torch.view_as_real(xc * table.cis[:, None, :]).flatten(-2)
+    out[..., r:] = x[..., r:]
+    return out

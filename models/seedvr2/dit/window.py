@@ -99,6 +99,17 @@ class JointLayout:
     txt_offset: torch.Tensor  # (N_vid,) text length of each video token's sample (3B RoPE offset)
     plan: VarlenPlan
     windows: List[List[Window]]
+    txt_slots: torch.Tensor = None  # (sum L_b * n_b,) packed positions of all text copies
+    txt_src: torch.Tensor = None  # (sum L_b * n_b,) the text token each copy comes from
+    total: int = 0  # packed length
+
+    def pack(self, vid: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
+        """Packed segments from per-stream tensors: one scatter for the video tokens (each appears once)
+        and one for the text copies. Equals ``cat([vid, txt])[gather]``."""
+        out = vid.new_empty((self.total,) + tuple(vid.shape[1:]))
+        out.index_copy_(0, self.vid_pos, vid)
+        out.index_copy_(0, self.txt_slots, txt.index_select(0, self.txt_src))
+        return out
 
 
 def build_joint_layout(
@@ -147,7 +158,16 @@ def build_joint_layout(
     order = torch.cat(vid_order)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel())
+    slots = torch.cat([p.flatten() for p in txt_pos]) if txt_pos else torch.empty(0, dtype=torch.int64)
+    src, base = [], 0
+    for p in txt_pos:
+        L, n = p.shape
+        src.append((base + torch.arange(L))[:, None].expand(L, n).flatten())
+        base += L
     return JointLayout(
+        txt_slots=slots.to(device),
+        txt_src=(torch.cat(src) if src else torch.empty(0, dtype=torch.int64)).to(device),
+        total=cu[-1],
         gather=torch.cat(gather).to(device),
         vid_pos=vid_pos.to(device),
         txt_pos=txt_pos,
