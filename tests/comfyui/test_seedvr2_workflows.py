@@ -298,3 +298,50 @@ def test_image_workflow_through_http_and_free(seedvr2_server):
     prompt[str(_node_id(wf, "SaveImage"))]["inputs"]["filename_prefix"] = "SeedVR2_after_free"
     entry = srv.run_prompt(prompt, timeout=300)
     assert entry["status"]["status_str"] == "success", srv.log_tail()
+
+
+# ----------------------------------------------------------------------------------------- real frontend
+def test_frontend_conversion_matches_ui_to_api_and_runs(seedvr2_server, tmp_path):
+    """The real frontend (headless Chromium) loads the shipped workflows, its graphToPrompt gives the same
+    API prompt as ui_to_api (so the widget order matches the schemas), and Run executes the image workflow."""
+    from rig.ui_check import Browser, ComfyFrontend, find_chromium
+
+    from .conftest import need
+    from .ui_to_api import from_object_info
+    chromium = find_chromium()
+    need(chromium is not None, "no Chromium: apt-get install -y chromium (the frontend tests need it)")
+    try:
+        import websocket  # noqa: F401
+    except ImportError:
+        need(False, "websocket-client missing: pip install -r requirements-test.txt")
+    srv = seedvr2_server
+    info = srv.object_info()
+    with Browser(chromium) as browser:
+        fe = ComfyFrontend(browser, srv.url)
+        fe.open()
+        for path in (IMAGE_WF, VIDEO_WF):
+            wf = json.loads(path.read_text())
+            fe.load_workflow(wf, path.name)
+            api = fe.b.js("app.graphToPrompt().then(p => p.output)")
+            ours = ui_to_api(wf, from_object_info(info))
+            assert set(api) == set(ours), (path.name, sorted(api), sorted(ours))
+            for nid, node in ours.items():
+                assert api[nid]["class_type"] == node["class_type"]
+                theirs = {k: v for k, v in api[nid]["inputs"].items()}
+                assert theirs == node["inputs"], (path.name, nid, theirs, node["inputs"])
+        # Run the image workflow through the frontend with the tiny models.
+        wf = json.loads(IMAGE_WF.read_text())
+        for n in wf["nodes"]:
+            if n["type"] == "SeedVR2BW_LoadDiT":
+                n["widgets_values"][0] = "seedvr2_tiny_3b.safetensors"
+            elif n["type"] == "SeedVR2BW_LoadVAE":
+                n["widgets_values"][0] = "ema_vae_tiny.safetensors"
+            elif n["type"] == "SeedVR2BW_Upscale":
+                n["widgets_values"][3] = 32  # [seed, control, size_mode, resolution, ...]
+        fe.load_workflow(wf, "tiny.json")
+        entry = fe.queue_current(timeout=300)
+        assert entry["status"]["status_str"] == "success", srv.log_tail()
+        item = entry["outputs"][str(_node_id(wf, "SaveImage"))]["images"][0]
+        from PIL import Image
+        with Image.open(srv.output_dir / item.get("subfolder", "") / item["filename"]) as im:
+            assert im.size == (53, 32)
