@@ -211,7 +211,7 @@ def check_nvfp4_gemm(ctx) -> list[CheckResult]:
             continue
         err = rel_err(y, want)
         tol = PATH_TOLERANCE[path] if ctx.is_cuda else CPU_REFERENCE_TOLERANCE
-        data = {"rel_err": err, "tolerance": tol, "shape_mkn": [m, k, n], "selftest": why,
+        data = {"path": path, "rel_err": err, "tolerance": tol, "shape_mkn": [m, k, n], "selftest": why,
                 "policy_path": policy.nvfp4_gemm}
         if err > tol or err != err:
             out.append(CheckResult(row, FAIL, round(err, 4), "rel err", f"wrong values: relative error {err:.3g} vs the "

@@ -40,6 +40,14 @@ def render_text(report, verbose: bool = True) -> str:
             for para in r.detail.splitlines():
                 for i, piece in enumerate(textwrap.wrap(para, WIDTH - 10)):
                     lines.append(("        " if i == 0 else "          ") + piece)
+    try:
+        verdict = _verdict(report)
+    except Exception:  # noqa: BLE001 - the summary is a convenience; never break the report
+        verdict = []
+    if verdict:
+        lines.append("")
+        lines.append("== What this machine gets ==")
+        lines.extend(f"  {v}" for v in verdict)
     c = report.counts()
     lines.append("")
     lines.append(f"Summary: {c['PASS']} PASS, {c['WARN']} WARN, {c['FAIL']} FAIL, {c['SKIP']} SKIP"
@@ -52,3 +60,33 @@ def render_text(report, verbose: bool = True) -> str:
 
 def render_json(report, indent: int = 1) -> str:
     return json.dumps(report.to_dict(), indent=indent, allow_nan=False)
+
+
+def _verdict(report) -> list:
+    by = {r.name: r for r in report.results}
+    out = []
+    pol = by.get("hardware policy")
+    if pol is not None and pol.data:
+        d = pol.data
+        line = f"profile {d.get('profile')}: NVFP4 weights run the {d.get('nvfp4_gemm')} path"
+        for r in report.results:
+            if r.data.get("path") == d.get("nvfp4_gemm") and r.data.get("speedup_vs_bf16"):
+                line += f" ({r.data['speedup_vs_bf16']:.2f}x bf16 on the SeedVR2 shape)"
+        line += f"; FP8 GEMM {'on' if d.get('fp8_gemm') else 'off'}; attention {d.get('attention')}"
+        out.append(line)
+    h2d, ov = by.get("H2D pinned vs pageable"), by.get("copy/compute overlap")
+    if h2d is not None and h2d.status != "SKIP" and h2d.data:
+        text = f"host->GPU copies: {h2d.data['pinned_gbps']:.1f} GB/s pinned ({h2d.data['ratio']:.1f}x pageable)"
+        if ov is not None and ov.data.get("hidden_fraction") is not None:
+            text += f", {ov.data['hidden_fraction'] * 100:.0f}% hidden behind compute"
+        out.append(text)
+    for key in ("SeedVR2-3B swap vs compute", "SeedVR2-7B swap vs compute"):
+        r = by.get(key)
+        if r is not None and r.status != "SKIP" and r.data.get("blockswap_plan"):
+            p = r.data["blockswap_plan"].get("bf16", {})
+            out.append(f"{key.split()[0]}: bf16 {'fits, no BlockSwap' if not p.get('blocks_to_swap') else str(p['blocks_to_swap']) + ' blocks swapped'}"
+                       f"; {r.status}")
+    fails = [r.name for r in report.results if r.status == "FAIL"]
+    if fails:
+        out.append("FIX FIRST: " + ", ".join(fails))
+    return out
