@@ -115,9 +115,10 @@ def random_dit(cfg, backend: str) -> NaDiT:
 
 def bench_dit(name, cfg, cases, args, peak):
     rows = []
-    model = random_dit(cfg, args.backend)
+    model = random_dit(cfg, args.backends[0])
     weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 30
-    for res, frames in cases:
+    for backend, (res, frames) in [(b, c) for b in args.backends for c in cases]:
+        model.attention_backend = backend
         h, w = RESOLUTIONS[res]
         padded, latent = latent_grid(h, w, frames)
         T, H, W = latent
@@ -129,7 +130,7 @@ def bench_dit(name, cfg, cases, args, peak):
         t = torch.tensor([1000.0], device="cuda")
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        row = {"model": name, "res": res, "frames": frames, "padded_frames": padded, "latent": list(latent),
+        row = {"model": name, "backend": backend, "res": res, "frames": frames, "padded_frames": padded, "latent": list(latent),
                "tokens": fl["tokens"], "max_window_tokens": fl["max_segment"], "tflop": fl["total"] / 1e12,
                "attn_flop_share": fl["attention"] / fl["total"], "weights_gib": weights_gib}
         try:
@@ -139,6 +140,8 @@ def bench_dit(name, cfg, cases, args, peak):
                        tflops=fl["total"] / med / 1e12, mfu=fl["total"] / med / 1e12 / peak)
         except torch.cuda.OutOfMemoryError as exc:
             row.update(error=f"OOM: {str(exc)[:120]}")
+        except Exception as exc:  # noqa: BLE001 - one failing backend/case must not end the run
+            row.update(error=f"{type(exc).__name__}: {str(exc)[:160]}")
         rows.append(row)
         print(fmt_row(row), flush=True)
         del vid, txt
@@ -186,14 +189,14 @@ def bench_vae(cases, args):
 
 # --------------------------------------------------------------------------------------------------
 def fmt_header():
-    return (f"{'model':>5} {'res':>6} {'frm':>4} {'latent THW':>13} {'tokens':>7} {'maxwin':>6} "
+    return (f"{'model':>5} {'attention':>12} {'res':>6} {'frm':>4} {'latent THW':>13} {'tokens':>7} {'maxwin':>6} "
             f"{'TFLOP':>8} {'attn%':>6} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8}")
 
 
 def fmt_row(r):
     if "error" in r:
-        return f"{r['model']:>5} {r['res']:>6} {r['frames']:>4} {str(tuple(r['latent'])):>13} {r['tokens']:>7}  {r['error']}"
-    return (f"{r['model']:>5} {r['res']:>6} {r['frames']:>4} {str(tuple(r['latent'])):>13} {r['tokens']:>7} "
+        return f"{r['model']:>5} {r['backend']:>12} {r['res']:>6} {r['frames']:>4} {str(tuple(r['latent'])):>13} {r['tokens']:>7}  {r['error']}"
+    return (f"{r['model']:>5} {r['backend']:>12} {r['res']:>6} {r['frames']:>4} {str(tuple(r['latent'])):>13} {r['tokens']:>7} "
             f"{r['max_window_tokens']:>6} {r['tflop']:>8.1f} {100 * r['attn_flop_share']:>5.1f}% {r['step_s']:>8.3f} "
             f"{r['tflops']:>8.1f} {100 * r['mfu']:>5.1f}% {r['peak_vram_gib']:>8.1f}")
 
@@ -211,7 +214,9 @@ def main():
     ap.add_argument("--models", default="3b,7b", help="comma list of 3b,7b")
     ap.add_argument("--res", default="720p,1080p", help="comma list of 720p,1080p")
     ap.add_argument("--frames", default="1,21", help="comma list of frame counts")
-    ap.add_argument("--backend", default="auto", help="attention backend (auto, sdpa, flash_attn, sage)")
+    ap.add_argument("--backend", default="auto",
+                    help="comma list of attention backends to time (auto, sdpa, flash_attn, torch_varlen, sage)")
+    ap.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse HEAD)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="warmup 1, iters 3, VAE iters 1")
@@ -241,10 +246,16 @@ def main():
         sys.exit("bench_seedvr2.py needs a CUDA device (use --flops-only for the counts)")
 
     torch.backends.cuda.matmul.allow_tf32 = True
-    backend = resolve_backend(args.backend, torch.device("cuda"))
-    args.backend = backend
+    args.backends = []
+    for b in args.backend.split(","):
+        try:
+            args.backends.append(resolve_backend(b.strip(), torch.device("cuda")))
+        except RuntimeError as exc:
+            print(f"# skipping attention backend {b.strip()!r}: {exc}")
+    args.backends = list(dict.fromkeys(args.backends)) or ["sdpa"]
+    backend = ",".join(args.backends)
     peak = bf16_peak_tflops()
-    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit(),
+    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit or git_commit(),
             "attention_backend": backend, "available_backends": available_backends("cuda"),
             "bf16_matmul_peak_tflops": peak, "warmup": args.warmup, "iters": args.iters,
             "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}

@@ -11,6 +11,8 @@ Backends
                SeedVR2's joint windows are mostly equal-sized, so this is a handful of calls per layer.
 ``flash_attn`` ``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16).
 ``sage``       ``sageattention.sageattn_varlen`` (CUDA, fp16/bf16).
+``torch_varlen`` ``torch.nn.attention.varlen.varlen_attn`` (PyTorch >= 2.10, CUDA, fp16/bf16): the
+               flash-attention varlen kernel that ships inside PyTorch, no gathers.
 
 The grouping of ``sdpa`` needs the segment lengths on the host. A caller that runs the same layout many
 times (every DiT block) builds a :class:`VarlenPlan` once with :func:`make_varlen_plan` and passes
@@ -224,14 +226,36 @@ def _sage(q, k, v, plan: VarlenPlan) -> torch.Tensor:
     return out.to(q.dtype)
 
 
+_VARLEN_TAKES_SCALE: Optional[bool] = None
+
+
+def _torch_varlen(q, k, v, plan: VarlenPlan) -> torch.Tensor:
+    global _VARLEN_TAKES_SCALE
+    from torch.nn.attention.varlen import varlen_attn
+
+    if _VARLEN_TAKES_SCALE is None:
+        import inspect
+
+        _VARLEN_TAKES_SCALE = "scale" in inspect.signature(varlen_attn).parameters
+    dt = _half_dtype(q)
+    # the kernel wants each of q/k/v with a contiguous last dim and (tokens, heads, dim) layout
+    args = [t.to(dt).contiguous() for t in (q, k, v)]
+    kw = {"scale": 1.0 / math.sqrt(q.shape[-1])} if _VARLEN_TAKES_SCALE else {}
+    out = varlen_attn(*args, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k, **kw)
+    if isinstance(out, tuple):
+        out = out[0]
+    return out.to(q.dtype)
+
+
 BACKENDS: Dict[str, Callable] = {
     "reference": _reference,
     "sdpa": _sdpa,
     "flash_attn": _flash_attn,
     "sage": _sage,
+    "torch_varlen": _torch_varlen,
 }
 
-_MODULE_OF = {"flash_attn": "flash_attn", "sage": "sageattention"}
+_MODULE_OF = {"flash_attn": "flash_attn", "sage": "sageattention", "torch_varlen": "torch.nn.attention.varlen"}
 _IMPORT_ERRORS: Dict[str, Optional[str]] = {}
 
 
@@ -267,20 +291,45 @@ def backend_unavailable_reason(name: str, device=None) -> Optional[str]:
 
 def available_backends(device=None) -> List[str]:
     """Backends that can run on ``device``, fastest first."""
-    order = ["flash_attn", "sage", "sdpa", "reference"]
+    order = ["flash_attn", "torch_varlen", "sage", "sdpa", "reference"]
     return [n for n in order if backend_unavailable_reason(n, device) is None]
+
+
+_SELFTEST: Dict[Tuple[str, str], Optional[str]] = {}
+
+
+def backend_selftest(name: str, device) -> Optional[str]:
+    """Run ``name`` once on a small packed problem against ``reference``; None when it agrees (bf16
+    tolerance), else the reason. Cached per (backend, device)."""
+    key = (name, str(device))
+    if key not in _SELFTEST:
+        try:
+            g = torch.Generator().manual_seed(0)
+            lens = [37, 37, 5, 64]
+            q, k, v = (torch.randn(sum(lens), 2, 64, generator=g).to(device, torch.bfloat16) for _ in range(3))
+            cu = torch.tensor([0, 37, 74, 79, 143], dtype=torch.int32, device=device)
+            ref = _reference(q.float(), k.float(), v.float(), make_varlen_plan(cu, cu, device=device))
+            out = BACKENDS[name](q, k, v, make_varlen_plan(cu, cu, device=device)).float()
+            err = float((out - ref).norm() / ref.norm())
+            _SELFTEST[key] = None if err < 2e-2 else f"self-test rel-L2 {err:.2e} vs reference"
+        except Exception as exc:  # noqa: BLE001 - a kernel that fails is simply not used by "auto"
+            _SELFTEST[key] = f"self-test failed: {type(exc).__name__}: {exc}"
+    return _SELFTEST[key]
 
 
 def resolve_backend(name: str = "auto", device=None) -> str:
     """Turn ``auto`` into a concrete backend for ``device``; reject a named backend that cannot run.
 
-    ``auto``: CUDA -> flash_attn if installed, else sdpa; any other device -> sdpa. Sage is never picked
+    ``auto``: CUDA -> flash_attn if installed, else PyTorch's own varlen flash kernel (torch_varlen) if it
+    exists and passes a one-time self-test, else sdpa; any other device -> sdpa. Sage is never picked
     automatically: it quantizes q/k (INT8) and the user should opt in.
     """
     if name in (None, "auto"):
         device = torch.device(device) if device is not None else torch.device("cpu")
-        if device.type == "cuda" and backend_unavailable_reason("flash_attn", device) is None:
-            return "flash_attn"
+        if device.type == "cuda":
+            for cand in ("flash_attn", "torch_varlen"):
+                if backend_unavailable_reason(cand, device) is None and backend_selftest(cand, device) is None:
+                    return cand
         return "sdpa"
     why = backend_unavailable_reason(name, device)
     if why is not None:

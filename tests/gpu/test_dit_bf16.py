@@ -33,7 +33,7 @@ def _run(variant, case, dtype, backend):
 
 
 def _backends():
-    return [b for b in ("sdpa", "flash_attn", "sage") if b in available_backends("cuda")] if torch.cuda.is_available() else ["sdpa"]
+    return [b for b in ("sdpa", "flash_attn", "torch_varlen", "sage") if b in available_backends("cuda")] if torch.cuda.is_available() else ["sdpa"]
 
 
 @pytest.mark.parametrize("backend", _backends())
