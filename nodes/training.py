@@ -1,0 +1,266 @@
+"""FLUX LoRA training nodes (V3): dataset, settings, train.
+
+The train node works on the MODEL that ComfyUI's loaders produce (ModelPatcher -> ``.model.diffusion_model``),
+caches latents/conditioning through the connected VAE/CLIP, writes a kohya-format LoRA into ``models/loras``
+and outputs its name so ComfyUI's own LoraLoader can apply it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from comfy_api.latest import io
+
+from ..training.data import DatasetSpec, encode_dataset
+from ..training.optim import OPTIMIZERS, SCHEDULERS
+from ..training.objective import TIMESTEP_SAMPLINGS
+from ..training.lora import LAYER_TYPES
+from ..training.plot import render_loss_curve
+from ..training.trainer import BASE_PRECISIONS, FluxLoraTrainer, TrainConfig
+from .types import CATEGORY, LoraDataset, LoraTrainingSettings
+
+log = logging.getLogger(__name__)
+
+
+class _AnyCombo(str):
+    """Output type that links into a combo widget (LoraLoader's ``lora_name``) whatever the file list is now."""
+
+    def __ne__(self, other):
+        return False
+
+    def __eq__(self, other):
+        return True
+
+    __hash__ = str.__hash__
+
+
+def _parse_type_ranks(text: str) -> dict:
+    out = {}
+    for part in (text or "").replace(";", ",").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "=" not in part:
+            raise ValueError(f"per-type ranks: cannot read {part!r}. Fix: write e.g. 'img_mod=0, txt_mlp=8' "
+                             f"with types from {', '.join(LAYER_TYPES)}.")
+        k, v = (s.strip() for s in part.split("=", 1))
+        try:
+            out[k] = int(v)
+        except ValueError:
+            raise ValueError(f"per-type ranks: {part!r} is not type=integer. Fix: write e.g. 'img_mod=0'.")
+    return out
+
+
+class FluxLoraDatasetNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="SeedVR2BW_FluxLoraDataset",
+            display_name="FLUX LoRA Dataset",
+            category=f"{CATEGORY}/training",
+            description="Images with same-name .txt captions (a folder), or an IMAGE batch with captions. "
+                        "Images are sorted into aspect-ratio buckets of about resolution² pixels.",
+            inputs=[
+                io.String.Input("folder", default="", tooltip="Folder of images + .txt captions (absolute, or "
+                                "relative to ComfyUI's input folder). Leave empty to use the images input."),
+                io.String.Input("caption_for_all", default="", multiline=True,
+                                tooltip="Caption for images that have no .txt file."),
+                io.String.Input("trigger_word", default="", tooltip="Put in front of every caption."),
+                io.Int.Input("resolution", default=1024, min=256, max=2048, step=64),
+                io.Boolean.Input("aspect_buckets", default=True),
+                io.Image.Input("images", optional=True),
+                io.String.Input("captions", default="", multiline=True, optional=True,
+                                tooltip="For the images input: one caption per line (or one for all)."),
+            ],
+            outputs=[LoraDataset.Output(display_name="dataset")],
+        )
+
+    @classmethod
+    def execute(cls, folder, caption_for_all, trigger_word, resolution, aspect_buckets, images=None,
+                captions="") -> io.NodeOutput:
+        folder = (folder or "").strip()
+        if folder and not os.path.isabs(folder):
+            import folder_paths
+            cand = os.path.join(folder_paths.get_input_directory(), folder)
+            folder = cand if os.path.isdir(cand) else os.path.abspath(folder)
+        if not folder and images is None:
+            raise ValueError("FLUX LoRA Dataset: no folder and no images. Fix: enter a folder of images with .txt "
+                             "captions, or connect an IMAGE batch and captions.")
+        caps = [c for c in (captions or "").splitlines() if c.strip()]
+        spec = DatasetSpec(folder=folder or None, images=None if folder else images, captions=caps,
+                           caption_for_all=caption_for_all, caption_prefix=trigger_word, resolution=resolution,
+                           enable_buckets=aspect_buckets)
+        from ..training.data import collect_items
+        collect_items(spec)  # validate now: a clear error on this node rather than later
+        return io.NodeOutput(spec)
+
+
+class FluxLoraSettingsNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="SeedVR2BW_FluxLoraSettings",
+            display_name="FLUX LoRA Training Settings",
+            category=f"{CATEGORY}/training",
+            inputs=[
+                io.Int.Input("steps", default=1500, min=1, max=100000, tooltip="Optimizer steps."),
+                io.Int.Input("rank", default=16, min=1, max=256),
+                io.Float.Input("alpha", default=16.0, min=0.01, max=1024.0, step=0.5),
+                io.Combo.Input("optimizer", options=list(OPTIMIZERS), default="adamw"),
+                io.Float.Input("learning_rate", default=1e-4, min=1e-7, max=10.0, step=1e-5,
+                               tooltip="AdamW: ~1e-4. Prodigy: 1.0 (it adapts the step itself)."),
+                io.Combo.Input("lr_scheduler", options=list(SCHEDULERS), default="constant"),
+                io.Int.Input("warmup_steps", default=0, min=0, max=10000),
+                io.Int.Input("batch_size", default=1, min=1, max=64),
+                io.Int.Input("grad_accumulation", default=1, min=1, max=64),
+                io.Float.Input("max_grad_norm", default=1.0, min=0.0, max=100.0, step=0.1,
+                               tooltip="0 disables clipping (recommended with Prodigy)."),
+                io.Combo.Input("timestep_sampling", options=list(TIMESTEP_SAMPLINGS), default="sigmoid"),
+                io.Float.Input("shift", default=3.1582, min=0.1, max=10.0, step=0.01,
+                               tooltip="Used by timestep_sampling=shift."),
+                io.Float.Input("guidance", default=1.0, min=0.0, max=10.0, step=0.1,
+                               tooltip="FLUX-dev guidance input while training (1.0 recommended)."),
+                io.Combo.Input("base_precision", options=list(BASE_PRECISIONS), default="auto",
+                               tooltip="Frozen base: as loaded, bf16, fp8 (FP8 tensor cores on sm_89+) or nvfp4."),
+                io.Boolean.Input("gradient_checkpointing", default=True),
+                io.String.Input("double_blocks", default="all", tooltip="e.g. all, none, 0-7,12"),
+                io.String.Input("single_blocks", default="all", tooltip="e.g. all, none, 0-19"),
+                io.String.Input("per_type_ranks", default="",
+                                tooltip=f"e.g. img_mod=0, txt_mlp=8. Types: {', '.join(LAYER_TYPES)}"),
+                io.Int.Input("seed", default=42, min=0, max=2**31 - 1),
+                io.Int.Input("save_every", default=250, min=0, max=100000, tooltip="0: only the final save."),
+                io.Int.Input("keep_last", default=3, min=0, max=1000),
+                io.Int.Input("preview_every", default=0, min=0, max=100000),
+                io.String.Input("preview_seeds", default="1"),
+                io.Boolean.Input("tensorboard", default=False),
+                io.Int.Input("blocks_to_swap", default=0, min=0, max=57),
+            ],
+            outputs=[LoraTrainingSettings.Output(display_name="settings")],
+        )
+
+    @classmethod
+    def execute(cls, steps, rank, alpha, optimizer, learning_rate, lr_scheduler, warmup_steps, batch_size,
+                grad_accumulation, max_grad_norm, timestep_sampling, shift, guidance, base_precision,
+                gradient_checkpointing, double_blocks, single_blocks, per_type_ranks, seed, save_every, keep_last,
+                preview_every, preview_seeds, tensorboard, blocks_to_swap) -> io.NodeOutput:
+        if optimizer == "prodigy" and learning_rate < 0.1:
+            log.warning("[FluxLoraTrain] Prodigy adapts its own step: learning_rate should be 1.0 (got %g)",
+                        learning_rate)
+        seeds = tuple(int(s) for s in str(preview_seeds).replace(" ", "").split(",") if s)
+        cfg = TrainConfig(rank=rank, alpha=alpha, steps=steps, optimizer=optimizer, learning_rate=learning_rate,
+                          lr_scheduler=lr_scheduler, warmup_steps=warmup_steps, batch_size=batch_size,
+                          grad_accum=grad_accumulation, max_grad_norm=max_grad_norm,
+                          timestep_sampling=timestep_sampling, shift=shift, guidance=guidance,
+                          base_precision=base_precision, gradient_checkpointing=gradient_checkpointing,
+                          double_blocks=double_blocks, single_blocks=single_blocks,
+                          type_ranks=_parse_type_ranks(per_type_ranks), seed=seed, save_every=save_every,
+                          keep_last=keep_last, preview_every=preview_every, preview_seeds=seeds or (1,),
+                          tensorboard_dir="tb" if tensorboard else "", blocks_to_swap=blocks_to_swap)
+        cfg.validate()
+        return io.NodeOutput(cfg)
+
+
+class FluxLoraTrainNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="SeedVR2BW_FluxLoraTrain",
+            display_name="FLUX LoRA Train",
+            category=f"{CATEGORY}/training",
+            description="Trains a LoRA on the connected FLUX model (frozen base, activation-side LoRA) and saves "
+                        "it in kohya format into models/loras. Cancel saves what was trained; 'resume' continues "
+                        "from the saved state of the same output name.",
+            inputs=[
+                io.Model.Input("model"),
+                io.Vae.Input("vae"),
+                io.Clip.Input("clip"),
+                LoraDataset.Input("dataset"),
+                LoraTrainingSettings.Input("settings"),
+                io.String.Input("output_name", default="flux_lora",
+                                tooltip="File name inside models/loras (sub-folders allowed)."),
+                io.Boolean.Input("resume", default=True,
+                                 tooltip="Continue from <output_name>-state.pt when it exists."),
+            ],
+            outputs=[
+                io.Combo.Output(display_name="lora_name", options=_AnyCombo("COMBO")),
+                io.String.Output(display_name="lora_path"),
+                io.Image.Output(display_name="loss_plot"),
+                io.Image.Output(display_name="previews"),
+            ],
+            hidden=[io.Hidden.unique_id],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, model, vae, clip, dataset, settings, output_name, resume) -> io.NodeOutput:
+        import dataclasses
+
+        import comfy.model_management as mm
+        import comfy.utils
+        import folder_paths
+        node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
+        dm = getattr(getattr(model, "model", None), "diffusion_model", None)
+        from ..training.lora import is_flux_diffusion_model
+        if dm is None or not is_flux_diffusion_model(dm):
+            raise TypeError(f"FLUX LoRA Train needs a FLUX model, got {type(dm).__name__ if dm is not None else type(model).__name__}. "
+                            "Fix: load a FLUX.1 model (Load Diffusion Model / Load Checkpoint) and connect it.")
+        lora_dir = folder_paths.get_folder_paths("loras")[0]
+        name = output_name.strip().replace("\\", "/")
+        if name.endswith(".safetensors"):
+            name = name[: -len(".safetensors")]
+        cfg = dataclasses.replace(settings, output_name=os.path.basename(name),
+                                  output_dir=os.path.join(lora_dir, os.path.dirname(name)))
+        if cfg.tensorboard_dir:
+            cfg.tensorboard_dir = os.path.join(folder_paths.get_output_directory(), "flux_lora_tb",
+                                               os.path.basename(name))
+        cache_dir = os.path.join(folder_paths.get_output_directory(), "flux_lora_cache")
+        pbar = comfy.utils.ProgressBar(cfg.steps, node_id=node_id)
+        data = encode_dataset(dataset, vae, clip, cache_dir=cache_dir,
+                              check_interrupt=mm.throw_exception_if_processing_interrupted)
+        mm.load_models_gpu([model], force_full_load=True)
+        device = model.load_device
+        if device.type == "cpu":
+            cfg.compute_dtype = "fp32"
+        if cfg.base_precision == "bf16" and dm.dtype not in (torch.bfloat16,):
+            log.info("[FluxLoraTrain] base stored as %s; training computes in bf16", dm.dtype)
+        trainer = FluxLoraTrainer(dm, cfg, data, latent_format=model.model.latent_format, device=device, vae=vae)
+        info = {"num_images": len(data), "resolution": dataset.resolution,
+                "buckets": {f"{k[-1] * 8}x{k[-2] * 8}": len(v) for k, v in data.buckets.items()},
+                "captions": {}}
+        try:
+            if resume and os.path.isfile(trainer.state_path()):
+                trainer.load_state()
+                log.info("[FluxLoraTrain] resumed %s at step %d", trainer.state_path(), trainer.step)
+            server = None
+            try:
+                from server import PromptServer
+                server = PromptServer.instance
+            except Exception:  # noqa: BLE001
+                pass
+
+            def on_step(step, total, loss, dt, tr):
+                pbar.update_absolute(step, total)
+                if server is not None and node_id is not None:
+                    try:
+                        server.send_progress_text(f"step {step}/{total}  loss {loss:.4f}  {dt:.2f} s/step  "
+                                                  f"lr {tr.current_lr():.2e}", node_id)
+                    except Exception:  # noqa: BLE001
+                        pass
+                if step % 50 == 0 or step == total:
+                    log.info("[FluxLoraTrain] step %d/%d loss %.4f %.3f s/step", step, total, loss, dt)
+
+            path = trainer.run(on_step=on_step, check_interrupt=mm.throw_exception_if_processing_interrupted,
+                               dataset_info=info)
+        finally:
+            trainer.close()
+        plot = render_loss_curve(trainer.losses)
+        if trainer.previews:
+            previews = torch.cat([p for _, p in trainer.previews]).clamp(0, 1)
+        else:
+            previews = torch.zeros(1, 64, 64, 3)
+        lora_name = os.path.relpath(path, lora_dir).replace(os.sep, "/")
+        return io.NodeOutput(lora_name, path, plot, previews, ui={"text": [f"saved {lora_name} ({trainer.step} steps)"]})
+
+
+NODES = [FluxLoraDatasetNode, FluxLoraSettingsNode, FluxLoraTrainNode]
