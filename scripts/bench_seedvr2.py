@@ -187,6 +187,33 @@ def bench_vae(cases, args):
     return rows
 
 
+def profile_one(args, cfgs):
+    """Top CUDA kernels (self time) of one DiT forward: where the step time goes."""
+    name, res, frames = args.profile.split(":")
+    cfg = cfgs[name]
+    model = random_dit(cfg, args.backends[0])
+    _, (T, H, W) = latent_grid(*RESOLUTIONS[res], int(frames))
+    vid = torch.randn(T * H * W, cfg.vid_in_channels, device="cuda", dtype=torch.bfloat16)
+    txt = torch.randn(TXT_LEN, cfg.txt_in_dim, device="cuda", dtype=torch.bfloat16)
+    call = lambda: model(vid, txt, torch.tensor([[T, H, W]], device="cuda"), torch.tensor([[TXT_LEN]], device="cuda"),
+                         torch.tensor([1000.0], device="cuda"))
+    with torch.no_grad():
+        call()
+        torch.cuda.synchronize()
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+    print(f"# profile {args.profile} ({args.backends[0]}): top kernels by self CUDA time")
+    try:
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60))
+    except Exception as exc:  # noqa: BLE001 - profiler column names move between versions
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
+    del model
+    torch.cuda.empty_cache()
+
+
 # --------------------------------------------------------------------------------------------------
 def fmt_header():
     return (f"{'model':>5} {'attention':>12} {'res':>6} {'frm':>4} {'latent THW':>13} {'tokens':>7} {'maxwin':>6} "
@@ -225,6 +252,8 @@ def main():
     ap.add_argument("--vae-res", default=None, help="VAE cases (default: same as --res)")
     ap.add_argument("--vae-iters", type=int, default=3)
     ap.add_argument("--vae-warmup", type=int, default=1)
+    ap.add_argument("--profile", default=None, metavar="MODEL:RES:FRAMES",
+                    help="also print the top CUDA kernels of one forward, e.g. 3b:720p:21")
     ap.add_argument("--flops-only", action="store_true", help="print the FLOP counts and exit (no GPU needed)")
     ap.add_argument("--json", default=None, help="write the results to this path")
     args = ap.parse_args()
@@ -265,6 +294,8 @@ def main():
     rows = []
     for m in models:
         rows += bench_dit(m, cfgs[m], cases, args, peak)
+    if args.profile:
+        profile_one(args, cfgs)
     vae_rows = []
     if args.vae:
         vres = args.vae_res.split(",") if args.vae_res else [r for r, _ in cases]
