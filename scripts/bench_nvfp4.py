@@ -170,12 +170,18 @@ def main(argv=None):
                         row[f"{p}_snr_db"] = -20 * math.log10(max(e.item(), 1e-30))
                     except Exception as exc:  # noqa: BLE001
                         row[f"{p}_acc_error"] = str(exc).splitlines()[0]
+            from seedvr2bw.optimization.nvfp4.linear import _FIDELITY_CHOICE
+            ch = [v for kk, v in _FIDELITY_CHOICE.items() if kk[1:3] == (n, k) and kk[0] == K._m_bucket(m)]
+            if ch:
+                row["fidelity_small_m_kernel"] = ch[0]
             results.append(row)
             line = f"K={k:5d} N={n:5d} M={m:5d} " + " ".join(
                 f"{p}={row[f'{p}_ms']:.4f}ms" + (f"({row[f'{p}_vs_bf16']:.2f}x)" if f"{p}_vs_bf16" in row else "")
                 for p in paths if f"{p}_ms" in row)
             if "fidelity_vs_ck" in row:
                 line += f" fid/ck={row['fidelity_vs_ck']:.2f}x"
+            if "fidelity_small_m_kernel" in row:
+                line += f" [{row['fidelity_small_m_kernel']}]"
             print(line, flush=True)
             del xs
         del layers, fns

@@ -325,5 +325,6 @@ def quantize_act_fp8_rowwise_reference(x: torch.Tensor, dtype=torch.float8_e4m3f
     fmax = torch.finfo(dtype).max
     amax = x.abs().amax(dim=-1).float()
     scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
-    q = (x.float() / scale.unsqueeze(-1)).clamp(-fmax, fmax).to(dtype)
+    inv = 1.0 / scale
+    q = (x.float() * inv.unsqueeze(-1)).clamp(-fmax, fmax).to(dtype)
     return q, scale

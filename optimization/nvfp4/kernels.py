@@ -112,13 +112,15 @@ if HAS_TRITON:
         x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=0)
         scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
-        q = tl.math.div_rn(x, scale)
+        inv = tl.math.div_rn(1.0, scale)
+        q = x * inv
         q = tl.minimum(tl.maximum(q, -448.0), 448.0)
         tl.store(q_ptr + row * K + cols, q.to(tl.float8e4nv), mask=mask)
         tl.store(s_ptr + row, scale)
 
     @triton.autotune(configs=[triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
-                              for r, c, w in ((32, 64, 4), (16, 256, 4), (32, 256, 8), (8, 512, 4))],
+                              for r, c, w in ((32, 64, 4), (16, 256, 4), (32, 256, 8), (8, 512, 4), (64, 128, 8),
+                                              (16, 512, 8), (4, 1024, 4))],
                      key=["R", "HALF"])
     @triton.jit
     def _dequant_kernel(p_ptr, s_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4,
@@ -142,36 +144,30 @@ if HAS_TRITON:
         tl.store(o_ptr + rows[:, None].to(tl.int64) * K_OUT + ocols[None, :], vals.to(o_ptr.dtype.element_ty),
                  mask=omask)
 
-    @triton.jit
-    def _e2m1_half_units(code):
-        """4-bit code -> 2 * value as float32 (exact small integers), via an in-register nibble table."""
-        mag = code & 7
-        v2 = (0x8643210 >> (mag * 4)) & 15
-        v2 = tl.where(mag == 7, 12, v2)
-        v2 = tl.where((code & 8) != 0, -v2, v2)
-        return v2.to(tl.float32)
-
     def _w4a16_configs():
         out = []
-        for bm, bn, bk, sk, w, st in ((16, 64, 256, 1, 4, 4), (16, 64, 256, 4, 4, 4), (16, 128, 256, 2, 4, 4),
-                                      (32, 64, 256, 2, 4, 4), (32, 128, 128, 4, 4, 4), (64, 64, 256, 2, 4, 3),
-                                      (64, 128, 128, 1, 4, 3), (64, 128, 128, 4, 8, 3), (128, 128, 128, 1, 8, 3),
-                                      (128, 128, 128, 2, 8, 3), (128, 64, 128, 4, 4, 3), (256, 128, 64, 1, 8, 3)):
+        for bm, bn, bk, sk, w, st in ((16, 64, 128, 1, 4, 4), (16, 64, 128, 4, 4, 4), (16, 128, 128, 2, 4, 4),
+                                      (32, 64, 128, 2, 4, 4), (32, 128, 128, 4, 4, 4), (64, 64, 128, 2, 4, 3),
+                                      (64, 128, 64, 1, 4, 3), (64, 128, 128, 4, 8, 3), (64, 128, 128, 1, 8, 3),
+                                      (128, 128, 64, 1, 8, 3), (128, 128, 64, 2, 8, 3), (128, 64, 128, 4, 4, 3),
+                                      (256, 64, 64, 2, 8, 3), (256, 128, 64, 1, 8, 3)):
             out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk},
                                      num_warps=w, num_stages=st))
         return out
 
     @triton.jit
-    def _w4a16_kernel_raw(x_ptr, p_ptr, s_ptr, g_ptr, ws_ptr, M, N, K, M_BUCKET, stride_xm, NCB4,
+    def _w4a16_kernel_raw(x_ptr, p_ptr, s_ptr, lut_ptr, g_ptr, ws_ptr, M, N, K, M_BUCKET, stride_xm, NCB4,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr):
-        """ws[M, N] (+)= x @ dequant(W)^T in fp32. Even / odd K elements are the high / low nibbles of a byte,
-        so x is read as its even and odd columns and the weight needs no interleaving."""
+        """ws[M, N] (+)= x @ dequant(W)^T * g in fp32. Each packed byte is decoded by one lookup in a
+        256-entry table holding both of its values as bf16 bits (exact); the block scale multiplies in bf16
+        (q * s has at most 6 significant bits, so the product is exact)."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
         rkp = tl.arange(0, BLOCK_K // 2)
         HALF = K // 2
         k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
@@ -181,20 +177,21 @@ if HAS_TRITON:
         mmask = rm[:, None] < M
         nmask = rn[:, None] < N
         for k0 in range(k_lo, k_hi, BLOCK_K):
+            kk = k0 + rk
+            x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                        mask=mmask & (kk[None, :] < K), other=0.0)
             pk = k0 // 2 + rkp
-            pkm = pk[None, :] < HALF
-            xrow = x_ptr + rm[:, None].to(tl.int64) * stride_xm + 2 * pk[None, :]
-            xe = tl.load(xrow, mask=mmask & pkm, other=0.0)
-            xo = tl.load(xrow + 1, mask=mmask & pkm, other=0.0)
-            p = tl.load(p_ptr + rn[:, None].to(tl.int64) * HALF + pk[None, :], mask=nmask & pkm, other=0).to(tl.int32)
-            soff = _swz_offset(rn[:, None].to(tl.int64), (pk // 8)[None, :], NCB4)
-            s = tl.load(s_ptr + soff, mask=nmask & pkm, other=0.0).to(tl.float32)
-            wh = (_e2m1_half_units(p >> 4) * s).to(xe.dtype)
-            wl = (_e2m1_half_units(p & 15) * s).to(xe.dtype)
-            acc = tl.dot(xe, tl.trans(wh), acc)
-            acc = tl.dot(xo, tl.trans(wl), acc)
+            pm = nmask & (pk[None, :] < HALF)
+            p = tl.load(p_ptr + rn[:, None].to(tl.int64) * HALF + pk[None, :], mask=pm, other=0).to(tl.int32)
+            v = tl.load(lut_ptr + p)
+            s = tl.load(s_ptr + _swz_offset(rn[:, None].to(tl.int64), (pk // 8)[None, :], NCB4), mask=pm,
+                        other=0.0).to(tl.bfloat16)
+            hi = (v & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True) * s
+            lo = (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True) * s
+            w = tl.reshape(tl.join(hi, lo), (BLOCK_N, BLOCK_K)).to(x.dtype)
+            acc = tl.dot(x, tl.trans(w), acc)
         g = tl.load(g_ptr)
-        acc = acc * (g * 0.5)
+        acc = acc * g
         optr = ws_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
         omask = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT_K == 1:
@@ -204,6 +201,22 @@ if HAS_TRITON:
 
     _w4a16_kernel = triton.autotune(configs=_w4a16_configs(), key=["M_BUCKET", "N", "K"],
                                     reset_to_zero=["ws_ptr"])(_w4a16_kernel_raw)
+
+
+_LUT_DEV: dict = {}
+
+
+def byte_lut(device) -> torch.Tensor:
+    """int32[256]: bf16 bits of the byte's high-nibble value in bits 0-15, low-nibble value in bits 16-31."""
+    key = str(device)
+    t = _LUT_DEV.get(key)
+    if t is None:
+        from .format import E2M1_VALUES
+        vals = torch.tensor(E2M1_VALUES, dtype=torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+        b = torch.arange(256)
+        t = (vals[b >> 4] | (vals[b & 15] << 16)).to(torch.int32).to(device)
+        _LUT_DEV[key] = t
+    return t
 
 
 def _check_triton(t: torch.Tensor):
@@ -251,7 +264,7 @@ def quantize_act_fp8_rowwise(x: torch.Tensor):
     if M == 0:
         return q, s
     BLOCK_K = triton.next_power_of_2(K)
-    warps = 4 if BLOCK_K <= 2048 else (8 if BLOCK_K <= 8192 else 16)
+    warps = max(4, min(16, BLOCK_K // 512))
     _act_fp8_row_kernel[(M,)](x, q, s, K, x.stride(0), BLOCK_K=BLOCK_K, num_warps=warps)
     return q, s
 
@@ -294,10 +307,10 @@ def w4a16_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bia
     ws = torch.zeros((M, n), dtype=torch.float32, device=x.device)
     g = global_scale.to(device=x.device, dtype=torch.float32).reshape(1)
     sc = block_scale.shape[1]
-    args = (x, packed, block_scale, g, ws, M, n, K, _m_bucket(M), x.stride(0), sc // 4)
+    args = (x, packed, block_scale, byte_lut(x.device), g, ws, M, n, K, _m_bucket(M), x.stride(0), sc // 4)
     if _INTERPRET:
-        grid = (triton.cdiv(n, 32), triton.cdiv(M, 16), 2)
-        _w4a16_kernel_raw[grid](*args, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=2)
+        grid = (triton.cdiv(n, 32), triton.cdiv(M, 16), 1)
+        _w4a16_kernel_raw[grid](*args, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1)
     else:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(M, meta["BLOCK_M"]), meta["SPLIT_K"])  # noqa: E731
         _w4a16_kernel[grid](*args)

@@ -33,7 +33,28 @@ from .format import NVFP4Tensor
 log = logging.getLogger(__name__)
 
 PATHS = ("fp4_tensorcore", "fp8_speed", "fidelity", "reference")
-SMALL_M = 256                # fidelity path: fused W4A16 kernel at or below this many rows
+SMALL_M = 256                # fidelity path: fused W4A16 kernel considered at or below this many rows
+_FIDELITY_CHOICE: dict = {}  # (m bucket, N, K, device) -> "fused" | "dequant", decided by timing once
+
+
+def _time_choice(fns: dict, reps: int = 5) -> str:
+    """Run each candidate once (warm-up, includes Triton autotuning), then time ``reps`` calls with CUDA events;
+    return the fastest name."""
+    best, best_t = None, float("inf")
+    for name, fn in fns.items():
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        t = start.elapsed_time(end)
+        log.debug("fidelity candidate %s: %.4f ms", name, t / reps)
+        if t < best_t:
+            best, best_t = name, t
+    return best
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -158,6 +179,7 @@ class NVFP4Linear(_QuantLinearBase):
                                        requires_grad=False) if bias else None
         self.path = path
         self.fp8_fast_accum = fp8_fast_accum
+        self.fidelity_kernel = "auto"        # small M: "auto" (time both once per shape), "fused", "dequant"
         self._derived: dict = {}
 
     # -- construction -------------------------------------------------------------------------------------
@@ -254,15 +276,31 @@ class NVFP4Linear(_QuantLinearBase):
         b = self.bias.float() if self.bias is not None else None
         return F.linear(x2.float(), w, b).to(x2.dtype)
 
-    def _forward_fidelity(self, x2):
+    def _fidelity_fused(self, x2):
+        b = self.bias if self.bias is not None else None
+        return K.w4a16_linear(self._padded_input(x2), self.weight, self.weight_scale, self.weight_scale_2,
+                              self.out_features, bias=b)
+
+    def _fidelity_dequant(self, x2):
         dtype = x2.dtype if x2.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-        if x2.shape[0] <= SMALL_M and K.triton_usable(x2) and x2.dtype in (torch.bfloat16, torch.float16):
-            xp = self._padded_input(x2)
-            b = self.bias.to(dtype) if self.bias is not None else None
-            return K.w4a16_linear(xp, self.weight, self.weight_scale, self.weight_scale_2, self.out_features, bias=b)
         w = self.dequantize_weight(dtype)
         b = self.bias.to(dtype) if self.bias is not None else None
         return F.linear(x2.to(dtype), w, b).to(x2.dtype)
+
+    def _forward_fidelity(self, x2):
+        m = x2.shape[0]
+        if (m <= SMALL_M and K.triton_usable(x2) and x2.is_cuda and x2.dtype == torch.bfloat16
+                and self.fidelity_kernel != "dequant"):
+            if self.fidelity_kernel == "fused":
+                return self._fidelity_fused(x2)
+            key = (K._m_bucket(m), self.out_features, self.in_features, str(x2.device))
+            choice = _FIDELITY_CHOICE.get(key)
+            if choice is None:
+                choice = _FIDELITY_CHOICE[key] = _time_choice(
+                    {"fused": lambda: self._fidelity_fused(x2), "dequant": lambda: self._fidelity_dequant(x2)})
+            if choice == "fused":
+                return self._fidelity_fused(x2)
+        return self._fidelity_dequant(x2)
 
     def _fp8_weight(self, device):
         key = ("fp8", str(device))

@@ -105,6 +105,31 @@ def test_paths_match_their_cpu_emulation(path, tol, m, n, k):
 
 
 @cuda
+@needs_triton
+@pytest.mark.parametrize("kernel", ["fused", "dequant", "auto"])
+@pytest.mark.parametrize("m,n,k", [(1, 96, 160), (64, 512, 2560), (200, 80, 72), (256, 3072, 3072)])
+def test_fidelity_small_m_kernels(kernel, m, n, k):
+    layer = _layer(n, k, "fidelity", seed=m + k)
+    layer.fidelity_kernel = kernel
+    x = torch.randn(m, k).to(torch.bfloat16)
+    want = expected_output(layer, x, "reference")
+    got = layer.to(DEV)(x.to(DEV)).double().cpu()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+@cuda
+@needs_triton
+def test_w4a16_kernel_matches_exact_product():
+    t = fmt.quantize_nvfp4(torch.randn(300, 512), return_tensor=True)
+    x = torch.randn(40, 512).to(torch.bfloat16)
+    b = torch.randn(300).to(torch.bfloat16)
+    got = K.w4a16_linear(x.to(DEV), t.packed.to(DEV), t.block_scale.to(DEV), t.global_scale.to(DEV), 300,
+                         b.to(DEV)).double().cpu()
+    want = x.double() @ t.dequantize().double().t() + b.double()
+    assert ((got - want).norm() / want.norm()).item() < 5e-3
+
+
+@cuda
 def test_fidelity_is_close_to_exact_reference_across_the_small_m_switch():
     layer = _layer(384, 512, "fidelity")
     for m in (255, 256, 257):
