@@ -236,9 +236,11 @@ class _ModelStager:
 
     def load_dit(self):
         import comfy.model_management as mm
-        if self.dit.blockswap is not None and self.device.type == "cuda":
-            self._attach_blockswap(self.dit.blockswap)
-            return
+        if self.dit.blockswap is not None:
+            if self.device.type == "cuda":
+                self._attach_blockswap(self.dit.blockswap)
+                return
+            _log.info("[SeedVR2-BW] BlockSwap is for CUDA GPUs; running resident on %s", self.device)
         mm.load_models_gpu([self.dit.patcher], memory_required=self.dit_bytes)
         if not _all_on(self.dit.model, self.device):
             # ComfyUI could only load part of the model (not enough free VRAM): stream the blocks instead.

@@ -164,6 +164,18 @@ def test_models_registered_with_comfy_and_freed(comfy_inprocess, tiny):
     assert again.success, again.error
 
 
+def test_blockswap_socket_accepts_the_blockswap_node(comfy_inprocess, tiny):
+    if "SeedVR2BW_BlockSwap" not in comfy_inprocess.node_classes:
+        pytest.skip("BlockSwap node not available")
+    wf, prompt = _run_with(comfy_inprocess)
+    prompt["99"] = {"class_type": "SeedVR2BW_BlockSwap",
+                    "inputs": {"blocks_to_swap": 2, "prefetch": 1, "buffers": 2, "swap_io_components": False,
+                               "pinned_cap_gb": 0.0, "reserve_gb": 0.0}}
+    prompt[str(_node_id(wf, "SeedVR2BW_LoadDiT"))]["inputs"]["blockswap"] = ["99", 0]
+    res = comfy_inprocess.run(prompt)
+    assert res.success, res.error
+
+
 # ----------------------------------------------------------------------------------------- errors
 def _run_with(comfy, **upscale):
     wf, prompt = _convert(comfy, IMAGE_WF)
