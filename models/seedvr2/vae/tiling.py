@@ -146,25 +146,31 @@ def encode_tiled(vae, x: torch.Tensor, tile: Pair = 512, overlap: Pair = 64, sho
 
 
 # ------------------------------------------------------------------------------------------------ tile choice
-def estimate_decode_bytes(tile_latent: int, config: VAEConfig = SEEDVR2_VAE, dtype_bytes: int = 2,
+def _area(tile: Pair) -> int:
+    th, tw = _pair(tile)
+    return th * tw
+
+
+def estimate_decode_bytes(tile_latent: Pair, config: VAEConfig = SEEDVR2_VAE, dtype_bytes: int = 2,
                           split_size: int = 4) -> int:
-    """Estimated peak working set of decoding one square tile of `tile_latent` latents (excluding weights).
+    """Estimated peak working set of decoding one tile of `tile_latent` latents (int: square; or (h, w)),
+    excluding weights and the output.
 
     The peak is at full resolution in the last up blocks: the spatial-only upsampler of the second-to-last up block
     and the first ResNet of the last one hold about four tensors of boc[1] channels over the first temporal chunk
     (split_size + 1 frames): input, normalised copy, time-extended conv input and conv output.
     """
-    px = (tile_latent * config.spatial_factor) ** 2
+    px = _area(tile_latent) * config.spatial_factor ** 2
     frames = split_size + 1 + 2            # first chunk plus the two replicated head frames of a 3x3x3 conv
     return int(4.5 * config.block_out_channels[1] * frames * px * dtype_bytes)
 
 
-def estimate_encode_bytes(tile_px: int, config: VAEConfig = SEEDVR2_VAE, dtype_bytes: int = 2,
+def estimate_encode_bytes(tile_px: Pair, config: VAEConfig = SEEDVR2_VAE, dtype_bytes: int = 2,
                           split_size: int = 4) -> int:
-    """Estimated peak working set of encoding one square pixel tile: the first down block at full resolution holds
+    """Estimated peak working set of encoding one pixel tile (int: square; or (h, w)): the first down block at full resolution holds
     about four tensors of boc[0] channels over the first chunk (split_size + 1 frames, + 2 head frames)."""
     frames = split_size + 1 + 2
-    return int(4.5 * config.block_out_channels[0] * frames * tile_px * tile_px * dtype_bytes)
+    return int(4.5 * config.block_out_channels[0] * frames * _area(tile_px) * dtype_bytes)
 
 
 def choose_tile_size(free_vram_bytes: int, mode: str = "decode", dtype: torch.dtype = torch.bfloat16,

@@ -1,0 +1,185 @@
+"""Benchmark the SeedVR2 video VAE at real dimensions with random weights.
+
+Encode/decode time (median of N after warm-up) and peak VRAM at 720p and 1080p for 1 and 21 frames, one pass with
+the official temporal slicing and memory limits, and spatially tiled. Random weights: the speed and memory of
+the VAE do not depend on the values.
+
+  python scripts/bench_vae.py                      # 720p + 1080p, 1 and 21 frames, untiled + tiled
+  python scripts/bench_vae.py --quick --json out.json
+  python scripts/bench_vae.py --resolutions 1280x720 --frames 5 --ops decode --repeats 5
+
+Other scripts may import `bench_vae(device, dtype, resolutions, frames, ...) -> list[dict]`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _pack  # noqa: F401  (registers the pack as `seedvr2bw`)
+import torch
+
+from seedvr2bw.models.seedvr2.vae import SEEDVR2_VAE, VAEConfig, VideoAutoencoder
+from seedvr2bw.models.seedvr2.vae.tiling import estimate_decode_bytes, estimate_encode_bytes
+
+GIB = 1024 ** 3
+
+
+def make_random_vae(device="cuda", dtype=torch.bfloat16, config: VAEConfig = SEEDVR2_VAE, seed: int = 0):
+    """Real-dimension VAE with random weights (conv/linear N(0, 1/fan_in), norms 1, biases 0), built directly on
+    the device."""
+    with torch.device("meta"):
+        vae = VideoAutoencoder(config)
+    vae.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in vae.named_parameters():
+            if p.ndim == 1:
+                p.fill_(1.0 if ("norm" in name and name.endswith("weight")) else 0.0)
+            else:
+                fan_in = p[0].numel()
+                p.normal_(0.0, 1.0 / math.sqrt(fan_in), generator=g)
+    return vae.to(dtype).eval().requires_grad_(False)
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parents[1], timeout=5).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def bench_vae(device="cuda", dtype=torch.bfloat16, resolutions=((1280, 720), (1920, 1080)), frames=(1, 21),
+              ops=("encode", "decode"), tiled=(False, True), encode_tile=512, encode_overlap=64,
+              decode_tile=64, decode_overlap=8, warmup=1, repeats=3, heavy_repeats=None, vae=None,
+              time_budget_s=None, log=print) -> list:
+    """Time encode/decode. Returns one dict per (op, resolution, frames, tiled).
+
+    frames are pixel frames (4n + 1); decode is timed on the latent of that clip ((T-1)/4 + 1 latent frames) and
+    produces T frames. heavy_repeats (default: repeats) applies to clips of more than 1 frame. Configurations left
+    when time_budget_s is spent are returned with "skipped": True.
+    """
+    device = torch.device(device)
+    vae = vae or make_random_vae(device, dtype)
+    cuda = device.type == "cuda"
+    s, tf = vae.spatial_factor, vae.temporal_factor
+    info = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", torch=torch.__version__,
+                commit=_git_commit(), dtype=str(dtype).replace("torch.", ""))
+    elem = torch.empty((), dtype=dtype).element_size()
+    configs = [(op, w, h, t, til) for t in frames for (w, h) in resolutions for op in ops for til in tiled]
+    configs.sort(key=lambda c: c[1] * c[2] * c[3])          # cheapest first, so a time budget keeps the most rows
+    rows, start = [], time.perf_counter()
+    for op, w, h, t, til in configs:
+        row = dict(info, op=op, width=w, height=h, frames=t, tiled=til)
+        if (t - 1) % tf:
+            raise ValueError(f"frames must be {tf}n + 1, got {t}")
+        if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+            rows.append(dict(row, skipped=True))
+            log(f"skip {op} {w}x{h}x{t} tiled={til} (time budget)")
+            continue
+        lt, lh, lw = (t - 1) // tf + 1, h // s, w // s
+        g = torch.Generator(device=device).manual_seed(1)
+        if op == "encode":
+            inp = torch.rand(1, 3, t, lh * s, lw * s, generator=g, device=device, dtype=dtype) * 2 - 1
+            row.update(tile=encode_tile if til else None, overlap=encode_overlap if til else None,
+                       latent_shape=[1, vae.config.latent_channels, lt, lh, lw],
+                       est_working_set_gib=estimate_encode_bytes(
+                           (min(encode_tile, lh * s), min(encode_tile, lw * s)) if til else (lh * s, lw * s),
+                           vae.config, elem) / GIB)
+            run = (lambda: vae.encode_tiled(inp, encode_tile, encode_overlap)) if til else (lambda: vae.encode(inp))
+        else:
+            inp = torch.randn(1, vae.config.latent_channels, lt, lh, lw, generator=g, device=device, dtype=dtype)
+            row.update(tile=decode_tile if til else None, overlap=decode_overlap if til else None,
+                       latent_shape=list(inp.shape),
+                       est_working_set_gib=estimate_decode_bytes(
+                           (min(decode_tile, lh), min(decode_tile, lw)) if til else (lh, lw), vae.config, elem) / GIB)
+            run = (lambda: vae.decode_tiled(inp, decode_tile, decode_overlap)) if til else (lambda: vae.decode(inp))
+        n = repeats if t == 1 or heavy_repeats is None else heavy_repeats
+        try:
+            for _ in range(warmup):
+                out = run()
+                del out
+            _sync(device)
+            if cuda:
+                torch.cuda.empty_cache()
+                base = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            times = []
+            for _ in range(n):
+                _sync(device)
+                t0 = time.perf_counter()
+                out = run()
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+                del out
+            row.update(times_s=times, median_s=statistics.median(times))
+            if cuda:
+                peak = torch.cuda.max_memory_allocated(device)
+                row.update(peak_vram_gib=peak / GIB, peak_above_inputs_gib=(peak - base) / GIB)
+        except torch.cuda.OutOfMemoryError as e:  # report and go on
+            row.update(error=f"OOM: {str(e).splitlines()[0]}")
+        finally:
+            del inp
+            if cuda:
+                torch.cuda.empty_cache()
+        log(_fmt(row))
+        rows.append(row)
+    return rows
+
+
+def _fmt(r) -> str:
+    head = f"{r['op']:6s} {r['width']}x{r['height']} T={r['frames']:<3d} {'tiled ' if r['tiled'] else 'single'}"
+    if "error" in r:
+        return f"{head}  {r['error']}"
+    peak = f"  peak {r['peak_vram_gib']:.2f} GiB (+{r['peak_above_inputs_gib']:.2f})" if "peak_vram_gib" in r else ""
+    return f"{head}  median {r['median_s'] * 1000:9.1f} ms{peak}  est {r['est_working_set_gib']:.2f} GiB"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--resolutions", default="1280x720,1920x1080", help="WxH list")
+    ap.add_argument("--frames", default="1,21", help="pixel frames, each 4n+1")
+    ap.add_argument("--ops", default="encode,decode")
+    ap.add_argument("--tiled", default="both", choices=["both", "yes", "no"])
+    ap.add_argument("--encode-tile", type=int, default=512)
+    ap.add_argument("--encode-overlap", type=int, default=64)
+    ap.add_argument("--decode-tile", type=int, default=64)
+    ap.add_argument("--decode-overlap", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--heavy-repeats", type=int, default=None, help="repeats for clips of more than one frame")
+    ap.add_argument("--budget-s", type=float, default=None, help="skip configurations once this much time is spent")
+    ap.add_argument("--cudnn-benchmark", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="repeats 3 (1 frame) / 2 (longer clips), budget 150 s")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.repeats, a.heavy_repeats, a.budget_s = 3, 2, a.budget_s or 150.0
+    torch.backends.cudnn.benchmark = a.cudnn_benchmark
+    res = [tuple(int(v) for v in r.lower().split("x")) for r in a.resolutions.split(",")]
+    frames = [int(f) for f in a.frames.split(",")]
+    tiled = {"both": (False, True), "yes": (True,), "no": (False,)}[a.tiled]
+    print(f"device {a.device}, torch {torch.__version__}, dtype {a.dtype}, commit {_git_commit()}", flush=True)
+    rows = bench_vae(a.device, getattr(torch, a.dtype), res, frames, tuple(a.ops.split(",")), tiled,
+                     a.encode_tile, a.encode_overlap, a.decode_tile, a.decode_overlap, a.warmup, a.repeats,
+                     a.heavy_repeats, time_budget_s=a.budget_s, log=lambda m: print(m, flush=True))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""GPU checks of the SeedVR2 VAE (skipped without CUDA): fp32 golden parity on the GPU, bf16 vs fp32 sanity,
+and tiled-decode peak VRAM bounded as the resolution grows. Set VAE_GPU_REPORT=<path> to write the figures."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
+from conftest import DATA  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from seedvr2bw.models.seedvr2.vae import build_vae  # noqa: E402
+from seedvr2bw.models.seedvr2.vae.tiling import estimate_decode_bytes  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+GIB = 1024 ** 3
+REPORT = {}
+
+
+def rel_l2(a, b):
+    return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm()).item()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    yield
+    path = os.environ.get("VAE_GPU_REPORT")
+    if path and REPORT:
+        REPORT["device"] = torch.cuda.get_device_name()
+        REPORT["torch"] = torch.__version__
+        Path(path).write_text(json.dumps(REPORT, indent=1))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    sd = load_file(str(DATA / "golden" / "vae_tiny_weights.safetensors"))
+    return build_vae(sd, norm_num_groups=2, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def real_bf16():
+    from bench_vae import make_random_vae
+    return make_random_vae("cuda", torch.bfloat16)
+
+
+def test_golden_fp32_on_gpu(tiny):
+    prev = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for case in ("video", "image"):
+            d = load_file(str(DATA / "golden" / f"vae_case_{case}.safetensors"), device="cuda")
+            post = tiny.encode(d["x"])
+            z = d["z"].squeeze(2) if case == "image" else d["z"]
+            r = dict(mean=rel_l2(post.mean, d["posterior_mean"]), logvar=rel_l2(post.logvar, d["posterior_logvar"]),
+                     decoded=rel_l2(tiny.decode(z), d["decoded"]))
+            REPORT[f"golden_fp32_cuda_{case}"] = r
+            assert max(r.values()) <= 1e-5, r
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def test_bf16_vs_fp32(tiny, real_bf16):
+    d = load_file(str(DATA / "golden" / "vae_case_video.safetensors"), device="cuda")
+    ref = tiny.decode(d["z"])
+    bf = build_vae(load_file(str(DATA / "golden" / "vae_tiny_weights.safetensors")), norm_num_groups=2,
+                   dtype=torch.bfloat16, device="cuda")
+    r_tiny = rel_l2(bf.decode(d["z"].bfloat16()), ref)
+    r_tiny_enc = rel_l2(bf.encode(d["x"]).mean, tiny.encode(d["x"]).mean)
+    # Real dimensions: the random bf16 model against its fp32 copy on a small clip.
+    real32 = build_vae({k: v.float() for k, v in real_bf16.state_dict().items()}, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.rand(1, 3, 5, 64, 96, generator=g, device="cuda") * 2 - 1
+    p32 = real32.encode(x)
+    r_real_enc = rel_l2(real_bf16.encode(x.bfloat16()).mean, p32.mean)
+    r_real_dec = rel_l2(real_bf16.decode(p32.mean.bfloat16()), real32.decode(p32.mean))
+    REPORT["bf16_vs_fp32"] = dict(tiny_decode=r_tiny, tiny_encode=r_tiny_enc, real_encode=r_real_enc,
+                                  real_decode=r_real_dec)
+    assert r_tiny < 3e-2 and r_tiny_enc < 3e-2 and r_real_enc < 5e-2 and r_real_dec < 5e-2, REPORT["bf16_vs_fp32"]
+    del real32
+
+
+def _peak(fn):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    torch.cuda.empty_cache()
+    return peak
+
+
+def test_tiled_decode_vram_bounded(real_bf16):
+    vae, tile, overlap = real_bf16, 24, 4
+    rows = {}
+    for n in (32, 64, 128):  # 256, 512, 1024 px square; 2 latent frames -> 5 frames
+        z = torch.randn(1, 16, 2, n, n, device="cuda", dtype=torch.bfloat16)
+        tiled = _peak(lambda: vae.decode_tiled(z, tile, overlap, output_device="cpu"))
+        single = _peak(lambda: vae.decode(z, output_device="cpu")) if n <= 64 else None
+        rows[n] = dict(tiled_gib=tiled / GIB, untiled_gib=None if single is None else single / GIB)
+    est = estimate_decode_bytes(tile) / GIB
+    REPORT["tiled_decode_peak_vram"] = dict(tile=tile, overlap=overlap, est_gib=est, by_latent_size=rows)
+    print(REPORT["tiled_decode_peak_vram"])
+    assert rows[128]["tiled_gib"] <= 1.15 * rows[32]["tiled_gib"] + 0.05
+    assert rows[64]["untiled_gib"] > 1.5 * rows[64]["tiled_gib"]
