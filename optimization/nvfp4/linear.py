@@ -229,9 +229,11 @@ class NVFP4Linear(_QuantLinearBase):
                               error_msgs):
         state_dict.pop(prefix + "comfy_quant", None)
         for name in ("input_scale", "pre_quant_scale"):
-            v = state_dict.pop(prefix + name, None)
+            v = state_dict.get(prefix + name)
             if v is not None:
-                self.register_buffer(name, v.float().reshape(()) if v.numel() == 1 else v)
+                if v.numel() == 1:
+                    v = state_dict[prefix + name] = v.float().reshape(())
+                self.register_buffer(name, torch.empty_like(v, device=self.weight.device))
         self._derived.clear()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
@@ -377,9 +379,10 @@ class FP8Linear(_QuantLinearBase):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         state_dict.pop(prefix + "comfy_quant", None)
-        v = state_dict.pop(prefix + "input_scale", None)
+        v = state_dict.get(prefix + "input_scale")
         if v is not None:
-            self.register_buffer("input_scale", v.float().reshape(()))
+            v = state_dict[prefix + "input_scale"] = v.float().reshape(())
+            self.register_buffer("input_scale", torch.empty_like(v, device=self.weight.device))
         ws = state_dict.get(prefix + "weight_scale")
         if ws is not None and ws.shape != self.weight_scale.shape:
             self.weight_scale = torch.empty_like(ws, dtype=torch.float32, device=self.weight_scale.device)
