@@ -482,29 +482,34 @@ def main():
     log(f"cancelled run: pinned after detach {pool.pinned_bytes} bytes")
 
     # 4. synchronous .to() swap (today's packs): first N blocks in pageable RAM, copied back after each use
-    sync_cases = [c for c in args.sync_cases.split(",") if c in inputs]
-    if sync_cases and args.sync_n:
-        n = min(args.sync_n, dims.blocks)
-        idx = list(range(n))
-        for i in idx:
-            model.blocks[i].to("cpu")
-        model.block_runner = SyncSwapRunner(idx, env.dev)
-        for c in sync_cases:
-            vid, txt, nw, wl = inputs[c]
-            model.set_layout(nw, wl)
-            times, out, pk = run_timed(env, model, vid, txt, 0, args.sync_repeats)
-            res_ms = R["cases"][c]["resident_ms"]
-            ours = R["ours"].get(str(n), {}).get("cases", {}).get(c, {})
-            R["sync"][c] = {"n": n, "ms": median_ms(times), "times_ms": [t * 1e3 for t in times],
-                            "slowdown": median_ms(times) / res_ms - 1,
-                            "ms_per_swapped_block": (median_ms(times) - res_ms) / n,
-                            "ours_speedup": median_ms(times) / ours["ms"] if ours else None,
-                            "bit_identical": bool(torch.equal(out, ref_out[c]))}
-            log(f"sync .to() N={n} {c}: {median_ms(times):.0f} ms ({R['sync'][c]['ms_per_swapped_block']:.0f} ms per "
-                f"swapped block); ours N={n}: {ours.get('ms', float('nan')):.1f} ms")
-        for i in idx:
-            model.blocks[i].to(env.dev)
-        model.block_runner = ResidentRunner()
+    try:
+        sync_cases = [c for c in args.sync_cases.split(",") if c in inputs]
+        if sync_cases and args.sync_n:
+            n = min(args.sync_n, dims.blocks)
+            idx = list(range(n))
+            for i in idx:
+                model.blocks[i].to("cpu")
+            model.block_runner = SyncSwapRunner(idx, env.dev)
+            for c in sync_cases:
+                vid, txt, nw, wl = inputs[c]
+                model.set_layout(nw, wl)
+                times, out, pk = run_timed(env, model, vid, txt, 0, args.sync_repeats)
+                res_ms = R["cases"][c]["resident_ms"]
+                ours = R["ours"].get(str(n), {}).get("cases", {}).get(c, {})
+                R["sync"][c] = {"n": n, "ms": median_ms(times), "times_ms": [t * 1e3 for t in times],
+                                "slowdown": median_ms(times) / res_ms - 1,
+                                "ms_per_swapped_block": (median_ms(times) - res_ms) / n,
+                                "ours_speedup": median_ms(times) / ours["ms"] if ours else None,
+                                "bit_identical": bool(torch.equal(out, ref_out[c]))}
+                log(f"sync .to() N={n} {c}: {median_ms(times):.0f} ms ({R['sync'][c]['ms_per_swapped_block']:.0f} ms per "
+                    f"swapped block); ours N={n}: {ours.get('ms', float('nan')):.1f} ms")
+            for i in idx:
+                model.blocks[i].to(env.dev)
+            model.block_runner = ResidentRunner()
+
+    except Exception as exc:  # noqa: BLE001
+        R.setdefault("errors", []).append(f"sync baseline: {type(exc).__name__}: {exc}")
+        log("sync baseline failed:", exc)
 
     # 5. storage dtypes: bytes per block and all-swapped time
     del model, ref_out
@@ -512,58 +517,63 @@ def main():
     if not env.cpu:
         torch.cuda.empty_cache()
     R["dtypes"]["bf16"] = {"block_bytes": bbytes}
-    dcases = [c for c in args.dtype_cases.split(",") if c in inputs]
-    for storage in ["bf16"] + [d for d in args.dtypes.split(",") if d]:
-        if storage == "bf16":
-            src = R["ours"].get(str(dims.blocks), {}).get("cases", {})
-            R["dtypes"]["bf16"].update({c: {"resident_ms": R["cases"][c]["resident_ms"], "swapped_ms": src[c]["ms"],
-                                            "bytes_per_forward": src[c]["bytes_per_forward"],
-                                            "achieved_GBps": src[c]["achieved_GBps"],
-                                            "ms_over_bytes_peak": src[c]["ms"] / src[c]["bytes_over_peak_ms"]
-                                            if src[c]["bytes_over_peak_ms"] else 0.0}
-                                        for c in dcases if c in src})
-            continue
-        m = StandInDiT(dims, storage, env.dev).requires_grad_(False)
-        nb = block_nbytes(m.blocks[0])
-        rec = {"block_bytes": nb, "ratio_vs_bf16": bbytes / nb}
-        log(f"{storage} block {nb / MiB:.1f} MiB: bf16/{storage} bytes ratio {bbytes / nb:.2f}")
-        res = {}
-        for c in dcases:
-            vid, txt, nw, wl = inputs[c]
-            m.set_layout(nw, wl)
-            times, out, _ = run_timed(env, m, vid, txt, args.warmup, args.repeats)
-            res[c] = (median_ms(times), out.clone())
-        runner = attach_blockswap(m, BlockSwapConfig(blocks_to_swap=dims.blocks, debug_timing=True), env.dev,
-                                  backend=env.backend(), pool=pool)
-        rec["swapped_unit_bytes"] = runner.units[0].used_bytes
-        for c in dcases:
-            vid, txt, nw, wl = inputs[c]
-            m.set_layout(nw, wl)
-            with torch.inference_mode():
-                for _ in range(args.warmup):
-                    m(vid, txt)
-            env.sync()
-            runner.reset_stats()
-            runner.c.timings.clear()
-            times, out, _ = run_timed(env, m, vid, txt, 0, args.repeats)
-            tim = runner.copy_timings()
-            bytes_fwd = runner.stats()["bytes_copied"] / args.repeats
-            bw = (sum(t[1] for t in tim) / (sum(t[2] for t in tim) * 1e-3) / GB) if tim and not env.cpu else 0.0
-            bound = bytes_fwd / (peak * GB) * 1e3 if peak else 0.0
-            rec[c] = {"resident_ms": res[c][0], "swapped_ms": median_ms(times), "bytes_per_forward": bytes_fwd,
-                      "achieved_GBps": bw, "bytes_over_peak_ms": bound,
-                      "ms_over_bytes_peak": median_ms(times) / bound if bound else 0.0,
-                      "slowdown": median_ms(times) / res[c][0] - 1,
-                      "bit_identical": bool(torch.equal(out, res[c][1]))}
-            log(f"{storage} all swapped {c}: {median_ms(times):.1f} ms (resident {res[c][0]:.1f}), "
-                f"{bytes_fwd / GB:.2f} GB moved at {bw:.1f} GB/s, bytes/peak {bound:.1f} ms, "
-                f"identical {rec[c]['bit_identical']}")
-        detach(m)
-        del m, runner
-        gc.collect()
-        if not env.cpu:
-            torch.cuda.empty_cache()
-        R["dtypes"][storage] = rec
+    try:
+        dcases = [c for c in args.dtype_cases.split(",") if c in inputs]
+        for storage in ["bf16"] + [d for d in args.dtypes.split(",") if d]:
+            if storage == "bf16":
+                src = R["ours"].get(str(dims.blocks), {}).get("cases", {})
+                R["dtypes"]["bf16"].update({c: {"resident_ms": R["cases"][c]["resident_ms"], "swapped_ms": src[c]["ms"],
+                                                "bytes_per_forward": src[c]["bytes_per_forward"],
+                                                "achieved_GBps": src[c]["achieved_GBps"],
+                                                "ms_over_bytes_peak": src[c]["ms"] / src[c]["bytes_over_peak_ms"]
+                                                if src[c]["bytes_over_peak_ms"] else 0.0}
+                                            for c in dcases if c in src})
+                continue
+            m = StandInDiT(dims, storage, env.dev).requires_grad_(False)
+            nb = block_nbytes(m.blocks[0])
+            rec = {"block_bytes": nb, "ratio_vs_bf16": bbytes / nb}
+            log(f"{storage} block {nb / MiB:.1f} MiB: bf16/{storage} bytes ratio {bbytes / nb:.2f}")
+            res = {}
+            for c in dcases:
+                vid, txt, nw, wl = inputs[c]
+                m.set_layout(nw, wl)
+                times, out, _ = run_timed(env, m, vid, txt, args.warmup, args.repeats)
+                res[c] = (median_ms(times), out.clone())
+            runner = attach_blockswap(m, BlockSwapConfig(blocks_to_swap=dims.blocks, debug_timing=True), env.dev,
+                                      backend=env.backend(), pool=pool)
+            rec["swapped_unit_bytes"] = runner.units[0].used_bytes
+            for c in dcases:
+                vid, txt, nw, wl = inputs[c]
+                m.set_layout(nw, wl)
+                with torch.inference_mode():
+                    for _ in range(args.warmup):
+                        m(vid, txt)
+                env.sync()
+                runner.reset_stats()
+                runner.c.timings.clear()
+                times, out, _ = run_timed(env, m, vid, txt, 0, args.repeats)
+                tim = runner.copy_timings()
+                bytes_fwd = runner.stats()["bytes_copied"] / args.repeats
+                bw = (sum(t[1] for t in tim) / (sum(t[2] for t in tim) * 1e-3) / GB) if tim and not env.cpu else 0.0
+                bound = bytes_fwd / (peak * GB) * 1e3 if peak else 0.0
+                rec[c] = {"resident_ms": res[c][0], "swapped_ms": median_ms(times), "bytes_per_forward": bytes_fwd,
+                          "achieved_GBps": bw, "bytes_over_peak_ms": bound,
+                          "ms_over_bytes_peak": median_ms(times) / bound if bound else 0.0,
+                          "slowdown": median_ms(times) / res[c][0] - 1,
+                          "bit_identical": bool(torch.equal(out, res[c][1]))}
+                log(f"{storage} all swapped {c}: {median_ms(times):.1f} ms (resident {res[c][0]:.1f}), "
+                    f"{bytes_fwd / GB:.2f} GB moved at {bw:.1f} GB/s, bytes/peak {bound:.1f} ms, "
+                    f"identical {rec[c]['bit_identical']}")
+            detach(m)
+            del m, runner
+            gc.collect()
+            if not env.cpu:
+                torch.cuda.empty_cache()
+            R["dtypes"][storage] = rec
+
+    except Exception as exc:  # noqa: BLE001
+        R.setdefault("errors", []).append(f"dtypes: {type(exc).__name__}: {exc}")
+        log("dtype comparison failed:", exc)
 
     # 6. acceptance summary
     acc = {}
