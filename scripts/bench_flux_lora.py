@@ -1,0 +1,243 @@
+"""Benchmark: FLUX.1 LoRA training step, our trainer vs ComfyUI's TrainLoraNode, same model and data, one run.
+
+Full FLUX.1-dev dimensions (19 double + 38 single blocks, hidden 3072) with random bf16 weights (no download),
+batch 1, rank 16, AdamW, 256 T5 tokens (ComfyUI's padding), guidance input 1.0.
+
+Modes: ours bf16 (+per-block checkpointing), ours fp8 base (FP8 tensor cores fwd + dgrad on sm_89+),
+ours nvfp4 base (dequantized per call), ComfyUI TrainLoraNode (its defaults: checkpointing on, bf16).
+Reports median s/step (after warm-up, CUDA-synchronised per step) and peak VRAM.
+
+ComfyUI's source must be importable: --comfy DIR (default: $COMFYUI_DIR, ./.comfy_src, ./.comfyui).
+`--tiny` runs a small model on CPU to check the script itself.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+import types
+
+import _pack  # noqa: F401  (registers the pack as `seedvr2bw`)
+import torch
+
+FULL = dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=4096,
+            hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=19, depth_single_blocks=38, axes_dim=[16, 56, 56],
+            theta=10000, patch_size=2, qkv_bias=True, guidance_embed=True)
+TINY = dict(FULL, vec_in_dim=32, context_in_dim=48, hidden_size=64, num_heads=4, depth=2, depth_single_blocks=2,
+            axes_dim=[4, 6, 6])
+
+
+def _stub_missing(names):
+    """ComfyUI imports a few packages the GPU image lacks (av, torchsde) at import time only; stub them."""
+    class _Dummy:
+        def __init__(self, *a, **k):
+            pass
+
+    for n in names:
+        if n in sys.modules or importlib.util.find_spec(n) is not None:
+            continue
+        m = types.ModuleType(n)
+        m.__getattr__ = lambda attr, _D=_Dummy: _D  # noqa: E731
+        m.__path__ = []
+        sys.modules[n] = m
+        print(f"[bench] stubbed missing module {n}", flush=True)
+
+
+def setup_comfy(path, cpu):
+    for cand in [path, os.environ.get("COMFYUI_DIR"), ".comfy_src", ".comfyui"]:
+        if cand and os.path.isfile(os.path.join(cand, "comfy", "ldm", "flux", "model.py")):
+            sys.path.insert(0, os.path.abspath(cand))
+            break
+    else:
+        raise SystemExit("ComfyUI source not found: pass --comfy DIR")
+    _stub_missing(["av", "torchsde", "trampoline"])
+    from comfy.cli_args import args
+    args.cpu = cpu
+    import comfy.model_management  # noqa: F401
+
+
+def build_model(cfg, device, dtype):
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.supported_models
+    mc = comfy.supported_models.Flux(dict(cfg))
+    mc.set_inference_dtype(dtype, None)
+    m = comfy.model_base.Flux(mc, device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in m.diffusion_model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 1.0 / p.shape[1] ** 0.5, generator=g)
+            elif name.endswith("scale"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02, generator=g)
+    m.eval()
+    return comfy.model_patcher.ModelPatcher(m, load_device=torch.device(device),
+                                            offload_device=torch.device("cpu"))
+
+
+def make_dataset(res, cfg):
+    from seedvr2bw.training.data import EncodedDataset, Item
+    g = torch.Generator().manual_seed(1)
+    lat = [torch.randn(16, res // 8, res // 8, generator=g)]
+    cap = "a photo of sks"
+    conds = {cap: torch.randn(256, cfg["context_in_dim"], generator=g)}
+    pooled = {cap: torch.randn(cfg["vec_in_dim"], generator=g)}
+    return EncodedDataset([Item("x", cap, (res, res), "0", None)], lat, conds, pooled)
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def peak_reset(dev):
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def peak_gib(dev):
+    return torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
+
+
+def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir):
+    from seedvr2bw.training.trainer import FluxLoraTrainer, TrainConfig
+    ds = make_dataset(res, cfgdims)
+    cfg = TrainConfig(rank=16, alpha=16, steps=10**6, learning_rate=1e-4, optimizer="adamw",
+                      compute_dtype="bf16" if dev.type == "cuda" else "fp32",
+                      base_precision="auto" if mode == "bf16" else mode, gradient_checkpointing=True,
+                      output_dir=outdir, output_name=f"bench_{mode}_{res}", seed=0)
+    peak_reset(dev)
+    tr = FluxLoraTrainer(mp.model.diffusion_model, cfg, ds, latent_format=mp.model.latent_format, device=dev)
+    times, losses = [], []
+    try:
+        for i in range(warmup + steps):
+            sync(dev)
+            t0 = time.perf_counter()
+            losses.append(tr.train_step())
+            sync(dev)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        peak = peak_gib(dev)
+        tc = any(getattr(lin, "_q_tensorcores", False) for lin, _, _ in tr.quant.saved) if tr.quant else None
+    finally:
+        tr.close()
+    return {"impl": "ours", "mode": mode, "res": res, "median_s": statistics.median(times), "min_s": min(times),
+            "peak_gib": peak, "loss_first": losses[0], "loss_last": losses[-1],
+            "lora_params": sum(p.numel() for p in tr.network.parameters()),
+            "fp8_tensorcores": tc}
+
+
+def bench_trainloranode(mp, res, cfgdims, dev, warmup, steps):
+    """ComfyUI's TrainLoraNode.execute on the same ModelPatcher; per-step times from a global optimizer hook.
+
+    Two copies of the latent are passed: with a single latent dict 0.3.75 hits an UnboundLocalError
+    (`multi_res`); batch size stays 1."""
+    import comfy_extras.nodes_train as NT
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    ds = make_dataset(res, cfgdims)
+    lat = ds.latents[0][None]
+    cap = ds.items[0].caption
+    cond = [[ds.conds[cap][None], {"pooled_output": ds.pooled[cap][None]}]]
+    stamps = []
+
+    def hook(opt, args, kwargs):
+        sync(dev)
+        stamps.append(time.perf_counter())
+    h = register_optimizer_step_post_hook(hook)
+    peak_reset(dev)
+    try:
+        out = NT.TrainLoraNode.execute(
+            model=[mp], latents=[{"samples": lat}, {"samples": lat}], positive=[cond], batch_size=[1], steps=[warmup + steps + 1],
+            grad_accumulation_steps=[1], learning_rate=[5e-4], rank=[16], optimizer=["AdamW"],
+            loss_function=["MSE"], seed=[0], training_dtype=["bf16" if dev.type == "cuda" else "fp32"],
+            lora_dtype=["bf16" if dev.type == "cuda" else "fp32"], algorithm=["LoRA"],
+            gradient_checkpointing=[True], existing_lora=["[None]"])
+    finally:
+        h.remove()
+    peak = peak_gib(dev)
+    dts = [b - a for a, b in zip(stamps[:-1], stamps[1:])][warmup:]
+    loss = None
+    try:
+        loss = out.result[2]["loss"][-1]
+    except Exception:  # noqa: BLE001
+        pass
+    del out
+    import comfy.model_management as mm
+    mm.cleanup_models_gc()
+    return {"impl": "TrainLoraNode", "mode": "bf16", "res": res, "median_s": statistics.median(dts),
+            "min_s": min(dts), "peak_gib": peak, "loss_last": loss}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--comfy", default=None)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--res", default="512,1024")
+    ap.add_argument("--modes", default="bf16,fp8,nvfp4,trainloranode")  # TrainLoraNode last: it leaves weight wrappers
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--outdir", default="/tmp/bench_flux_lora")
+    a = ap.parse_args()
+    cpu = a.tiny or not torch.cuda.is_available()
+    setup_comfy(a.comfy, cpu)
+    dev = torch.device("cpu" if cpu else "cuda")
+    dims = TINY if a.tiny else FULL
+    dtype = torch.float32 if cpu else torch.bfloat16
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    info = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+            "dims": "tiny" if a.tiny else "FLUX.1 full", "commit": os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip()}
+    print("[bench]", info, flush=True)
+    t0 = time.time()
+    mp = build_model(dims, dev, dtype)
+    import comfy.model_management as mm
+    mm.load_models_gpu([mp], force_full_load=True)
+    print(f"[bench] model built in {time.time() - t0:.1f}s, "
+          f"{sum(p.numel() for p in mp.model.diffusion_model.parameters()) / 1e9:.2f} B params", flush=True)
+    results = []
+    ress = [int(r) for r in a.res.split(",")] if not a.tiny else [64]
+    modes = a.modes.split(",")
+    for mode in modes:
+        for res in ress:
+            t1 = time.time()
+            try:
+                if mode == "trainloranode":
+                    r = bench_trainloranode(mp, res, dims, dev, a.warmup, a.steps)
+                else:
+                    r = bench_ours(mp, res, mode, dims, dev, a.warmup, a.steps, a.outdir)
+            except Exception as exc:  # noqa: BLE001
+                import traceback
+                traceback.print_exc()
+                r = {"impl": mode, "res": res, "error": f"{type(exc).__name__}: {exc}"}
+            r["wall_s"] = round(time.time() - t1, 1)
+            results.append(r)
+            print("[bench]", json.dumps(r), flush=True)
+    print("\n| impl | mode | res | median s/step | min | peak GiB |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['impl']} | | {r['res']} | ERROR {r['error'][:80]} | | |")
+        else:
+            print(f"| {r['impl']} | {r['mode']} | {r['res']} | {r['median_s']:.3f} | {r['min_s']:.3f} | {r['peak_gib']:.1f} |")
+    by = {(r["impl"], r.get("mode"), r["res"]): r.get("median_s") for r in results if "error" not in r}
+    for res in ress:
+        base = by.get(("TrainLoraNode", "bf16", res))
+        for mode in ("bf16", "fp8", "nvfp4"):
+            ours = by.get(("ours", mode, res))
+            if base and ours:
+                print(f"[bench] {res}: ours {mode} is {base / ours:.2f}x TrainLoraNode")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"info": info, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
