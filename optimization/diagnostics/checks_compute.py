@@ -166,6 +166,15 @@ def check_attention(ctx) -> list[CheckResult]:
         out.append(CheckResult(row, PASS, round(rate, 1), "TFLOP/s",
                                f"{len(lens)} windows x {lens[0]} tokens, {heads}x{hd} heads, bf16: {ms:.3f} ms "
                                f"({rate:.0f} TFLOP/s), rel. error {err:.1e}", data=data))
+    rates = ctx.measured.get("attention_tflops", {})
+    if chosen in rates and len(rates) > 1:
+        best = max(rates, key=rates.get)
+        if rates[chosen] < 0.8 * rates[best]:
+            for r in out:
+                if r.name == f"attention {chosen}":
+                    r.status = WARN
+                    r.detail += (f"; the policy's choice is {rates[best] / rates[chosen]:.2f}x slower than {best} on "
+                                 f"SeedVR2-like windows: try SEEDVR2BW_ATTENTION={best}")
     return out
 
 
