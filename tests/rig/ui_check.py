@@ -187,9 +187,11 @@ TOASTS_JS = """(() => [...document.querySelectorAll('.p-toast-message')].map(t =
 CLEAR_TOASTS_JS = """(() => { const b = [...document.querySelectorAll('.p-toast-close-button')];
   b.forEach(x => x.click()); return b.length; })()"""
 
-# Settings for a clean, repeatable page: no first-run template browser, no minimap in the screenshots.
+# Settings for a clean, repeatable page: no first-run template browser, no minimap in the screenshots, no
+# missing-models dialog (model files are never there in CI; loaders are checked by their own tests).
 # The missing-nodes warning stays on (its default): the checks look for it.
-FRONTEND_SETTINGS = {"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False}
+FRONTEND_SETTINGS = {"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False,
+                     "Comfy.Workflow.ShowMissingModelsWarning": False}
 
 GRAPH_REPORT_JS = """(() => {
   const reg = LiteGraph.registered_node_types;
@@ -317,7 +319,7 @@ class ComfyFrontend:
             "with_errors": [f'{n["id"]}:{n["type"]}' for n in nodes if n["has_errors"]],
             "expected_missing": sorted(set(expected_types) - {n["type"] for n in nodes}),
             "dialogs": [d for d in dialogs if d],
-            "missing_dialog": any("missing" in d.lower() for d in dialogs),
+            "missing_dialog": any("missing" in d.lower() or "unsupported nodes" in d.lower() for d in dialogs),
             "toasts": toasts,
             "problem_toasts": [t for t in toasts if t["severity"] in ("warn", "error")],
             "converts": converts,
