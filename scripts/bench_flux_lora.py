@@ -106,6 +106,9 @@ def peak_gib(dev):
     return torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
 
 
+PROFILE = None  # (mode, res) to profile one step of
+
+
 def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir):
     from seedvr2bw.training.trainer import FluxLoraTrainer, TrainConfig
     ds = make_dataset(res, cfgdims)
@@ -117,6 +120,15 @@ def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir):
     tr = FluxLoraTrainer(mp.model.diffusion_model, cfg, ds, latent_format=mp.model.latent_format, device=dev)
     times, losses = [], []
     try:
+        if PROFILE and mode == PROFILE[0] and res == PROFILE[1]:
+            for _ in range(2):
+                tr.train_step()
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                tr.train_step()
+                sync(dev)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60),
+                  flush=True)
         for i in range(warmup + steps):
             sync(dev)
             t0 = time.perf_counter()
@@ -185,7 +197,12 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--json", default=None)
     ap.add_argument("--outdir", default="/tmp/bench_flux_lora")
+    ap.add_argument("--profile", default=None, help="mode,res of one step to profile, e.g. bf16,1024")
     a = ap.parse_args()
+    global PROFILE
+    if a.profile:
+        m, r = a.profile.split(",")
+        PROFILE = (m, int(r))
     cpu = a.tiny or not torch.cuda.is_available()
     setup_comfy(a.comfy, cpu)
     dev = torch.device("cpu" if cpu else "cuda")
