@@ -141,3 +141,23 @@ def test_fp8_goes_to_replace_linears_or_says_not_supported(tmp_path):
         out = model(inp["vid"].reshape(-1, 33), inp["txt"], inp["vid_shape"], inp["txt_shape"], inp["timestep"])
     err = float((out.reshape(ref.shape) - ref).norm() / ref.norm())
     assert err < 0.1, err  # fp8 rounding of the video qkv weights only
+
+
+def test_nvfp4_checkpoint_loads(tmp_path):
+    """A ComfyUI-format NVFP4 file (packed uint8 weights + block scales) is detected and loaded."""
+    linear = pytest.importorskip("seedvr2bw.optimization.nvfp4.linear")
+    from safetensors.torch import load_file, save_file
+
+    model = load_dit(DATA / "golden" / "dit_7b_tiny_weights.safetensors", dtype=torch.bfloat16)
+    linear.quantize_model_linears(model, policy="reference")
+    path = tmp_path / "tiny_nvfp4.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    loaded = load_dit(path, policy="reference")
+    assert config_from_state_dict(load_file(str(path))).variant == "7b"
+    assert type(loaded.blocks[0].attn.proj_qkv.vid).__name__ == "NVFP4Linear"
+    inp = load_file(DATA / "golden" / "dit_case_image_inputs.safetensors")
+    ref = load_file(DATA / "golden" / "dit_7b_case_image_outputs.safetensors")["out"]
+    with torch.no_grad():
+        out = loaded(inp["vid"].reshape(-1, 33), inp["txt"], inp["vid_shape"], inp["txt_shape"], inp["timestep"])
+    err = float((out.float().reshape(ref.shape) - ref).norm() / ref.norm())
+    assert err < 0.15, err  # 4-bit weights on a tiny random model
