@@ -277,3 +277,20 @@ def test_io_vs_compute_model(monkeypatch):
     assert r7.status in ("PASS", "WARN") and "BlockSwap" in r7.detail
     assert d7["blockswap_plan"]["nvfp4"]["blocks_to_swap"] == 0                   # 4.7 GB of NVFP4 fits
     assert r3.data["blocks"] == 32
+
+
+def test_script_inside_a_comfyui_tree(tmp_path):
+    """`python scripts/nvfp4_diagnostic.py` from ComfyUI/custom_nodes/<pack>/ (a symlinked pack, the harder case:
+    os.getcwd() resolves the link) finds ComfyUI's version through ../../comfyui_version.py."""
+    comfy = tmp_path / "ComfyUI"
+    (comfy / "custom_nodes").mkdir(parents=True)
+    (comfy / "comfyui_version.py").write_text('__version__ = "0.3.75"\n')
+    link = comfy / "custom_nodes" / "ComfyUI-SeedVR2-BW"
+    link.symlink_to(REPO, target_is_directory=True)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PWD=str(link))
+    env.pop(diag.FAULT_ENV, None)
+    proc = subprocess.run([sys.executable, "scripts/nvfp4_diagnostic.py", "--quick", "--json"], cwd=str(link),
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    check = _by_name(json.loads(proc.stdout))["ComfyUI"]
+    assert check["status"] == "PASS" and check["value"] == "0.3.75", check

@@ -206,8 +206,17 @@ def check_packages(ctx) -> list[CheckResult]:
 def find_comfyui_version(pack_root) -> tuple[str | None, str | None]:
     """(version, path) of the ComfyUI tree this pack sits in (ComfyUI/custom_nodes/<pack>/), if any."""
     roots = [pack_root, Path(os.path.abspath(__file__)).parents[2]]  # resolved, and as reached (symlinked packs)
+    # the shell's logical working directory keeps a symlinked pack's path (os.getcwd() resolves links)
+    pwd = os.environ.get("PWD")
+    try:
+        logical = Path(pwd) if pwd and os.path.samefile(pwd, os.getcwd()) else Path(os.getcwd())
+    except OSError:
+        logical = Path(os.getcwd())
     if sys.argv and sys.argv[0].endswith(".py"):
-        roots.append(Path(os.path.abspath(sys.argv[0])).parents[1])  # scripts/<this>.py -> the pack folder
+        script = Path(sys.argv[0])
+        script = script if script.is_absolute() else logical / script
+        roots.append(Path(os.path.normpath(script)).parents[1])  # <pack>/scripts/<this>.py -> <pack>
+    roots.append(logical)
     candidates = []
     for root in roots:
         path = root.parent.parent / "comfyui_version.py"  # ComfyUI/custom_nodes/<pack>/ -> ComfyUI/
