@@ -143,6 +143,28 @@ def test_fp8_goes_to_replace_linears_or_says_not_supported(tmp_path):
     assert err < 0.1, err  # fp8 rounding of the video qkv weights only
 
 
+def test_fp8_everything(tmp_path):
+    """numz-style fp8 files may store every tensor (ada vectors, norm weights, biases) in fp8."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("torch without float8")
+    pytest.importorskip("seedvr2bw.optimization.nvfp4.linear")
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(DATA / "golden" / "dit_3b_tiny_weights.safetensors")
+    sd = {k: (v if k.endswith("rope.freqs") else v.to(torch.float8_e4m3fn)) for k, v in sd.items()}
+    path = tmp_path / "tiny_all_fp8.safetensors"
+    save_file(sd, str(path))
+    model = load_dit(path)
+    assert model._dtype() == torch.bfloat16
+    assert model.blocks[0].ada.vid.attn_scale.dtype == torch.bfloat16
+    inp = load_file(DATA / "golden" / "dit_case_image_inputs.safetensors")
+    ref = load_file(DATA / "golden" / "dit_3b_case_image_outputs.safetensors")["out"]
+    with torch.no_grad():
+        out = model(inp["vid"].reshape(-1, 33), inp["txt"], inp["vid_shape"], inp["txt_shape"], inp["timestep"])
+    err = float((out.float().reshape(ref.shape) - ref).norm() / ref.norm())
+    assert err < 0.3, err  # every tensor rounded to fp8
+
+
 def test_nvfp4_checkpoint_loads(tmp_path):
     """A ComfyUI-format NVFP4 file (packed uint8 weights + block scales) is detected and loaded."""
     linear = pytest.importorskip("seedvr2bw.optimization.nvfp4.linear")

@@ -199,6 +199,17 @@ def _fix_rope_buffers(model: NaDiT) -> None:
             _log.warning("blocks.%d RoPE frequencies differ from the formula; keeping the file's values", b.index)
 
 
+def _upcast_stray_fp8(model: NaDiT, target: torch.dtype) -> None:
+    """fp8 files may store small tensors (ada vectors, norm weights, biases) in fp8 too; only the quantized
+    linears keep fp8 storage, everything else is cast to the compute dtype (it is tiny)."""
+    for mod in model.modules():
+        if type(mod).__name__ in ("FP8Linear", "NVFP4Linear"):
+            continue
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            if p.dtype in _FP8:
+                setattr(mod, pname, torch.nn.Parameter(p.detach().to(target), requires_grad=False))
+
+
 def load_dit(
     checkpoint: Union[str, os.PathLike, Mapping[str, torch.Tensor]],
     device: Union[str, torch.device] = "cpu",
@@ -262,6 +273,7 @@ def load_dit(
             f"keys do not match: missing {missing[:8]}{'...' if len(missing) > 8 else ''} "
             f"({len(missing)}), unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''} ({len(unexpected)})"
         )
+    _upcast_stray_fp8(model, dtype or torch.bfloat16)
     _fix_rope_buffers(model)
     model.compute_dtype = None if dtype is None else dtype
     model = model.to(device)
