@@ -163,8 +163,8 @@ def check_policy(ctx) -> CheckResult:
 # (import name, distribution names to look up, what it gives the pack)
 OPTIONAL_PACKAGES = (
     ("safetensors", ("safetensors",), "checkpoint loading (required)"),
-    ("einops", ("einops",), "tensor reshapes"),
-    ("omegaconf", ("omegaconf",), "SeedVR2 configs"),
+    ("einops", ("einops",), "listed in requirements.txt; the pack's code does not import it today"),
+    ("omegaconf", ("omegaconf",), "listed in requirements.txt; the pack's code does not import it today"),
     ("triton", ("triton", "pytorch-triton", "triton-windows"), "fused kernels (NVFP4 quantize, SageAttention)"),
     ("flash_attn", ("flash-attn", "flash_attn"), "flash_attn attention backend"),
     ("sageattention", ("sageattention",), "sage attention backend"),
