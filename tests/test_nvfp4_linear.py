@@ -214,7 +214,8 @@ def test_replace_linears_mixed_formats_and_keep():
     ta = fmt.quantize_nvfp4(sd.pop("blocks.0.ada.weight"), return_tensor=True)
     sd.update(ckpt.nvfp4_layer_entries("blocks.0.ada", ta, bias=sd.pop("blocks.0.ada.bias")))
     model = Toy()
-    rep = L.replace_linears(model, sd, policy=None, dtype=torch.float32, load_rest=True)
+    rep = L.replace_linears(model, sd, policy=None, dtype=torch.float32, load_rest=True,
+                            keep_high_precision="default")
     assert rep["nvfp4"] == ["blocks.0.mlp_in"] and rep["fp8"] == ["blocks.0.mlp_out"]
     assert rep["kept"] == ["blocks.0.ada"] and not rep["missing"]
     assert isinstance(model.blocks[0].mlp_in, NVFP4Linear) and isinstance(model.blocks[0].mlp_out, FP8Linear)

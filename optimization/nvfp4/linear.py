@@ -502,13 +502,18 @@ def replace_linears(model: torch.nn.Module, state_dict: Mapping[str, torch.Tenso
     """Swap every ``nn.Linear`` of ``model`` for the format ``state_dict`` holds for it and load its tensors.
 
     NVFP4 keys -> ``NVFP4Linear`` (path from ``policy.nvfp4_gemm``, a path string, or "auto"); FP8 weights ->
-    ``FP8Linear``; plain weights are copied into the existing ``nn.Linear``. A layer the keep rule selects is
-    loaded as a plain ``nn.Linear`` in ``dtype`` even if the file holds it quantized (dequantized exactly).
+    ``FP8Linear``; plain weights are copied into the existing ``nn.Linear``. ``keep_high_precision=None``
+    (default) honours the file's choice for every layer; ``"default"`` applies the default keep rule, or give a
+    callable / list of patterns (see ``make_keep_rule``): a layer the rule selects is loaded as a plain
+    ``nn.Linear`` in ``dtype`` even if the file holds it quantized (dequantized exactly).
     ``prefix`` is prepended to module names to form state-dict keys. ``load_rest=True`` then loads every
     other matching key with ``load_state_dict(strict=False)``. Returns a report
     ``{"nvfp4": [...], "fp8": [...], "plain": [...], "kept": [...], "missing": [...]}``.
     """
-    keep = make_keep_rule(keep_high_precision)
+    if keep_high_precision is None:
+        keep = lambda name, module: False  # noqa: E731 - honour the file
+    else:
+        keep = make_keep_rule(None if keep_high_precision == "default" else keep_high_precision)
     path = _path_from_policy(policy)
     report = {"nvfp4": [], "fp8": [], "plain": [], "kept": [], "missing": []}
     used = set()
