@@ -72,6 +72,10 @@ def test_workflow_loads_without_missing_nodes(frontend, workflow, pack_node_ids,
     assert not report["missing"], f"{workflow.name}: node types missing in the frontend: {report['missing']}"
     assert not report["missing_dialog"], f"{workflow.name}: missing-nodes dialog: {report['dialogs']}"
     assert not report["with_errors"], f"{workflow.name}: nodes with errors: {report['with_errors']}"
+    assert not report["problem_toasts"], f"{workflow.name}: warnings on load: {report['problem_toasts']}"
+    assert not report["bad_widgets"], (
+        f"{workflow.name}: widget values that do not fit their widgets (widgets_values shifted against the "
+        f"node's inputs?): {json.dumps(report['bad_widgets'], indent=1)}")
     loaded_types = {n["type"] for n in report["nodes"]}
     assert set(pack_used) <= loaded_types, (pack_used, sorted(loaded_types))
     for n in report["nodes"]:
@@ -100,5 +104,16 @@ def test_checker_catches_a_missing_node(frontend, tmp_path):
     data["nodes"][0]["type"] = "SeedVR2BW_NoSuchNode"
     report = frontend.check_workflow(data, "broken.json", tmp_path / "broken.png")
     assert report["missing"] == ["SeedVR2BW_NoSuchNode"], report
+    assert not report["bad_widgets"], report["bad_widgets"]
     assert report["missing_dialog"] or report["with_errors"], report
+    frontend.close_dialogs()
+
+
+def test_checker_catches_shifted_widget_values(frontend, tmp_path):
+    """The checker itself: widgets_values shifted by one (a value left out) must be reported."""
+    data = json.loads(RIG_WORKFLOW.read_text())
+    node = next(n for n in data["nodes"] if n["type"] == "SeedVR2BW_HardwareInfo")
+    node["widgets_values"] = [250, "auto"]  # a number where the nvfp4_gemm combo's string belongs
+    report = frontend.check_workflow(data, "shifted.json", tmp_path / "shifted.png")
+    assert any("SeedVR2BW_HardwareInfo" in k for k in report["bad_widgets"]), report["bad_widgets"]
     frontend.close_dialogs()

@@ -193,13 +193,35 @@ CLEAR_TOASTS_JS = """(() => { const b = [...document.querySelectorAll('.p-toast-
 FRONTEND_SETTINGS = {"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False,
                      "Comfy.Workflow.ShowMissingModelsWarning": False}
 
+# Widget values that cannot be right: the sign of a workflow whose widgets_values are shifted against the
+# node's inputs (a missing "control_after_generate" entry after a seed, say). Combo membership is only
+# checked for control_after_generate: a model-file combo legitimately names a file this machine lacks.
 GRAPH_REPORT_JS = """(() => {
   const reg = LiteGraph.registered_node_types;
   const all = [];
+  const badWidgets = (n) => {
+    const bad = [];
+    for (const w of (n.widgets || [])) {
+      const v = w.value, o = w.options || {}, t = typeof v, where = `${w.name}=${JSON.stringify(v)}`;
+      if (w.type === 'number') {
+        if (t !== 'number' || !isFinite(v)) bad.push(`${where} (number widget)`);
+        else if ((o.min != null && v < o.min) || (o.max != null && v > o.max)) bad.push(`${where} (outside ${o.min}..${o.max})`);
+      } else if (w.type === 'toggle') {
+        if (t !== 'boolean') bad.push(`${where} (boolean widget)`);
+      } else if (w.type === 'text' || w.type === 'customtext') {
+        if (t !== 'string') bad.push(`${where} (text widget)`);
+      } else if (w.type === 'combo') {
+        const vals = Array.isArray(o.values) ? o.values : [];
+        if (w.name === 'control_after_generate' && !vals.includes(v)) bad.push(`${where} (not one of ${vals})`);
+        else if (vals.length && vals.every(x => typeof x === 'string') && t !== 'string') bad.push(`${where} (combo of strings)`);
+      }
+    }
+    return bad;
+  };
   const visit = (graph) => {
     for (const n of (graph.nodes || graph._nodes || [])) {
       all.push({id: n.id, type: n.type, title: n.title, registered: n.type in reg,
-                has_errors: !!n.has_errors, widgets: (n.widgets || []).length,
+                has_errors: !!n.has_errors, widgets: (n.widgets || []).length, bad_widgets: badWidgets(n),
                 inputs: (n.inputs || []).length, outputs: (n.outputs || []).length,
                 pos: Array.from(n.pos || [0, 0]), size: Array.from(n.size || [0, 0])});
       if (n.subgraph) visit(n.subgraph);
@@ -209,18 +231,21 @@ GRAPH_REPORT_JS = """(() => {
   return all;
 })()"""
 
+# Fit every node into the part of the canvas that the side bar, the tab bar and the bottom tool bar leave free.
 FIT_JS = """(() => {
   const nodes = app.graph.nodes || app.graph._nodes || [];
   if (!nodes.length) return false;
   let x0 = Infinity, y0 = Infinity, x1 = -Infinity, y1 = -Infinity;
   for (const n of nodes) {
-    x0 = Math.min(x0, n.pos[0]); y0 = Math.min(y0, n.pos[1] - 30);
+    x0 = Math.min(x0, n.pos[0]); y0 = Math.min(y0, n.pos[1] - 40);
     x1 = Math.max(x1, n.pos[0] + n.size[0]); y1 = Math.max(y1, n.pos[1] + n.size[1]);
   }
   const el = app.canvas.canvas, w = el.clientWidth || el.width, h = el.clientHeight || el.height;
-  const scale = Math.max(0.2, Math.min(1.5, 0.9 * Math.min(w / (x1 - x0), h / (y1 - y0))));
+  const L = 90, T = 150, R = 30, B = 80, aw = w - L - R, ah = h - T - B;
+  const scale = Math.max(0.15, Math.min(1.3, Math.min(aw / (x1 - x0), ah / (y1 - y0))));
+  const sx = L + (aw - (x1 - x0) * scale) / 2, sy = T + (ah - (y1 - y0) * scale) / 2;
   app.canvas.ds.scale = scale;
-  app.canvas.ds.offset = [(w / scale - (x1 - x0)) / 2 - x0, (h / scale - (y1 - y0)) / 2 - y0];
+  app.canvas.ds.offset = [sx / scale - x0, sy / scale - y0];
   app.canvas.setDirty(true, true);
   return true;
 })()"""
@@ -317,6 +342,7 @@ class ComfyFrontend:
             "nodes": nodes,
             "missing": sorted({n["type"] for n in nodes if not n["registered"]}),
             "with_errors": [f'{n["id"]}:{n["type"]}' for n in nodes if n["has_errors"]],
+            "bad_widgets": {f'{n["id"]}:{n["type"]}': n["bad_widgets"] for n in nodes if n.get("bad_widgets")},
             "expected_missing": sorted(set(expected_types) - {n["type"] for n in nodes}),
             "dialogs": [d for d in dialogs if d],
             "missing_dialog": any("missing" in d.lower() or "unsupported nodes" in d.lower() for d in dialogs),
@@ -354,7 +380,8 @@ def main(argv=None) -> int:
         for wf in a.workflows:
             data = json.loads(Path(wf).read_text())
             rep = fe.check_workflow(data, Path(wf).name, Path(a.out) / (Path(wf).stem + ".png"))
-            good = not (rep["missing"] or rep["with_errors"] or rep["missing_dialog"] or rep["problem_toasts"])
+            good = not (rep["missing"] or rep["with_errors"] or rep["missing_dialog"] or rep["problem_toasts"]
+                        or rep["bad_widgets"])
             ok &= good
             print(json.dumps({k: v for k, v in rep.items() if k != "nodes"}, indent=1))
     return 0 if ok else 1
