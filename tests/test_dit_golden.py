@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import DATA
-from seedvr2bw.models.seedvr2.dit import NaDiT, config_from_reference_kwargs, load_dit
+from seedvr2bw.models.seedvr2.dit import config_from_reference_kwargs, load_dit
 
 GOLDEN = DATA / "golden"
 MANIFEST = json.loads((GOLDEN / "manifest.json").read_text())
@@ -160,3 +160,27 @@ def test_block_runner_is_used(variant):
     _run(model, "image")
     assert seen == list(range(model.config.num_layers))
     assert isinstance(model.blocks, torch.nn.ModuleList)
+
+
+def test_pack_equals_gather():
+    """The scatter packing used on the hot path equals the plain gather of the joint layout."""
+    from seedvr2bw.models.seedvr2.dit.window import build_joint_layout
+
+    grids, lens = [(5, 23, 41), (1, 18, 26)], [3, 7]
+    nv = sum(t * h * w for t, h, w in grids)
+    vid, txt = torch.randn(nv, 3, 4), torch.randn(sum(lens), 3, 4)
+    for method in ("720pwin_by_size_bysize", "720pswin_by_size_bysize"):
+        lay = build_joint_layout(grids, lens, method, (4, 3, 3), "cpu")
+        assert torch.equal(lay.pack(vid, txt), torch.cat([vid, txt])[lay.gather])
+        assert torch.equal(lay.pack(vid, txt)[lay.vid_pos], vid)
+        assert lay.total == int(lay.plan.cu_seqlens_q[-1])
+
+
+def test_rope_constants_equal_checkpoint_buffers(variant):
+    """The model builds its RoPE tables from the formula; the golden checkpoint buffers hold exactly that."""
+    tiny = MANIFEST["dit"]["tiny_models"][variant]
+    sd = load_file(GOLDEN / tiny["weights_file"])
+    model = _model(variant, "sdpa")
+    for key, value in sd.items():
+        if key.endswith("rope.rope.freqs"):
+            assert torch.equal(model._rope_freqs(model.config.window_methods[0]), value), key

@@ -24,7 +24,7 @@ import importlib
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -170,23 +170,18 @@ def _gather(x: torch.Tensor, idx: torch.Tensor, start: Optional[int]) -> torch.T
 
 
 def _sdpa(q, k, v, plan: VarlenPlan) -> torch.Tensor:
-    if len(plan.groups) == 1 and plan.groups[0].q_start == 0 and plan.groups[0].q_len * plan.groups[0].q_idx.shape[0] == q.shape[0]:
-        g = plan.groups[0]
-        o = F.scaled_dot_product_attention(
-            _gather(q, g.q_idx, g.q_start).transpose(1, 2),
-            _gather(k, g.k_idx, g.k_start).transpose(1, 2),
-            _gather(v, g.k_idx, g.k_start).transpose(1, 2),
-        )
-        return o.transpose(1, 2).reshape(q.shape)
-    out = torch.zeros_like(q) if _has_empty(plan) else torch.empty_like(q)
+    whole = len(plan.groups) == 1 and plan.groups[0].q_start == 0 and not _has_empty(plan)
+    out = None if whole else (torch.zeros_like(q) if _has_empty(plan) else torch.empty_like(q))
     for g in plan.groups:
         o = F.scaled_dot_product_attention(
             _gather(q, g.q_idx, g.q_start).transpose(1, 2),  # (n, H, Lq, D)
             _gather(k, g.k_idx, g.k_start).transpose(1, 2),
             _gather(v, g.k_idx, g.k_start).transpose(1, 2),
-        )
+        ).transpose(1, 2)
+        if whole:  # one group of back-to-back segments covering everything: no scatter needed
+            return o.reshape(q.shape)
         # Unique indices: the scatter back is deterministic.
-        out.index_copy_(0, g.q_flat, o.transpose(1, 2).reshape(-1, *q.shape[1:]))
+        out.index_copy_(0, g.q_flat, o.reshape(-1, *q.shape[1:]))
     return out
 
 

@@ -10,7 +10,7 @@ scatters them into the packed segments (one pass) and ``layout.vid_pos`` reads t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn

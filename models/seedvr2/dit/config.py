@@ -15,9 +15,8 @@ output head     RMSNorm(w) + modulation + Linear            Linear
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
 
 WIN = "720pwin_by_size_bysize"
 SWIN = "720pswin_by_size_bysize"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Dict, Mapping, Optional, Tuple, Union
+from typing import Dict, Mapping, Optional, Union
 
 import torch
 

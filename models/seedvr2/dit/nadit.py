@@ -17,7 +17,7 @@ Structure kept for the other parts of the pack:
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from .config import DiTConfig
 from .embedding import PatchIn, PatchOut, TimeEmbedding
 from .modulation import OutAda, modulate_in, split_embedding
 from .norm import RMSNorm
-from .rope import make_rope_table, text_angles, video_angles
+from .rope import lang_freqs, make_rope_table, pixel_freqs, text_angles, video_angles
 from .window import build_joint_layout
 
 try:  # the block runners belong to optimization/blockswap (another part of the pack)
@@ -105,11 +105,12 @@ class NaDiT(nn.Module):
 
     # ---- per-shape precomputation ---------------------------------------------------------------
     def _rope_freqs(self, method: str) -> torch.Tensor:
-        # The freqs buffers are identical constants in every block; take the first block using `method`.
-        for b in self.blocks:
-            if b.window_method == method:
-                return b.attn.rope.freqs
-        raise KeyError(method)
+        """The RoPE frequencies, computed from the config in fp32. The per-block ``rope.rope.freqs``
+        buffers hold the same constants (kept for the checkpoint keys; the loader checks them). Reading
+        the constants here, not a block buffer, keeps the tables valid while a block runner has the
+        blocks' tensors elsewhere (BlockSwap)."""
+        axis = self.config.rope_dim // 3
+        return lang_freqs(axis) if self.config.variant == "3b" else pixel_freqs(axis)
 
     def _context(self, grids: List[Tuple[int, int, int]], txt_lens: List[int], device) -> Dict[str, AttentionContext]:
         key = (tuple(grids), tuple(txt_lens), str(device), self._attention_backend)
