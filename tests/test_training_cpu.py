@@ -329,3 +329,29 @@ def test_block_forward_matches_comfyui(comfy):
         gs = single_block_forward(dm.single_blocks[0], x, vec, pe, None, {})
     for a, b in ((ri, gi), (rt, gt), (rs, gs)):
         assert float((a - b).norm() / a.norm()) < 1e-6
+
+
+def test_blockswap_training_matches_resident(comfy, tmp_path):
+    """BlockSwap (optimization.blockswap, FakeBackend on CPU): same LoRA as with every block resident."""
+    T = _tr()
+    from seedvr2bw.optimization.blockswap import FakeBackend, PinnedPool
+    ds = _dataset(tmp_path)
+    mp = tiny_flux_patcher()
+    dm = mp.model.diffusion_model
+    ref_w = {k: v.clone() for k, v in dm.state_dict().items()}
+    out = []
+    for swap in (0, 3):
+        kw = {}
+        if swap:
+            kw = dict(blockswap_backend=FakeBackend(), blockswap_pool=PinnedPool(cap_bytes=1 << 30))
+        tr = T.FluxLoraTrainer(dm, _cfg(tmp_path, steps=4, blocks_to_swap=swap, output_name=f"bs{swap}"), ds,
+                               latent_format=mp.model.latent_format, device="cpu", **kw)
+        tr.run()
+        out.append({k: v.clone() for k, v in tr.network.state_dict().items()})
+        if swap:
+            assert tr.block_runner.stats()["swapped_bytes"] > 0
+        tr.close()
+    for k in out[0]:
+        assert torch.allclose(out[0][k], out[1][k], atol=1e-6), k
+    for k, v in dm.state_dict().items():
+        assert torch.equal(v, ref_w[k]), k

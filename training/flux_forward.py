@@ -86,14 +86,42 @@ def single_block_forward(b, x, vec, pe, attn_mask, topts):
     return x + out * mod.gate
 
 
+def _double_method(self, img, txt, vec, pe, attn_mask=None, transformer_options={}, **kw):
+    return double_block_forward(self, img, txt, vec, pe, attn_mask, transformer_options)
+
+
+def _single_method(self, x, vec, pe, attn_mask=None, transformer_options={}, **kw):
+    return single_block_forward(self, x, vec, pe, attn_mask, transformer_options)
+
+
 class FluxTrainForward:
-    """Runs ``dm(x_t, sigma, context, y, guidance)`` with per-block checkpointing and optional block runner."""
+    """Runs ``dm(x_t, sigma, context, y, guidance)`` with per-block checkpointing.
+
+    While training, FLUX.1 blocks get the autograd-safe forwards as per-instance ``forward`` (undone by
+    ``close``), and blocks are always called as modules, so module hooks on a block (BlockSwap's runner
+    materialises a swapped block's weights in its pre-hook, also during the backward recompute) still fire.
+    """
 
     def __init__(self, dm, gradient_checkpointing: bool = True, block_runner=None):
+        import types
         self.dm = dm
         self.gradient_checkpointing = gradient_checkpointing
-        self.block_runner = block_runner  # object with .before(kind, i) / .after(kind, i) (BlockSwap), or None
+        self.block_runner = block_runner
         self.attn_override = _attention_override()
+        self._patched = []
+        for b in dm.double_blocks:
+            if _flux1_double(b) and "forward" not in b.__dict__:
+                b.forward = types.MethodType(_double_method, b)
+                self._patched.append(b)
+        for b in dm.single_blocks:
+            if _flux1_single(b) and "forward" not in b.__dict__:
+                b.forward = types.MethodType(_single_method, b)
+                self._patched.append(b)
+
+    def close(self):
+        for b in self._patched:
+            b.__dict__.pop("forward", None)
+        self._patched = []
 
     def _ckpt(self, fn, *tensors):
         if self.gradient_checkpointing and torch.is_grad_enabled():
@@ -108,16 +136,13 @@ class FluxTrainForward:
             vec, pe, mask = args["vec"], args["pe"], args.get("attn_mask")
             topts = dict(args.get("transformer_options") or {})  # block_index etc. as of this block
 
-            if _flux1_double(block):
-                def run(img, txt):
-                    return double_block_forward(block, img, txt, vec, pe, mask, topts)
-            else:  # other FLUX variants: the original block on its own input copies
-                def run(img, txt):
-                    return block(img=img.clone(), txt=txt.clone(), vec=vec, pe=pe, attn_mask=mask,
-                                 transformer_options=topts)
+            copy = block not in self._patched  # other FLUX variants: the original block on its own input copies
 
-            if self.block_runner is not None:
-                self.block_runner.before("double", i)
+            def run(img, txt):
+                if copy:
+                    img, txt = img.clone(), txt.clone()
+                return block(img=img, txt=txt, vec=vec, pe=pe, attn_mask=mask, transformer_options=topts)
+
             img, txt = self._ckpt(run, args["img"], args["txt"])
             return {"img": img, "txt": txt}
         return replace
@@ -128,15 +153,11 @@ class FluxTrainForward:
             vec, pe, mask = args["vec"], args["pe"], args.get("attn_mask")
             topts = dict(args.get("transformer_options") or {})  # block_index etc. as of this block
 
-            if _flux1_single(block):
-                def run(img):
-                    return single_block_forward(block, img, vec, pe, mask, topts)
-            else:
-                def run(img):
-                    return block(img.clone(), vec=vec, pe=pe, attn_mask=mask, transformer_options=topts)
+            copy = block not in self._patched
 
-            if self.block_runner is not None:
-                self.block_runner.before("single", i)
+            def run(img):
+                return block(img.clone() if copy else img, vec=vec, pe=pe, attn_mask=mask, transformer_options=topts)
+
             return {"img": self._ckpt(run, args["img"])}
         return replace
 

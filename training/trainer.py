@@ -86,7 +86,8 @@ def _dtype(name):
 
 
 class FluxLoraTrainer:
-    def __init__(self, dm, cfg: TrainConfig, dataset, latent_format=None, device=None, vae=None):
+    def __init__(self, dm, cfg: TrainConfig, dataset, latent_format=None, device=None, vae=None,
+                 blockswap_backend=None, blockswap_pool=None):
         if not is_flux_diffusion_model(dm):
             raise TypeError(
                 f"FLUX LoRA training needs a FLUX model, got {type(dm).__module__}.{type(dm).__name__}. "
@@ -118,7 +119,14 @@ class FluxLoraTrainer:
             self.quant = QuantizedBase(dm, cfg.base_precision)
         self.block_runner = None
         if cfg.blocks_to_swap:
-            self.block_runner = _make_block_runner(dm, cfg.blocks_to_swap, self.device)
+            if not cfg.gradient_checkpointing:
+                raise ValueError("blocks to swap needs gradient checkpointing (a swapped block's weights are only "
+                                 "on the GPU while it runs). Fix: turn gradient checkpointing on.")
+            if self.quant is not None:
+                raise ValueError("blocks to swap works with the base as loaded / bf16, not with fp8/nvfp4 base "
+                                 "precision here. Fix: use one of the two.")
+            self.block_runner = _make_block_runner(dm, cfg.blocks_to_swap, self.device, blockswap_backend,
+                                                   blockswap_pool)
         self.forward = FluxTrainForward(dm, cfg.gradient_checkpointing, self.block_runner)
         self.optimizer = build_optimizer(self.network.parameters(), cfg.optimizer, cfg.learning_rate,
                                          weight_decay=cfg.weight_decay, prodigy_d_coef=cfg.prodigy_d_coef)
@@ -320,10 +328,11 @@ class FluxLoraTrainer:
         if self._closed:
             return
         self.network.detach()
+        self.forward.close()
         if self.quant is not None:
             self.quant.restore()
-        if self.block_runner is not None and hasattr(self.block_runner, "close"):
-            self.block_runner.close()
+        if self.block_runner is not None:
+            self.block_runner.close(restore_device=self.device)
         for p in self._frozen:
             p.requires_grad_(True)
         if self.tb is not None:
@@ -331,13 +340,26 @@ class FluxLoraTrainer:
         self._closed = True
 
 
-def _make_block_runner(dm, n, device):
-    """BlockSwap for training is provided by optimization.blockswap when that module offers a training runner."""
+def _make_block_runner(dm, n, device, backend=None, pool=None):
+    """BlockSwap for training: ``n`` of the 57 FLUX blocks (spread evenly) live in pinned host RAM and are
+    streamed through a GPU ring by ``optimization.blockswap.BlockSwapRunner`` (its module hooks load a block
+    before it runs, forward and backward-recompute alike; LoRA parameters stay on the GPU)."""
     try:
-        from ..optimization.blockswap import BlockSwapRunner  # noqa: F401
+        from ..optimization.blockswap import BlockSwapConfig, BlockSwapRunner, spread_indices
+        from ..optimization.blockswap import get_pinned_pool, make_backend
     except Exception as exc:  # noqa: BLE001
-        raise RuntimeError(f"blocks_to_swap={n} needs optimization.blockswap.BlockSwapRunner, which is not "
-                           f"available ({type(exc).__name__}: {exc}). Fix: set blocks to swap to 0 and use "
-                           "base precision fp8 or nvfp4 to save memory.")
-    raise RuntimeError("BlockSwap for training is not wired yet. Fix: set blocks to swap to 0 and use base "
-                       "precision fp8 or nvfp4 to save memory.")
+        raise RuntimeError(f"blocks_to_swap={n} needs optimization.blockswap ({type(exc).__name__}: {exc}). "
+                           "Fix: set blocks to swap to 0 and use base precision fp8 or nvfp4 to save memory.")
+    blocks = [(f"double_blocks.{i}", b) for i, b in enumerate(dm.double_blocks)] + \
+             [(f"single_blocks.{i}", b) for i, b in enumerate(dm.single_blocks)]
+    idx = spread_indices(len(blocks), int(n))
+    cfg = BlockSwapConfig(blocks_to_swap=len(idx))
+    device = torch.device(device)
+    backend = backend or make_backend(device)
+    pool = pool or get_pinned_pool(device)
+    units = [(blocks[i][0], blocks[i][1], "block") for i in idx]
+    runner = BlockSwapRunner(units, cfg, backend, pool, swapped_indices=idx, num_blocks=len(blocks))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    log.info("[FluxLoraTrain] BlockSwap: %d of %d blocks in host RAM", len(idx), len(blocks))
+    return runner
