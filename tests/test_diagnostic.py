@@ -294,3 +294,16 @@ def test_script_inside_a_comfyui_tree(tmp_path):
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     check = _by_name(json.loads(proc.stdout))["ComfyUI"]
     assert check["status"] == "PASS" and check["value"] == "0.3.75", check
+
+
+def test_attention_windows_follow_the_spec():
+    from seedvr2bw.optimization.diagnostics.checks_compute import axis_windows, seedvr2_window_lengths
+    # SPEC §3 examples: a 23x41 frame (adaptive 720p windows 15x27) and 5 latent frames
+    assert [axis_windows(23, 15, False), axis_windows(41, 27, False)] == [[15, 8], [27, 14]]
+    assert [axis_windows(23, 15, True), axis_windows(41, 27, True)] == [[7, 15, 1], [13, 27, 1]]
+    assert axis_windows(5, 2, False) == [2, 2, 1] and axis_windows(5, 2, True) == [1, 2, 2]
+    # 720p x 21 frames: 3x3x3 windows unshifted, 4x4x4 shifted, every video token exactly once
+    u, s = seedvr2_window_lengths(6, 45, 80, False), seedvr2_window_lengths(6, 45, 80, True)
+    assert (len(u), len(s)) == (27, 64)
+    assert sum(u) - 58 * len(u) == sum(s) - 58 * len(s) == 6 * 45 * 80
+    assert len(seedvr2_window_lengths(1, 23, 41, False)) == 4
