@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from seedvr2bw.optimization.blockswap import (BlockSwapConfig, FakeBackend, PinnedPool, ResidentRunner,
+from seedvr2bw.optimization.blockswap import (BlockSwapConfig, CudaBackend, FakeBackend, PinnedPool, ResidentRunner,
                                                attach_blockswap, detach, spread_indices)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,22 +253,27 @@ def median_ms(xs):
 
 
 def run_timed(env, model, vid, txt, warmup, repeats):
+    """(host wall times, last output, peak bytes allocated above what was allocated before the forwards)."""
     with torch.inference_mode():
         out = None
         for _ in range(warmup):
+            out = None
             out = model(vid, txt)
+        out = None
         env.sync()
         env.reset_peak()
+        base = 0 if env.cpu else torch.cuda.memory_allocated()
         times = []
         for _ in range(repeats):
+            out = None
             t0 = time.perf_counter()
             out = model(vid, txt)
             env.sync()
             times.append(time.perf_counter() - t0)
-        return times, out, env.peak()
+        return times, out, env.peak() - base
 
 
-def probe_h2d(env, nbytes, pinned, reps=5):
+def probe_h2d(env, nbytes, pinned, reps=10):
     """Median H2D GB/s from a host buffer registered in place (cudaHostRegister, like the arenas) or pageable."""
     if env.cpu:
         return 0.0
@@ -355,7 +360,9 @@ def main():
 
     # 1. link probe (pinned = registered in place, the arenas' path; pageable for reference)
     blk_probe = 453 * MiB if not env.cpu else 1 << 20
-    peak = max(probe_h2d(env, blk_probe, True), probe_h2d(env, 1 << 30, True) if not env.cpu else 0.0)
+    probe_h2d(env, 64 * MiB, True, reps=3)   # wake the link up
+    peak = max([probe_h2d(env, blk_probe, True) for _ in range(2)]
+               + [probe_h2d(env, 1 << 30, True) if not env.cpu else 0.0])
     pageable = probe_h2d(env, blk_probe, False)
     R["pinned_peak_GBps"], R["pageable_GBps"] = peak, pageable
     log(f"H2D pinned peak {peak:.1f} GB/s, pageable {pageable:.1f} GB/s")
@@ -379,7 +386,7 @@ def main():
         times, out, pk = run_timed(env, model, vid, txt, args.warmup, args.repeats)
         ref_out[c] = out.clone()
         R["cases"][c] = {"tokens": vid.shape[0], "windows": [nw, wl], "resident_ms": median_ms(times),
-                         "resident_times_ms": [t * 1e3 for t in times], "resident_peak_bytes": pk}
+                         "resident_times_ms": [t * 1e3 for t in times], "resident_act_peak_bytes": pk}
         log(f"resident {c}: {vid.shape[0]} tokens, {median_ms(times):.1f} ms")
 
     # 3. ours, N swapped (evenly spread)
@@ -418,14 +425,16 @@ def main():
             bound_copy_ms = bytes_fwd / (peak * GB) * 1e3 if peak else 0.0
             hidden = max(0.0, min(1.0, 1 - (t_ms - res_ms) / copy_ms)) if copy_ms > 0 else 1.0
             copy_bound = bound_copy_ms > res_ms
-            extra = pk - (R["cases"][c]["resident_peak_bytes"] - st0["swapped_bytes"])
+            # GPU bytes beyond the weights that stay resident: the ring (allocated once) + any activation growth
+            act_delta = pk - R["cases"][c]["resident_act_peak_bytes"]
+            extra = runner.ring_bytes + max(0, act_delta)
             r = {"ms": t_ms, "times_ms": [t * 1e3 for t in times], "slowdown": t_ms / res_ms - 1,
                  "bytes_per_forward": bytes_fwd, "copies_per_forward": st["copies"] / args.repeats,
                  "copy_ms_per_forward": copy_ms, "achieved_GBps": bw,
                  "bw_fraction_of_peak": bw / peak if peak else 0.0, "bytes_over_peak_ms": bound_copy_ms,
                  "bound_ms": max(res_ms, bound_copy_ms), "ms_over_bound": t_ms / max(res_ms, bound_copy_ms),
                  "copy_bound": copy_bound, "hidden_fraction": hidden, "bit_identical": bool(torch.equal(out, ref_out[c])),
-                 "peak_bytes": pk, "extra_vram_bytes": extra, "extra_vram_over_largest_block": extra / largest,
+                 "act_peak_bytes": pk, "act_delta_vs_resident": act_delta, "extra_vram_bytes": extra, "extra_vram_over_largest_block": extra / largest,
                  "demand_loads": st["demand_loads"], "pageable_copies": st["pageable_copies"]}
             r["pass"] = (r["bit_identical"] and (r["bw_fraction_of_peak"] >= 0.9 or env.cpu)
                          and (t_ms <= 1.1 * bound_copy_ms if copy_bound else r["slowdown"] <= 0.05))
@@ -454,7 +463,7 @@ def main():
         arenas = [u.arena.buffer for u in runner.units]
         detach(model, restore_device=env.dev)
         rec["pinned_after_detach"] = pool.pinned_bytes
-        rec["arenas_still_pinned"] = sum(bool(a is not None and not env.cpu and a.is_pinned()) for a in arenas)
+        rec["registered_bytes_after_detach"] = 0 if env.cpu else CudaBackend.registered_bytes()
         del arenas, runner
         R["ours"][str(N)] = rec
 
@@ -477,7 +486,7 @@ def main():
         cancelled = True
     detach(model, restore_device=env.dev)
     R["checks"]["cancel"] = {"cancelled": cancelled, "pinned_after_detach": pool.pinned_bytes,
-                             "arenas_still_pinned": sum(bool(not env.cpu and a.is_pinned()) for a in arenas)}
+                             "registered_bytes_after_detach": 0 if env.cpu else CudaBackend.registered_bytes()}
     del arenas, runner
     log(f"cancelled run: pinned after detach {pool.pinned_bytes} bytes")
 
@@ -575,7 +584,30 @@ def main():
         R.setdefault("errors", []).append(f"dtypes: {type(exc).__name__}: {exc}")
         log("dtype comparison failed:", exc)
 
-    # 6. acceptance summary
+    # 6. link probe again (the peak is the best of both probes)
+    peak_end = probe_h2d(env, blk_probe, True)
+    R["pinned_peak_end_GBps"] = peak_end
+    if peak_end > peak:   # be strict: every fraction and bound against the best probe of the run
+        log(f"note: the end-of-run probe found {peak_end:.1f} GB/s > {peak:.1f} at the start; using it")
+        peak = peak_end
+        for rec in R["ours"].values():
+            for c, r in rec["cases"].items():
+                res_ms = R["cases"][c]["resident_ms"]
+                r["bw_fraction_of_peak"] = r["achieved_GBps"] / peak
+                r["bytes_over_peak_ms"] = r["bytes_per_forward"] / (peak * GB) * 1e3
+                r["bound_ms"] = max(res_ms, r["bytes_over_peak_ms"])
+                r["ms_over_bound"] = r["ms"] / r["bound_ms"]
+                r["copy_bound"] = r["bytes_over_peak_ms"] > res_ms
+                r["pass"] = (r["bit_identical"] and r["bw_fraction_of_peak"] >= 0.9
+                             and (r["ms"] <= 1.1 * r["bytes_over_peak_ms"] if r["copy_bound"] else r["slowdown"] <= 0.05))
+        for st, rec in R["dtypes"].items():
+            for c, v in rec.items():
+                if isinstance(v, dict) and "bytes_per_forward" in v:
+                    v["bytes_over_peak_ms"] = v["bytes_per_forward"] / (peak * GB) * 1e3
+                    v["ms_over_bytes_peak"] = v["swapped_ms"] / v["bytes_over_peak_ms"]
+    R["pinned_peak_used_GBps"] = peak
+
+    # 7. acceptance summary
     acc = {}
     all_cases = [(N, c, r) for N, rec in R["ours"].items() for c, r in rec["cases"].items()]
     acc["bandwidth_fraction_min"] = min((r["bw_fraction_of_peak"] for _, _, r in all_cases if r["copies_per_forward"]),
@@ -589,6 +621,8 @@ def main():
                                                    default=None)
     acc["nvfp4_bytes_ratio"] = R["dtypes"].get("nvfp4", {}).get("ratio_vs_bf16")
     acc["rss_delta_10_runs"] = next((rec["rss"]["delta"] for rec in R["ours"].values() if "rss" in rec), None)
+    acc["registered_after_detach"] = max([rec.get("registered_bytes_after_detach", 0) for rec in R["ours"].values()]
+                                         + [R["checks"]["cancel"]["registered_bytes_after_detach"]])
     acc["pinned_after_detach"] = max([rec["pinned_after_detach"] for rec in R["ours"].values()]
                                      + [R["checks"]["cancel"]["pinned_after_detach"]])
     R["acceptance"] = acc

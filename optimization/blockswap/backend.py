@@ -107,6 +107,9 @@ def clear_cuda_error(device=None) -> None:
 
 class CudaBackend(Backend):
     is_fake = False
+    # what this process registered through any CudaBackend: data_ptr -> bytes. `Tensor.is_pinned()` cannot be
+    # used: it looks at the storage's base pointer, and an arena is a page-aligned slice of its storage.
+    _registered: dict = {}
 
     def __init__(self, device):
         self.device = torch.device(device)
@@ -155,16 +158,24 @@ class CudaBackend(Backend):
             _log.warning("[SeedVR2-BW] cudaHostRegister of %.1f MiB failed (error %d): this block is copied from "
                          "pageable memory (slower, blocks the host)", nbytes / 2**20, code)
             return False
+        CudaBackend._registered[t.data_ptr()] = nbytes
         return True
 
     def unpin(self, t: torch.Tensor) -> None:
         err = torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        CudaBackend._registered.pop(t.data_ptr(), None)
         if _err_code(err) != 0:
             clear_cuda_error(self.device)
             _log.warning("[SeedVR2-BW] cudaHostUnregister failed (error %d)", _err_code(err))
 
     def is_pinned(self, t: torch.Tensor) -> bool:
-        return bool(t.is_pinned())
+        p = t.data_ptr()
+        return any(b <= p < b + n for b, n in CudaBackend._registered.items())
+
+    @classmethod
+    def registered_bytes(cls) -> int:
+        """Host bytes currently registered (pinned in place) by BlockSwap in this process."""
+        return sum(cls._registered.values())
 
     def synchronize(self, stream=None) -> None:
         if stream is None:
