@@ -77,6 +77,18 @@ class Lin(nn.Module):
         elif storage == "fp8":
             self.register_buffer("weight", (torch.randn(n, k, device=device) * 4).to(torch.float8_e4m3fn))
             self.register_buffer("weight_scale", torch.tensor(0.005, device=device))
+        elif storage == "nvfp4_module":   # the pack's NVFP4Linear (optimization/nvfp4), dequant + bf16 GEMM path
+            from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear
+            q = NVFP4Linear(k, n, bias=bias, device=device, dtype=dt, path="fidelity")
+            q.weight.copy_(torch.randint(0, 256, q.weight.shape, dtype=torch.uint8, device=device))
+            q.weight_scale.copy_((torch.rand(q.weight_scale.shape, device=device) * 2 + 0.5).to(torch.float8_e4m3fn))
+            q.weight_scale_2.fill_(0.003)
+            if bias:
+                q.bias.data.normal_(0, 0.01)
+            q.requires_grad_(False)
+            self.q = q
+            self.bias = None
+            return
         elif storage == "nvfp4":   # uint8 [N, K/2] + e4m3 block scales [N, K/16] + fp32 global scale
             self.register_buffer("weight", torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device))
             self.register_buffer("weight_scale", (torch.rand(n, k // 16, device=device) * 2 + 0.5)
@@ -99,6 +111,8 @@ class Lin(nn.Module):
         return (vals.view(self.n, self.k // 16, 16) * s.unsqueeze(-1)).view(self.n, self.k)
 
     def forward(self, x):
+        if self.storage == "nvfp4_module":
+            return self.q(x)
         return F.linear(x, self.weight_bf16(), self.bias)
 
 
@@ -333,7 +347,8 @@ def main():
     ap.add_argument("--sync-repeats", type=int, default=2)
     ap.add_argument("--rss-runs", type=int, default=10)
     ap.add_argument("--dtype-cases", default="720p1,1080p1")
-    ap.add_argument("--dtypes", default="fp8,nvfp4")
+    ap.add_argument("--dtypes", default="fp8,nvfp4,nvfp4_module",
+                    help="nvfp4 = emulated layout (uint8 + e4m3 scales + fp32), nvfp4_module = the pack's NVFP4Linear")
     ap.add_argument("--commit", default=os.environ.get("BENCH_COMMIT", ""))
     ap.add_argument("--json", default=None)
     ap.add_argument("--tiny", action="store_true", help="small dims (smoke test)")
@@ -538,47 +553,54 @@ def main():
                                                 if src[c]["bytes_over_peak_ms"] else 0.0}
                                             for c in dcases if c in src})
                 continue
-            m = StandInDiT(dims, storage, env.dev).requires_grad_(False)
-            nb = block_nbytes(m.blocks[0])
-            rec = {"block_bytes": nb, "ratio_vs_bf16": bbytes / nb}
-            log(f"{storage} block {nb / MiB:.1f} MiB: bf16/{storage} bytes ratio {bbytes / nb:.2f}")
-            res = {}
-            for c in dcases:
-                vid, txt, nw, wl = inputs[c]
-                m.set_layout(nw, wl)
-                times, out, _ = run_timed(env, m, vid, txt, args.warmup, args.repeats)
-                res[c] = (median_ms(times), out.clone())
-            runner = attach_blockswap(m, BlockSwapConfig(blocks_to_swap=dims.blocks, debug_timing=True), env.dev,
-                                      backend=env.backend(), pool=pool)
-            rec["swapped_unit_bytes"] = runner.units[0].used_bytes
-            for c in dcases:
-                vid, txt, nw, wl = inputs[c]
-                m.set_layout(nw, wl)
-                with torch.inference_mode():
-                    for _ in range(args.warmup):
-                        m(vid, txt)
-                env.sync()
-                runner.reset_stats()
-                runner.c.timings.clear()
-                times, out, _ = run_timed(env, m, vid, txt, 0, args.repeats)
-                tim = runner.copy_timings()
-                bytes_fwd = runner.stats()["bytes_copied"] / args.repeats
-                bw = (sum(t[1] for t in tim) / (sum(t[2] for t in tim) * 1e-3) / GB) if tim and not env.cpu else 0.0
-                bound = bytes_fwd / (peak * GB) * 1e3 if peak else 0.0
-                rec[c] = {"resident_ms": res[c][0], "swapped_ms": median_ms(times), "bytes_per_forward": bytes_fwd,
-                          "achieved_GBps": bw, "bytes_over_peak_ms": bound,
-                          "ms_over_bytes_peak": median_ms(times) / bound if bound else 0.0,
-                          "slowdown": median_ms(times) / res[c][0] - 1,
-                          "bit_identical": bool(torch.equal(out, res[c][1]))}
-                log(f"{storage} all swapped {c}: {median_ms(times):.1f} ms (resident {res[c][0]:.1f}), "
-                    f"{bytes_fwd / GB:.2f} GB moved at {bw:.1f} GB/s, bytes/peak {bound:.1f} ms, "
-                    f"identical {rec[c]['bit_identical']}")
-            detach(m)
-            del m, runner
-            gc.collect()
-            if not env.cpu:
-                torch.cuda.empty_cache()
-            R["dtypes"][storage] = rec
+            try:
+                m = StandInDiT(dims, storage, env.dev).requires_grad_(False)
+                nb = block_nbytes(m.blocks[0])
+                rec = {"block_bytes": nb, "ratio_vs_bf16": bbytes / nb}
+                log(f"{storage} block {nb / MiB:.1f} MiB: bf16/{storage} bytes ratio {bbytes / nb:.2f}")
+                res = {}
+                for c in dcases:
+                    vid, txt, nw, wl = inputs[c]
+                    m.set_layout(nw, wl)
+                    times, out, _ = run_timed(env, m, vid, txt, args.warmup, args.repeats)
+                    res[c] = (median_ms(times), out.clone())
+                runner = attach_blockswap(m, BlockSwapConfig(blocks_to_swap=dims.blocks, debug_timing=True), env.dev,
+                                          backend=env.backend(), pool=pool)
+                rec["swapped_unit_bytes"] = runner.units[0].used_bytes
+                for c in dcases:
+                    vid, txt, nw, wl = inputs[c]
+                    m.set_layout(nw, wl)
+                    with torch.inference_mode():
+                        for _ in range(args.warmup):
+                            m(vid, txt)
+                    env.sync()
+                    runner.reset_stats()
+                    runner.c.timings.clear()
+                    times, out, _ = run_timed(env, m, vid, txt, 0, args.repeats)
+                    tim = runner.copy_timings()
+                    bytes_fwd = runner.stats()["bytes_copied"] / args.repeats
+                    bw = (sum(t[1] for t in tim) / (sum(t[2] for t in tim) * 1e-3) / GB) if tim and not env.cpu else 0.0
+                    bound = bytes_fwd / (peak * GB) * 1e3 if peak else 0.0
+                    rec[c] = {"resident_ms": res[c][0], "swapped_ms": median_ms(times), "bytes_per_forward": bytes_fwd,
+                              "achieved_GBps": bw, "bytes_over_peak_ms": bound,
+                              "ms_over_bytes_peak": median_ms(times) / bound if bound else 0.0,
+                              "slowdown": median_ms(times) / res[c][0] - 1,
+                              "bit_identical": bool(torch.equal(out, res[c][1]))}
+                    log(f"{storage} all swapped {c}: {median_ms(times):.1f} ms (resident {res[c][0]:.1f}), "
+                        f"{bytes_fwd / GB:.2f} GB moved at {bw:.1f} GB/s, bytes/peak {bound:.1f} ms, "
+                        f"identical {rec[c]['bit_identical']}")
+                detach(m)
+                del m, runner
+                gc.collect()
+                if not env.cpu:
+                    torch.cuda.empty_cache()
+                R["dtypes"][storage] = rec
+            except Exception as exc:  # noqa: BLE001
+                R.setdefault("errors", []).append(f"{storage}: {type(exc).__name__}: {exc}")
+                log(f"{storage} failed: {type(exc).__name__}: {exc}")
+                gc.collect()
+                if not env.cpu:
+                    torch.cuda.empty_cache()
 
     except Exception as exc:  # noqa: BLE001
         R.setdefault("errors", []).append(f"dtypes: {type(exc).__name__}: {exc}")

@@ -372,3 +372,46 @@ def test_small_tensors_stay_resident():
     with torch.no_grad():
         x = torch.randn(2, 128)
         assert torch.equal(m(x), ref(x))
+
+
+def test_derived_weight_caches_dropped_on_eviction():
+    """Modules caching tensors derived from their weights (NVFP4Linear._derived) must not keep them for a block
+    that left the ring, or each swapped block would leave a derived GPU copy behind."""
+    m, ref = make(n=6)
+    for b in m.blocks:
+        b.lin._derived = {}
+        orig = b.lin.forward
+
+        def fwd(x, lin=b.lin, orig=orig):
+            lin._derived.setdefault("w", lin.weight.clone())
+            return orig(x)
+        b.lin.forward = fwd
+    runner, be, _ = attach(m, blocks_to_swap=6)
+    with torch.no_grad():
+        x = torch.randn(2, 32)
+        assert torch.equal(m(x), ref(x))
+    alive = [i for i, b in enumerate(m.blocks) if b.lin._derived]
+    assert len(alive) <= 2                                  # only blocks still in the ring keep their cache
+    detach(m)
+    assert not any(b.lin._derived for b in m.blocks)
+
+
+def test_pack_quantized_linears_travel_in_storage_format():
+    """Blocks holding the pack's NVFP4Linear / FP8Linear (uint8 + e4m3 scales + fp32 scalars) swap bit-exactly."""
+    lin = pytest.importorskip("seedvr2bw.optimization.nvfp4.linear")
+    torch.manual_seed(0)
+    m, _ = make(n=4, d=64)
+    for i, b in enumerate(m.blocks):
+        src = nn.Linear(64, 64)
+        b.lin = (lin.NVFP4Linear.from_linear(src, path="reference") if i % 2 == 0
+                 else lin.FP8Linear.from_linear(src)).requires_grad_(False)
+    ref = copy.deepcopy(m)
+    runner, be, pool = attach(m, blocks_to_swap=4)
+    rec = {r.name: r.dtype for r in runner.units[0].arena.records}
+    assert rec["lin.weight"] == torch.uint8 and rec["lin.weight_scale"] == torch.float8_e4m3fn
+    assert runner.units[1].arena.records[0].dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(3, 64)
+            assert torch.equal(m(x), ref(x))
+    detach(m)

@@ -63,6 +63,13 @@ class _Unit:
         self.uses = 0
         self.views: dict[int, list] = {}
         self.used_bytes = max((r.offset + r.nbytes for r in arena.records), default=0)
+        # modules caching tensors derived from their weights (NVFP4Linear._derived: e.g. an fp8 copy on the GPU):
+        # a swapped block must not keep them, or every swapped block would leave a GPU copy behind
+        self.derived = [m for m in module.modules() if isinstance(getattr(m, "_derived", None), dict)]
+
+    def drop_derived(self):
+        for m in self.derived:
+            m._derived.clear()
 
     def __repr__(self):
         return f"_Unit({self.name})"
@@ -195,6 +202,7 @@ class BlockSwapRunner:
                 if u.bound:
                     u.arena.unbind()
                     u.bound = False
+                u.drop_derived()
                 u.slot = None
                 u.views = {}
             self.slots = []
@@ -366,6 +374,7 @@ class BlockSwapRunner:
             if old.bound:
                 old.arena.unbind()    # back to the host arena: no copy back
                 old.bound = False
+            old.drop_derived()
             old.slot = None
             slot.unit = None
         if slot.free_recorded:
