@@ -41,7 +41,12 @@ def _stub_missing(names):
         if n in sys.modules or importlib.util.find_spec(n) is not None:
             continue
         m = types.ModuleType(n)
-        m.__getattr__ = lambda attr, _D=_Dummy: _D  # noqa: E731
+
+        def _getattr(attr, _D=_Dummy):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return _D
+        m.__getattr__ = _getattr
         m.__path__ = []
         sys.modules[n] = m
         print(f"[bench] stubbed missing module {n}", flush=True)
@@ -211,7 +216,7 @@ def main():
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     info = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-            "dims": "tiny" if a.tiny else "FLUX.1 full", "commit": os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip()}
+            "dims": "tiny" if a.tiny else "FLUX.1 full", "commit": os.environ.get("BENCH_COMMIT") or os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip()}
     print("[bench]", info, flush=True)
     t0 = time.time()
     mp = build_model(dims, dev, dtype)
