@@ -195,6 +195,8 @@ def main(argv=None):
             summary[f"{p}_rel_err_mean"] = sum(es) / len(es)
             summary[f"{p}_snr_db_mean"] = sum(-20 * math.log10(e) for e in es) / len(es)
     summary["weight_rel_err_mean"] = sum(r["weight_rel_err"] for r in acc) / max(len(acc), 1)
+    from seedvr2bw.optimization.nvfp4.linear import _FUSED_BROKEN
+    summary["fused_w4a16_unavailable"] = _FUSED_BROKEN[0] if _FUSED_BROKEN else None
     print(json.dumps(summary))
     print("\n| K | N | M | " + " | ".join(f"{p} ms" for p in paths) + " | " +
           " | ".join(f"{p}/bf16" for p in paths if p != "bf16") + " | fid/ck |")

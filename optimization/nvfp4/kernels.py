@@ -66,6 +66,15 @@ if HAS_TRITON:
         return tl.where((code & 8) != 0, -val, val)
 
     @triton.jit
+    def _e2m1_pair_f32(p, lut_ptr):
+        """packed byte (int32) -> (value of the high nibble, value of the low nibble) as float32, via the
+        256-entry table of bf16 bit pairs (a bf16 shifted left 16 bits is the same float32 value)."""
+        v = tl.load(lut_ptr + p)
+        hi = (v << 16).to(tl.float32, bitcast=True)
+        lo = ((v >> 16) << 16).to(tl.float32, bitcast=True)
+        return hi, lo
+
+    @triton.jit
     def _swz_offset(row, col, NCB4):
         return ((row // 128) * NCB4 + col // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4 + col % 4
 
@@ -123,7 +132,7 @@ if HAS_TRITON:
                                               (16, 512, 8), (4, 1024, 4))],
                      key=["R", "HALF"])
     @triton.jit
-    def _dequant_kernel(p_ptr, s_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4,
+    def _dequant_kernel(p_ptr, s_ptr, lut_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         pid_r = tl.program_id(0)
         pid_c = tl.program_id(1)
@@ -136,8 +145,9 @@ if HAS_TRITON:
         soff = _swz_offset(rows[:, None].to(tl.int64), blk[None, :], NCB4)
         s = tl.load(s_ptr + soff, mask=mask, other=0.0).to(tl.float32)
         total = g * s
-        hi = _e2m1_value(p >> 4) * total
-        lo = _e2m1_value(p & 15) * total
+        hv, lv = _e2m1_pair_f32(p, lut_ptr)
+        hi = hv * total
+        lo = lv * total
         vals = tl.reshape(tl.join(hi, lo), (BLOCK_R, BLOCK_C * 2))
         ocols = pid_c * BLOCK_C * 2 + tl.arange(0, BLOCK_C * 2)
         omask = (rows[:, None] < N_OUT) & (ocols[None, :] < K_OUT)
@@ -160,8 +170,8 @@ if HAS_TRITON:
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr):
         """ws[M, N] (+)= x @ dequant(W)^T * g in fp32. Each packed byte is decoded by one lookup in a
-        256-entry table holding both of its values as bf16 bits (exact); the block scale multiplies in bf16
-        (q * s has at most 6 significant bits, so the product is exact)."""
+        256-entry table holding both of its values (exact); q * s_block is exact in bf16 (<= 6 significant
+        bits); the global scale is applied to the fp32 accumulator. Split-K programs add atomically."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -183,12 +193,12 @@ if HAS_TRITON:
             pk = k0 // 2 + rkp
             pm = nmask & (pk[None, :] < HALF)
             p = tl.load(p_ptr + rn[:, None].to(tl.int64) * HALF + pk[None, :], mask=pm, other=0).to(tl.int32)
-            v = tl.load(lut_ptr + p)
-            s = tl.load(s_ptr + _swz_offset(rn[:, None].to(tl.int64), (pk // 8)[None, :], NCB4), mask=pm,
-                        other=0.0).to(tl.bfloat16)
-            hi = (v & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True) * s
-            lo = (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True) * s
-            w = tl.reshape(tl.join(hi, lo), (BLOCK_N, BLOCK_K)).to(x.dtype)
+            kb = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+            s = tl.load(s_ptr + _swz_offset(rn[:, None].to(tl.int64), kb[None, :], NCB4),
+                        mask=nmask & (kb[None, :] < K // 16), other=0.0).to(tl.float32)
+            hv, lv = _e2m1_pair_f32(p, lut_ptr)
+            w = tl.reshape(tl.join(hv, lv), (BLOCK_N, BLOCK_K // 16, 16))
+            w = tl.reshape(w * s[:, :, None], (BLOCK_N, BLOCK_K)).to(x.dtype)
             acc = tl.dot(x, tl.trans(w), acc)
         g = tl.load(g_ptr)
         acc = acc * g
@@ -280,11 +290,12 @@ def dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype=torc
     g = global_scale.to(device=packed.device, dtype=torch.float32).reshape(1)
     kh = min(HALF, (k + 1) // 2)
     if _INTERPRET:
-        _dequant_kernel.fn[(triton.cdiv(n, 32), triton.cdiv(kh, 64))](packed, block_scale, g, out, R, HALF, n, k,
-                                                                       sc // 4, BLOCK_R=32, BLOCK_C=64)
+        _dequant_kernel.fn[(triton.cdiv(n, 32), triton.cdiv(kh, 64))](packed, block_scale, byte_lut(packed.device),
+                                                                       g, out, R, HALF, n, k, sc // 4,
+                                                                       BLOCK_R=32, BLOCK_C=64)
     else:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_R"]), triton.cdiv(kh, meta["BLOCK_C"]))  # noqa: E731
-        _dequant_kernel[grid](packed, block_scale, g, out, R, HALF, n, k, sc // 4)
+        _dequant_kernel[grid](packed, block_scale, byte_lut(packed.device), g, out, R, HALF, n, k, sc // 4)
     return out
 
 

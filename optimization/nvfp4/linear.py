@@ -37,13 +37,23 @@ SMALL_M = 256                # fidelity path: fused W4A16 kernel considered at o
 _FIDELITY_CHOICE: dict = {}  # (m bucket, N, K, device) -> "fused" | "dequant", decided by timing once
 
 
+_FUSED_BROKEN: list = []   # reason the fused W4A16 kernel failed to build/run here (then never tried again)
+
+
 def _time_choice(fns: dict, reps: int = 5) -> str:
     """Run each candidate once (warm-up, includes Triton autotuning), then time ``reps`` calls with CUDA events;
-    return the fastest name."""
+    return the fastest name. A candidate that raises is dropped (the last one is the safe fallback)."""
     best, best_t = None, float("inf")
     for name, fn in fns.items():
-        fn()
-        torch.cuda.synchronize()
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - e.g. a Triton compile failure on this GPU / version
+            log.warning("[SeedVR2-BW] NVFP4 %s kernel unavailable, using the next one: %s: %s", name,
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            if name == "fused":
+                _FUSED_BROKEN.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(reps):
@@ -292,7 +302,7 @@ class NVFP4Linear(_QuantLinearBase):
     def _forward_fidelity(self, x2):
         m = x2.shape[0]
         if (m <= SMALL_M and K.triton_usable(x2) and x2.is_cuda and x2.dtype == torch.bfloat16
-                and self.fidelity_kernel != "dequant"):
+                and self.fidelity_kernel != "dequant" and not (_FUSED_BROKEN and self.fidelity_kernel == "auto")):
             if self.fidelity_kernel == "fused":
                 return self._fidelity_fused(x2)
             key = (K._m_bucket(m), self.out_features, self.in_features, str(x2.device))
