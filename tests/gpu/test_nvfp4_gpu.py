@@ -184,3 +184,14 @@ def test_fp8_linear_scaled_mm_close_to_cast():
     ya, yb = a(x).float(), b(x).float()
     assert ((ya - yb).norm() / ya.norm()).item() < 5e-2
     assert a.weight.dtype == torch.float8_e4m3fn
+
+
+@cuda
+@pytest.mark.parametrize("recipe", ["comfy", "modelopt"])
+def test_torch_quantizer_on_gpu_matches_cpu(recipe):
+    """The converter quantizes on the GPU when one is there: same bytes as the CPU reference."""
+    x = _adversarial(300, 256, torch.float32, 11)
+    g = fmt.global_scale_for(x)
+    p, s, _ = fmt.quantize_nvfp4(x, g, recipe=recipe)
+    pg, sg, _ = fmt.quantize_nvfp4(x.to(DEV), g.to(DEV), recipe=recipe)
+    assert torch.equal(pg.cpu(), p) and torch.equal(_u8(sg.cpu()), _u8(s))
