@@ -119,11 +119,11 @@ print(h.hexdigest()[:16])
 EOF
 )
 STAMP="$TARGET/.rig-deps-$STAMP_KEY"
-if [ -f "$STAMP" ] && [ "${COMFYUI_FORCE_DEPS:-0}" != 1 ] && "$PY" -c 'import torch, torchvision, aiohttp, comfyui_frontend_package' >/dev/null 2>&1; then
+if [ -f "$STAMP" ] && [ "${COMFYUI_FORCE_DEPS:-0}" != 1 ] && "$PY" -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ("torch", "torchvision", "aiohttp", "comfyui_frontend_package")))' >/dev/null 2>&1; then
     say "requirements already installed for this python (stamp $(basename "$STAMP"))"
 else
     if "$PY" -c 'import torch' >/dev/null 2>&1; then
-        say "torch: $("$PY" -c 'import torch; print(torch.__version__)')"
+        say "torch: $("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
     else
         say "installing ${COMFYUI_TORCH_SPEC:-torch==2.13.0}"
         pip_install "${COMFYUI_TORCH_SPEC:-torch==2.13.0}"
@@ -131,14 +131,14 @@ else
     CONSTRAINTS=$(mktemp)
     REQS=$(mktemp)
     # Pin the torch that is there so that nothing swaps it for another build.
-    "$PY" -c 'import torch; print("torch==" + torch.__version__)' > "$CONSTRAINTS"
+    "$PY" -c 'import torch; print("torch==" + torch.__version__)' 2>/dev/null > "$CONSTRAINTS"
     if [ "$LOCK" != none ] && [ -f "$LOCK" ]; then
         say "version pins: $LOCK"
         grep -v -i -E '^(#|torch==|torchvision==|torchaudio==)' "$LOCK" >> "$CONSTRAINTS" || true
     fi
     # torch 2.N goes with torchvision 0.(N+15).
     if ! "$PY" -c 'import importlib.metadata as m; m.version("torchvision")' >/dev/null 2>&1; then
-        TV=$("$PY" -c 'import torch; v = torch.__version__.split("+")[0].split("."); print(f"torchvision==0.{int(v[1]) + 15}.*")')
+        TV=$("$PY" -c 'import torch; v = torch.__version__.split("+")[0].split("."); print(f"torchvision==0.{int(v[1]) + 15}.*")' 2>/dev/null)
         say "installing $TV"
         pip_install -c "$CONSTRAINTS" "$TV"
     fi
