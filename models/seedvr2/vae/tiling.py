@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from .autoencoder import LatentDistribution, check_stop
+from .causal_conv import GIB
 from .config import SEEDVR2_VAE, VAEConfig
 
 Pair = Union[int, Tuple[int, int]]
@@ -153,30 +154,34 @@ def _area(tile: Pair) -> int:
 
 def estimate_decode_bytes(tile_latent: Pair, config: VAEConfig = SEEDVR2_VAE, dtype_bytes: int = 2,
                           split_size: int = 4) -> int:
-    """Estimated peak working set of decoding one tile of `tile_latent` latents (int: square; or (h, w)),
+    """Estimated peak device memory of decoding one tile of `tile_latent` latents (int: square; or (h, w)),
     excluding weights and the output.
 
-    The peak is at full resolution in the last up blocks: the spatial-only upsampler of the second-to-last up block
-    and the first ResNet of the last one hold about four tensors of boc[1] channels over the first temporal chunk
-    (split_size + 1 frames): input, normalised copy, time-extended conv input and conv output.
+    The peak is at full resolution in the last up blocks, over the first temporal chunk (split_size + 1 frames,
+    + 2 replicated head frames in the 3x3x3 convs): tensors of boc[1] channels (the spatial-only upsampler of the
+    second-to-last up block and the first ResNet of the last one). Calibrated on an H200 (bf16, torch 2.11, official
+    0.5 GiB conv/norm limits): peak = 17.5 GiB per megapixel + 1.1 GiB (tiles of 512 px, 720p, 1080p, 21 frames);
+    the model below is 5.5 such tensors + 1.25 GiB (cuDNN workspace and other fixed costs).
     """
     px = _area(tile_latent) * config.spatial_factor ** 2
-    frames = split_size + 1 + 2            # first chunk plus the two replicated head frames of a 3x3x3 conv
-    return int(4.5 * config.block_out_channels[1] * frames * px * dtype_bytes)
+    frames = split_size + 1 + 2
+    return int(5.5 * config.block_out_channels[1] * frames * px * dtype_bytes + 1.25 * GIB)
 
 
 def estimate_encode_bytes(tile_px: Pair, config: VAEConfig = SEEDVR2_VAE, dtype_bytes: int = 2,
                           split_size: int = 4) -> int:
-    """Estimated peak working set of encoding one pixel tile (int: square; or (h, w)): the first down block at full resolution holds
-    about four tensors of boc[0] channels over the first chunk (split_size + 1 frames, + 2 head frames)."""
+    """Estimated peak device memory of encoding one pixel tile (int: square; or (h, w)): the first down block at
+    full resolution over the first chunk (split_size + 1 frames, + 2 head frames), boc[0] channels. Measured on an
+    H200 (bf16): about 10.6 GiB per megapixel + 0.3 GiB; the model is 6.5 tensors + 0.5 GiB."""
     frames = split_size + 1 + 2
-    return int(4.5 * config.block_out_channels[0] * frames * _area(tile_px) * dtype_bytes)
+    return int(6.5 * config.block_out_channels[0] * frames * _area(tile_px) * dtype_bytes + 0.5 * GIB)
 
 
 def choose_tile_size(free_vram_bytes: int, mode: str = "decode", dtype: torch.dtype = torch.bfloat16,
                      config: VAEConfig = SEEDVR2_VAE, safety: float = 0.8, split_size: int = 4,
                      max_tile: Optional[int] = None) -> Tuple[int, int]:
-    """Largest square tile whose estimated working set fits in `safety * free_vram_bytes`.
+    """Largest square tile whose estimated peak (estimate_*_bytes) fits in `safety * free_vram_bytes`; the
+    smallest tile (8 latents / 64 px) when nothing fits.
 
     Returns (tile, overlap): in latents for mode "decode", in pixels (multiples of 8) for "encode". The overlap is a
     quarter of the tile (at least 2 latents / 16 pixels), enough to cross-fade the GroupNorm-statistics seam.
