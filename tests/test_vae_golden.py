@@ -95,3 +95,16 @@ def test_config_defaults_are_official():
     c = VAEConfig()
     assert c.block_out_channels == (128, 256, 512, 512) and c.norm_num_groups == 32 and c.latent_channels == 16
     assert c.spatial_factor == 8 and c.temporal_factor == 4 and c.split_size == 4
+
+
+def test_batch_of_two_matches_golden(vae):
+    """B > 1: every per-frame loop (GroupNorm, attention, depth-to-space) must keep samples apart."""
+    d = load_file(str(GOLDEN / "vae_case_video.safetensors"))
+    x = torch.cat([d["x"], -d["x"].flip(-1)])
+    post = vae.encode(x)
+    assert rel_l2(post.mean[:1], d["posterior_mean"]) <= TOL
+    assert rel_l2(post.mean[1:], vae.encode(x[1:]).mean) <= 1e-6
+    z = torch.cat([d["z"], d["z"].flip(-2)])
+    out = vae.decode(z)
+    assert rel_l2(out[:1], d["decoded"]) <= TOL
+    assert rel_l2(out[1:], vae.decode(z[1:])) <= 1e-6
