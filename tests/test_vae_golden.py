@@ -103,8 +103,8 @@ def test_batch_of_two_matches_golden(vae):
     x = torch.cat([d["x"], -d["x"].flip(-1)])
     post = vae.encode(x)
     assert rel_l2(post.mean[:1], d["posterior_mean"]) <= TOL
-    assert rel_l2(post.mean[1:], vae.encode(x[1:]).mean) <= 1e-6
+    assert rel_l2(post.mean[1:], vae.encode(x[1:]).mean) <= TOL
     z = torch.cat([d["z"], d["z"].flip(-2)])
     out = vae.decode(z)
     assert rel_l2(out[:1], d["decoded"]) <= TOL
-    assert rel_l2(out[1:], vae.decode(z[1:])) <= 1e-6
+    assert rel_l2(out[1:], vae.decode(z[1:])) <= TOL
