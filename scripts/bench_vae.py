@@ -53,6 +53,9 @@ def _sync(device):
 
 
 def _git_commit() -> str:
+    import os
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parents[1], timeout=5).stdout.strip() or "unknown"

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))
-from conftest import DATA  # noqa: E402
+DATA = ROOT / "tests" / "data"
+sys.path.insert(0, str(ROOT / "scripts"))  # bench_vae.make_random_vae
 from safetensors.torch import load_file  # noqa: E402
 
 from seedvr2bw.models.seedvr2.vae import build_vae  # noqa: E402
