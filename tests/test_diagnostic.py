@@ -307,3 +307,31 @@ def test_attention_windows_follow_the_spec():
     assert (len(u), len(s)) == (27, 64)
     assert sum(u) - 58 * len(u) == sum(s) - 58 * len(s) == 6 * 45 * 80
     assert len(seedvr2_window_lengths(1, 23, 41, False)) == 4
+
+
+def test_io_vs_compute_uses_measured_block_times(monkeypatch):
+    monkeypatch.setattr(checks_io, "cuda_ready", lambda ctx: True)
+    monkeypatch.setattr(checks_io, "vram_info", lambda ctx: (15 * 2**30, 16 * 2**30))
+    fake = {"720p x 1 frame": 2.4, "1080p x 1 frame": 5.0, "720p x 21 frames": 12.5,
+            "1080p x 21 frames": "out of memory: test"}
+    monkeypatch.setattr(checks_io, "measure_blocks", lambda ctx, key: dict(fake))
+    ctx = DiagContext(device=torch.device("cpu"))
+    ctx.measured.update(h2d_pinned_gbps=25.0, bf16_tflops=150.0)
+    _, r7 = checks_io.check_io_vs_compute(ctx)
+    cases = {c["case"]: c for c in r7.data["cases"]}
+    assert cases["720p x 1 frame"]["compute_ms_per_block"] == 2.4
+    assert cases["720p x 1 frame"]["compute_ms_bound"] < 2.4 * 3
+    assert cases["1080p x 21 frames"]["compute_ms_measured"] is None
+    assert cases["1080p x 21 frames"]["measure_error"] == "out of memory: test"
+    assert "measured time of one block" in r7.detail and "not measured: out of memory" in r7.detail
+    # the real measurement is never attempted on CPU (it would run full-size blocks)
+    assert checks_io.measure_blocks.__name__ == "<lambda>"
+
+
+def test_block_timing_runs_the_pack_dit_on_cpu():
+    from seedvr2bw.models.seedvr2.dit import DiTConfig
+    from seedvr2bw.optimization.diagnostics.block_timing import latent_grid, measure_block_ms
+    assert latent_grid(720, 1280, 1) == (1, 90, 160) and latent_grid(1080, 1920, 21) == (6, 136, 240)
+    cfg = DiTConfig(variant="7b", dim=256, heads=2, head_dim=128, num_layers=36)
+    got = measure_block_ms(cfg, [("tiny", 64, 96, 1)], "cpu", reps=1, dtype=torch.float32)
+    assert isinstance(got["tiny"], float) and got["tiny"] > 0
