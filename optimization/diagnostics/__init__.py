@@ -5,6 +5,15 @@ the number behind it); ``run_diagnostics`` runs them, ``render_text`` / ``render
 ``scripts/nvfp4_diagnostic.py`` and by the ComfyUI node in ``nodes/diagnostic.py``.
 
 Fault injection (tests): ``SEEDVR2BW_DIAG_FAULT=nvfp4_wrong|pin_fail`` or ``run_diagnostics(faults=[...])``.
+
+JSON report (``--json``), schema ``seedvr2bw.diagnostic/1``::
+
+    {"schema", "created_utc", "device", "quick", "faults": [...], "elapsed_s", "exit_code",
+     "counts": {"PASS": n, "WARN": n, "FAIL": n, "SKIP": n}, "meta": {...},
+     "checks": [{"section", "name", "status", "value", "unit", "detail", "data": {...}, "elapsed_s"}, ...]}
+
+``value`` is the headline number (or a short string, or null), ``data`` the other numbers behind it. Check names
+are stable; ``exit_code`` is 1 when any check FAILed.
 """
 from .render import render_json, render_text
 from .result import FAIL, FAULT_ENV, KNOWN_FAULTS, PASS, SKIP, STATUSES, WARN, CheckResult, DiagContext, parse_faults
