@@ -335,3 +335,13 @@ def test_block_timing_runs_the_pack_dit_on_cpu():
     cfg = DiTConfig(variant="7b", dim=256, heads=2, head_dim=128, num_layers=36)
     got = measure_block_ms(cfg, [("tiny", 64, 96, 1)], "cpu", reps=1, dtype=torch.float32)
     assert isinstance(got["tiny"], float) and got["tiny"] > 0
+
+
+def test_torch_without_kernels_for_the_gpu_skips_the_gpu_sections(monkeypatch):
+    def arch_fail(ctx):
+        ctx.measured["arch_problem"] = "no kernels"
+        return CheckResult("torch kernels for this GPU", "FAIL", "missing", "", "no kernels: install cu128")
+    monkeypatch.setattr(runner, "SECTIONS", (("System", (arch_fail,)), ("Transfers", checks_transfer.CHECKS)))
+    report = runner.run_diagnostics(device="cpu", quick=True)
+    assert [r.status for r in report.results] == ["FAIL", "SKIP", "SKIP", "SKIP"]
+    assert "no kernels for this GPU" in report.results[1].detail

@@ -137,6 +137,7 @@ def check_arch_support(ctx) -> CheckResult:
     problem = hardware.arch_problem(info)
     data = {"arch_list": list(info.arch_list), "capability": list(info.capability or ())}
     if problem:
+        ctx.measured["arch_problem"] = problem
         return CheckResult(name, FAIL, "missing", "", problem, data=data)
     return CheckResult(name, PASS, "present", "", f"torch arch list {' '.join(info.arch_list)} covers "
                        f"sm_{info.capability[0]}{info.capability[1]}", data=data)

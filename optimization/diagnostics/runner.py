@@ -25,6 +25,9 @@ SECTIONS = (
 )
 
 
+GPU_SECTIONS = (checks_transfer.SECTION, checks_compute.SECTION, checks_nvfp4.SECTION, checks_io.SECTION)
+
+
 @dataclass
 class Report:
     results: list
@@ -93,6 +96,14 @@ def run_diagnostics(device=None, quick: bool = False, faults=None, sections=None
         if sections and section not in sections:
             continue
         for fn in checks:
+            if ctx.measured.get("arch_problem") and section in GPU_SECTIONS:
+                # every kernel launch would fail with "no kernel image is available": say so once per check
+                results.append(CheckResult(fn.__name__.removeprefix("check_").replace("_", " "), SKIP, None, "",
+                                           "skipped: this torch build has no kernels for this GPU (see 'torch "
+                                           "kernels for this GPU' above for the fix)", section=section))
+                if progress:
+                    progress(results[-1])
+                continue
             for r in run_check(fn, ctx, section):
                 results.append(r)
                 if progress:
