@@ -355,3 +355,22 @@ def test_blockswap_training_matches_resident(comfy, tmp_path):
         assert torch.allclose(out[0][k], out[1][k], atol=1e-6), k
     for k, v in dm.state_dict().items():
         assert torch.equal(v, ref_w[k]), k
+
+
+def test_rope_function_matches_comfyui_autograd(comfy):
+    from comfy.ldm.flux.math import apply_rope1
+    from seedvr2bw.training.flux_forward import _Rope, _cos_sin
+    mp = tiny_flux_patcher()
+    dm = mp.model.diffusion_model
+    ids = torch.zeros(1, 12, 3)
+    ids[0, :, 1] = torch.arange(12) // 4
+    ids[0, :, 2] = torch.arange(12) % 4
+    pe = dm.pe_embedder(ids)
+    x = torch.randn(1, 4, 12, 16, requires_grad=True)
+    g = torch.randn(1, 4, 12, 16)
+    ref = apply_rope1(x, pe)
+    (gr,) = torch.autograd.grad(ref, x, g)
+    cos, sin = _cos_sin(pe)
+    out = _Rope.apply(x, cos, sin)
+    (go,) = torch.autograd.grad(out, x, g)
+    assert torch.allclose(out, ref, atol=1e-6) and torch.allclose(go, gr, atol=1e-5)

@@ -41,6 +41,57 @@ def _flux1_single(b) -> bool:
     return getattr(b, "modulation", None) is not None and hasattr(b, "mlp_act")
 
 
+def _rot(x, cos, sin):
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(x.dtype)
+
+
+_rot_fast = None
+
+
+def _rot_impl(x):
+    global _rot_fast
+    if x.device.type != "cuda":
+        return _rot
+    if _rot_fast is None:
+        try:
+            _rot_fast = torch.compile(_rot, dynamic=False, fullgraph=True)
+        except Exception:  # noqa: BLE001
+            _rot_fast = _rot
+    return _rot_fast
+
+
+class _Rope(torch.autograd.Function):
+    """RoPE as ComfyUI's ``apply_rope1`` computes it (fp32), with an explicit backward (rotation by -angle).
+
+    Autograd through ComfyUI's broadcasting form reduces over a size-2 axis for every q/k gradient, which
+    profiled as the largest non-GEMM cost of a training step."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rot_impl(x)(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return _rot_impl(g)(g.contiguous(), cos, -sin), None, None
+
+
+def _cos_sin(pe):
+    # ComfyUI's pe: [..., L, D/2, 2, 2] = [[cos, -sin], [sin, cos]]
+    return pe[..., 0, 0].contiguous(), pe[..., 1, 0].contiguous()
+
+
+def _attention(q, k, v, pe, attn_mask, topts):
+    from comfy.ldm.modules.attention import optimized_attention
+    if pe is not None:
+        cos, sin = _cos_sin(pe)
+        q, k = _Rope.apply(q, cos, sin), _Rope.apply(k, cos, sin)
+    return optimized_attention(q, k, v, q.shape[1], skip_reshape=True, mask=attn_mask, transformer_options=topts)
+
+
 def double_block_forward(b, img, txt, vec, pe, attn_mask, topts):
     """``DoubleStreamBlock.forward`` of ComfyUI 0.3.75 without its in-place updates (autograd-safe).
 
@@ -48,7 +99,7 @@ def double_block_forward(b, img, txt, vec, pe, attn_mask, topts):
     plain autograd refuses that, and a checkpoint recompute silently uses the changed tensor.
     Same modules, same weights, same arithmetic order otherwise (checked against the original in the tests).
     """
-    from comfy.ldm.flux.math import attention
+    attention = _attention
     img_mod1, img_mod2 = b.img_mod(vec)
     txt_mod1, txt_mod2 = b.txt_mod(vec)
     H = b.num_heads
@@ -63,27 +114,28 @@ def double_block_forward(b, img, txt, vec, pe, attn_mask, topts):
     iq, ik, iv = qkv((b.img_norm1, b.img_attn), img, img_mod1)
     tq, tk, tv = qkv((b.txt_norm1, b.txt_attn), txt, txt_mod1)
     attn = attention(torch.cat((tq, iq), dim=2), torch.cat((tk, ik), dim=2), torch.cat((tv, iv), dim=2),
-                     pe=pe, mask=attn_mask, transformer_options=topts)
+                     pe, attn_mask, topts)
     T = txt.shape[1]
     txt_attn, img_attn = attn[:, :T], attn[:, T:]
-    img = img + b.img_attn.proj(img_attn) * img_mod1.gate
-    img = img + b.img_mlp(torch.addcmul(img_mod2.shift, b.img_norm2(img), 1 + img_mod2.scale)) * img_mod2.gate
-    txt = txt + b.txt_attn.proj(txt_attn) * txt_mod1.gate
-    txt = txt + b.txt_mlp(torch.addcmul(txt_mod2.shift, b.txt_norm2(txt), 1 + txt_mod2.scale)) * txt_mod2.gate
+    img = torch.addcmul(img, b.img_attn.proj(img_attn), img_mod1.gate)
+    img = torch.addcmul(img, b.img_mlp(torch.addcmul(img_mod2.shift, b.img_norm2(img), 1 + img_mod2.scale)),
+                        img_mod2.gate)
+    txt = torch.addcmul(txt, b.txt_attn.proj(txt_attn), txt_mod1.gate)
+    txt = torch.addcmul(txt, b.txt_mlp(torch.addcmul(txt_mod2.shift, b.txt_norm2(txt), 1 + txt_mod2.scale)),
+                        txt_mod2.gate)
     return img, txt
 
 
 def single_block_forward(b, x, vec, pe, attn_mask, topts):
     """``SingleStreamBlock.forward`` of ComfyUI 0.3.75 without the in-place ``x += ...``."""
-    from comfy.ldm.flux.math import attention
     mod, _ = b.modulation(vec)
     h = b.linear1(torch.addcmul(mod.shift, b.pre_norm(x), 1 + mod.scale))
     qkv, mlp = torch.split(h, [3 * b.hidden_size, b.mlp_hidden_dim_first], dim=-1)
     q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, b.num_heads, -1).permute(2, 0, 3, 1, 4)
     q, k = b.norm(q, k, v)
-    attn = attention(q, k, v, pe=pe, mask=attn_mask, transformer_options=topts)
+    attn = _attention(q, k, v, pe, attn_mask, topts)
     out = b.linear2(torch.cat((attn, b.mlp_act(mlp)), 2))
-    return x + out * mod.gate
+    return torch.addcmul(x, out, mod.gate)
 
 
 def _double_method(self, img, txt, vec, pe, attn_mask=None, transformer_options={}, **kw):

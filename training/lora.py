@@ -111,7 +111,13 @@ def _hook(lora: LoraModule):
     def hook(module, args, output):
         if not lora.enabled:
             return output
-        return output + lora.delta(args[0]).to(output.dtype)
+        x = args[0]
+        dt = output.dtype
+        h = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).to(dt), lora.lora_down.weight.to(dt))
+        # one GEMM-with-accumulate instead of up-GEMM + scale + add over the (large) output
+        out = torch.addmm(output.reshape(-1, output.shape[-1]), h, lora.lora_up.weight.to(dt).t(),
+                          alpha=lora.scale)
+        return out.view(output.shape)
     return hook
 
 

@@ -41,10 +41,33 @@ def quantize_fp8(w: torch.Tensor):
     return q, scale
 
 
-def _quant_act(x2, fp8_dtype, maxval):
-    amax = x2.abs().amax().float().clamp(min=1e-12)
+def _quant_act_eager(x2, fp8_dtype: torch.dtype, maxval: float):
+    amax = torch.linalg.vector_norm(x2, ord=float("inf"), dtype=torch.float32).clamp(min=1e-12)
     s = amax / maxval
-    return (x2 * (1.0 / s).to(x2.dtype)).to(fp8_dtype), s
+    return (x2.float() * (1.0 / s)).clamp(-maxval, maxval).to(fp8_dtype), s
+
+
+_quant_fast = None
+
+
+def _quant_act(x2, fp8_dtype, maxval):
+    """Per-tensor dynamic quantization; on CUDA compiled (fuses the scale/clamp/cast passes)."""
+    global _quant_fast
+    if x2.device.type != "cuda":
+        return _quant_act_eager(x2, fp8_dtype, maxval)
+    if _quant_fast is None:
+        try:
+            _quant_fast = torch.compile(_quant_act_eager, dynamic=None)
+        except Exception:  # noqa: BLE001
+            _quant_fast = _quant_act_eager
+    return _quant_fast(x2, fp8_dtype, maxval)
+
+
+def _pad16(t):
+    m = t.shape[0]
+    if m % 16 == 0:
+        return t, m
+    return torch.nn.functional.pad(t, (0, 0, 0, 16 - m % 16)), m
 
 
 class _FP8LinearFn(torch.autograd.Function):
@@ -56,10 +79,11 @@ class _FP8LinearFn(torch.autograd.Function):
         K = x.shape[-1]
         x2 = x.reshape(-1, K)
         M = x2.shape[0]
-        if tensorcores and M % 16 == 0 and M >= 16:
-            xq, xs = _quant_act(x2, E4M3, FP8_MAX)
+        if tensorcores and (M % 16 == 0 or M < 256):
+            xp, M0 = _pad16(x2)
+            xq, xs = _quant_act(xp, E4M3, FP8_MAX)
             y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=wscale,
-                                 bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
+                                 bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)[:M0]
         else:
             w = wq.to(x.dtype) * wscale.to(x.dtype)
             y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x.dtype))
@@ -71,10 +95,11 @@ class _FP8LinearFn(torch.autograd.Function):
         N = g.shape[-1]
         g2 = g.reshape(-1, N)
         M = g2.shape[0]
-        if ctx.tensorcores and M % 16 == 0 and M >= 16:
-            gq, gs = _quant_act(g2, E5M2, E5M2_MAX)
+        if ctx.tensorcores and (M % 16 == 0 or M < 256):
+            gp, M0 = _pad16(g2)
+            gq, gs = _quant_act(gp, E5M2, E5M2_MAX)
             wt = wq.t().contiguous()  # [K, N] row-major -> .t() is column-major [N, K] as _scaled_mm wants
-            dx = torch._scaled_mm(gq, wt.t(), scale_a=gs, scale_b=wscale, out_dtype=g.dtype)
+            dx = torch._scaled_mm(gq, wt.t(), scale_a=gs, scale_b=wscale, out_dtype=g.dtype)[:M0]
         else:
             w = wq.to(g.dtype) * wscale.to(g.dtype)
             dx = g2 @ w
