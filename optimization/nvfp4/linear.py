@@ -8,8 +8,9 @@
   scales applied after; bias added after. The weight is stored swizzled once at load.
 * ``fp8_speed`` (sm_89 / sm_90): the NVFP4 weight converted once (per device) to FP8 E4M3 with per-output-
   channel scales; activations quantized per token by a Triton kernel; ``torch._scaled_mm`` row-wise.
-* ``fidelity``: NVFP4 -> bf16 and a bf16 GEMM (Triton dequant kernel + cuBLAS), or for small M the fused
-  Triton W4A16 kernel that decodes the weight in registers.
+* ``fidelity``: NVFP4 -> bf16 and a bf16 GEMM (Triton dequant kernel + cuBLAS). A fused Triton W4A16 kernel
+  (weights decoded in registers, split-K) exists for small M (``fidelity_kernel="fused"`` or ``"auto"``); it is
+  correct but was slower than dequant + cuBLAS on H100/H200, so it is not the default.
 * ``reference``: exact dequantize (fp32) + fp32 matmul. The oracle for every test, and the CPU path.
 
 ``path="auto"`` asks the hardware policy (``optimization.hardware.get_policy(device).nvfp4_gemm``) once per
@@ -189,7 +190,9 @@ class NVFP4Linear(_QuantLinearBase):
                                        requires_grad=False) if bias else None
         self.path = path
         self.fp8_fast_accum = fp8_fast_accum
-        self.fidelity_kernel = "auto"        # small M: "auto" (time both once per shape), "fused", "dequant"
+        # small M: "dequant" (Triton dequant + cuBLAS, default: measured fastest on H100/H200), "fused" (the
+        # Triton W4A16 kernel, reads 4-bit weights but was 2-10x slower there), "auto" (time both once per shape)
+        self.fidelity_kernel = "dequant"
         self._derived: dict = {}
 
     # -- construction -------------------------------------------------------------------------------------
@@ -317,8 +320,7 @@ class NVFP4Linear(_QuantLinearBase):
     def _fp8_weight(self, device):
         key = ("fp8", str(device))
         if key not in self._derived:
-            w = self.dequantize_weight(torch.float32)
-            self._derived[key] = fmt.quantize_fp8_rowwise(w)
+            self._derived[key] = fmt.nvfp4_to_fp8_rowwise(self.nvfp4)
         return self._derived[key]
 
     def _forward_fp8_speed(self, x2):
@@ -436,7 +438,7 @@ def expected_output(layer: NVFP4Linear, x: torch.Tensor, path: str) -> torch.Ten
     if path in ("reference", "fidelity"):
         y = x2.double() @ w.t()
     elif path == "fp8_speed":
-        w8, sw = fmt.quantize_fp8_rowwise(w.float())
+        w8, sw = fmt.nvfp4_to_fp8_rowwise(layer_cpu_w)
         xq, sx = fmt.quantize_act_fp8_rowwise_reference(x2)
         y = (xq.double() * sx.double()[:, None]) @ (w8.double() * sw.double()[:, None]).t()
     elif path == "fp4_tensorcore":
