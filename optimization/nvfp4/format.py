@@ -330,7 +330,8 @@ def nvfp4_to_fp8_rowwise(t: NVFP4Tensor, dtype=torch.float8_e4m3fn):
     qs = (vals * s.unsqueeze(-1)).reshape(rows, half * 2)[: t.shape[0], : t.shape[1]]   # exact
     fmax = torch.finfo(dtype).max
     rmax = qs.abs().amax(dim=1)
-    k = torch.ceil(torch.log2(torch.clamp(rmax, min=2.0 ** -100) / fmax))
+    mant, ex = torch.frexp(torch.clamp(rmax, min=2.0 ** -100) / fmax)       # exact on every device
+    k = (ex - (mant == 0.5).to(ex.dtype)).float()                           # ceil(log2(rmax / fmax))
     k = k + (rmax * torch.exp2(-k) > fmax).float()
     k = torch.clamp(k, min=-100.0)
     q = (qs * torch.exp2(-k).unsqueeze(1)).clamp(-fmax, fmax).to(dtype)
