@@ -61,6 +61,10 @@ def main(argv=None):
     ap.add_argument("--paths", default="bf16,ck,fidelity,fp8_speed,fp4_tensorcore")
     ap.add_argument("--rep-ms", type=float, default=100)
     ap.add_argument("--acc-m", type=int, default=1024)
+    ap.add_argument("--inner", type=int, default=1,
+                    help="calls per timed sample (time / calls). do_bench flushes L2 before each sample, so with 1 a "
+                         "path's host-side launch overhead shows up when it exceeds the GPU time of the flush; a "
+                         "model queues layers back to back, which --inner 8 reproduces")
     ap.add_argument("--json", default=None)
     ap.add_argument("--components", action="store_true", help="also time dequant / act-quant / GEMM alone")
     args = ap.parse_args(argv)
@@ -83,7 +87,7 @@ def main(argv=None):
             "torch": torch.__version__, "cuda": torch.version.cuda, "commit": _git_commit(),
             "python": platform.python_version(), "comfy_kitchen": str(ck_info),
             "triton": __import__("triton").__version__ if K.HAS_TRITON else None, "paths": paths,
-            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "inner": args.inner}
     if ck is not None:
         info["comfy_kitchen_version"] = getattr(ck, "__version__", "?")
     print(json.dumps(info))
@@ -122,13 +126,18 @@ def main(argv=None):
                 fn = fns[p]
                 it = [0]
 
-                def call():
+                def call1():
                     it[0] = (it[0] + 1) % len(xs)
                     return fn(xs[it[0]])
+
+                def call():
+                    for _ in range(args.inner):
+                        out = call1()
+                    return out
                 try:
                     call()
                     torch.cuda.synchronize()
-                    ms_ = _bench(call, rep_ms=args.rep_ms)
+                    ms_ = _bench(call, rep_ms=args.rep_ms) / args.inner
                     row[f"{p}_ms"] = ms_
                     row[f"{p}_tflops"] = flops / ms_ / 1e9
                 except Exception as exc:  # noqa: BLE001
