@@ -126,8 +126,9 @@ def test_no_pinned_left_after_exception_and_detach():
     assert pool.pinned_bytes == 0 and not any(driver_registered(a) for a in arenas)
     assert CudaBackend.registered_bytes() == 0
     with torch.inference_mode():
-        for b in m.blocks:                                    # weights intact in host RAM
-            assert b.qkv.weight.device.type == "cpu"
+        for i in r.swapped_indices:                           # swapped weights stay in host RAM, intact
+            assert m.blocks[i].qkv.weight.device.type == "cpu"
+            assert torch.equal(m.blocks[i].qkv.weight.to(DEV), ref.blocks[i].qkv.weight)
 
 
 def test_no_pinned_left_after_model_released():
