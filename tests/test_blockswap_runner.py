@@ -415,3 +415,16 @@ def test_pack_quantized_linears_travel_in_storage_format():
             x = torch.randn(3, 64)
             assert torch.equal(m(x), ref(x))
     detach(m)
+
+
+def test_weight_tied_across_swapped_blocks_stays_resident():
+    m, _ = make(n=4)
+    m.blocks[3].lin.weight = m.blocks[1].lin.weight            # tied across two swapped blocks
+    ref = copy.deepcopy(m)
+    runner, be, pool = attach(m, blocks_to_swap=4)
+    names = [[r.name for r in u.arena.records] for u in runner.units]
+    assert "lin.weight" not in names[1] and "lin.weight" not in names[3] and "lin.weight" in names[0]
+    with torch.no_grad():
+        x = torch.randn(2, 32)
+        assert torch.equal(m(x), ref(x))
+    detach(m)

@@ -33,7 +33,7 @@ def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
-def swappable_tensors(module: nn.Module, small_bytes: int = SMALL_TENSOR_BYTES):
+def swappable_tensors(module: nn.Module, small_bytes: int = SMALL_TENSOR_BYTES, exclude=frozenset()):
     """(qualified name, tensor) for each parameter and buffer of `module` to stream, de-duplicated.
 
     Left out (they stay on the compute device): trainable parameters (requires_grad, e.g. LoRA adapters), tensor
@@ -43,7 +43,7 @@ def swappable_tensors(module: nn.Module, small_bytes: int = SMALL_TENSOR_BYTES):
     seen = set()
     out = []
     for name, t in list(module.named_parameters(recurse=True)) + list(module.named_buffers(recurse=True)):
-        if t is None or id(t) in seen:
+        if t is None or id(t) in seen or id(t) in exclude:
             continue
         seen.add(id(t))
         if t.requires_grad:
@@ -80,10 +80,11 @@ def arena_layout(tensors) -> tuple[list[tuple], int]:
 class HostArena:
     """Packs `module`'s swappable tensors into one page-aligned host buffer and re-points them at it."""
 
-    def __init__(self, module: nn.Module, name: str = "", pin_fn=None, small_bytes: int = SMALL_TENSOR_BYTES):
+    def __init__(self, module: nn.Module, name: str = "", pin_fn=None, small_bytes: int = SMALL_TENSOR_BYTES,
+                 exclude=frozenset()):
         self.module = module
         self.name = name
-        tensors = swappable_tensors(module, small_bytes)
+        tensors = swappable_tensors(module, small_bytes, exclude)
         layout, total = arena_layout(tensors)
         self.nbytes = total
         self.payload_bytes = sum(n for _, n in layout)

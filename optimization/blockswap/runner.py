@@ -100,7 +100,7 @@ class BlockSwapRunner:
     """Block runner for a model whose swapped blocks' tensors live in pinned host arenas."""
 
     def __init__(self, units: list[tuple[str, nn.Module, str]], config: BlockSwapConfig, backend: Backend,
-                 pool: PinnedPool, swapped_indices=(), num_blocks: int = 0):
+                 pool: PinnedPool, swapped_indices=(), num_blocks: int = 0, exclude=frozenset()):
         self.config = config
         self.backend = backend
         self.device = backend.device
@@ -123,7 +123,7 @@ class BlockSwapRunner:
                 key = name
                 arena = HostArena(module, name,
                                   pin_fn=lambda buf, key=key: pool.add(self.owner, key, buf, backend, sync=sync),
-                                  small_bytes=config.small_tensor_bytes)
+                                  small_bytes=config.small_tensor_bytes, exclude=exclude)
                 self.units.append(_Unit(pos, name, module, kind, arena))
             self._by_module = {id(u.module): u for u in self.units}
             slot_bytes = max((u.used_bytes for u in self.units), default=0)
@@ -484,9 +484,14 @@ def attach_blockswap(model: nn.Module, config: Optional[BlockSwapConfig] = None,
             units += [(f"{blocks_attr}.{i}", blocks[i], "block") for i in range(n) if i in swapped_set]
         elif swap_io and any(child is m for _, m in io_children):
             units.append((name, child, "io"))
-    keep = {id(t) for _, m, _ in units for _, t in swappable_tensors(m, small)}
-    _move_rest(model, keep, device)          # resident blocks, I/O, trainable tensors: on the GPU
-    runner = BlockSwapRunner(units, config, backend, pool, swapped_indices=swapped, num_blocks=n)
+    counts: dict[int, int] = {}
+    for _, m, _ in units:
+        for _, t in swappable_tensors(m, small):
+            counts[id(t)] = counts.get(id(t), 0) + 1
+    shared = frozenset(k for k, c in counts.items() if c > 1)   # tied across swapped units: keep resident
+    keep = set(counts) - shared
+    _move_rest(model, keep, device)          # resident blocks, I/O, trainable and tied tensors: on the GPU
+    runner = BlockSwapRunner(units, config, backend, pool, swapped_indices=swapped, num_blocks=n, exclude=shared)
     if backend.device.type == "cuda":
         torch.cuda.empty_cache()                  # the swapped blocks' former GPU storage
     model.block_runner = runner
