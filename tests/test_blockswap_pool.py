@@ -105,3 +105,19 @@ def test_platform_caps():
     assert platform_pinned_cap(8 * GB, "linux", False) == 4 * GB          # max(40 %, RAM - 4 GiB)
     assert platform_pinned_cap(ram, "darwin", False) == 0
     assert platform_pinned_cap(ram, "win32", False) < platform_pinned_cap(ram, "linux", False)
+
+
+def test_global_pool_cap_from_hardware_policy(monkeypatch):
+    from seedvr2bw.optimization.blockswap import pool as poolmod
+
+    class P:
+        pinned_pool_bytes = 123 * GB
+
+    import seedvr2bw.optimization.hardware as hw
+    monkeypatch.setattr(hw, "get_policy", lambda device=None, *a, **k: P())
+    monkeypatch.setattr(poolmod, "_global_pool", None)
+    assert poolmod.get_pinned_pool().cap_bytes == 123 * GB
+    monkeypatch.setattr(hw, "get_policy", lambda device=None, *a, **k: (_ for _ in ()).throw(RuntimeError("x")))
+    monkeypatch.setattr(poolmod, "_global_pool", None)
+    assert poolmod.get_pinned_pool().cap_bytes == platform_pinned_cap()
+    monkeypatch.setattr(poolmod, "_global_pool", None)

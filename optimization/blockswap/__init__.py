@@ -1,6 +1,24 @@
 """Block runners: resident (default) and BlockSwap (stream blocks from pinned host RAM through a GPU ring).
 
 Model code runs its blocks as ``for block in self.block_runner.iterate(self.blocks): ...``.
+
+Inference::
+
+    runner = attach_blockswap(model, BlockSwapConfig(blocks_to_swap="auto"), device)   # sets model.block_runner
+    ...                                    # every forward streams the swapped blocks (prefetch, no host waits)
+    detach(model)                          # unpins everything; weights stay in host RAM (restore_device=gpu: back)
+
+Training (frozen base weights, trainable adapters stay resident): run each block under gradient
+checkpointing; the forward goes through ``iterate`` (or hooks), and the recomputation in backward re-materialises
+the blocks in reverse order through the forward hooks (direction detected from autograd), prefetching backwards::
+
+    for block in model.block_runner.iterate(model.blocks):
+        x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+    loss.backward()
+
+``iterate(blocks, reverse=True)`` yields the blocks last to first for a hand-written backward loop. Without
+checkpointing, autograd would keep references to the ring slots; a swapped block's weights then point back at
+host memory and the backward fails loudly (never silently wrong).
 """
 from .config import BlockSwapConfig, BlockSwapPlan, plan_blockswap, spread_indices, default_reserve_bytes
 from .resident import ResidentRunner

@@ -89,11 +89,15 @@ class _Counters:
 
 
 def _finalize(backend, pool, owner):
+    """The runner was garbage-collected without `close()` (model released): unpin its arenas."""
     try:
         backend.synchronize()
     except Exception:  # noqa: BLE001
         pass
-    pool.release_owner(owner)
+    try:
+        pool.release_owner(owner)
+    except Exception as exc:  # noqa: BLE001  (e.g. at interpreter exit, CUDA already shut down)
+        _log.debug("BlockSwap release at finalisation failed: %s", exc)
 
 
 class BlockSwapRunner:
