@@ -428,3 +428,20 @@ def test_weight_tied_across_swapped_blocks_stays_resident():
         x = torch.randn(2, 32)
         assert torch.equal(m(x), ref(x))
     detach(m)
+
+
+def test_training_without_checkpoint_fails_loudly():
+    """Autograd tensors saved from a swapped block alias its ring slot; once the slot is refilled the backward
+    must raise rather than use another block's weights."""
+    m, _ = make(n=6)
+
+    def fwd_views(b, x):                      # x @ W.t() saves the view W.t() of the slot
+        return x + torch.tanh(x @ b.lin.weight.t())
+    runner, be, pool = attach(m, blocks_to_swap=6)
+    x = torch.randn(2, 32, requires_grad=True)
+    y = x
+    for b in m.block_runner.iterate(m.blocks):
+        y = fwd_views(b, y)
+    with pytest.raises(RuntimeError, match="inplace"):
+        y.sum().backward()
+    detach(m)

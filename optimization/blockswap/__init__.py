@@ -17,8 +17,9 @@ the blocks in reverse order through the forward hooks (direction detected from a
     loss.backward()
 
 ``iterate(blocks, reverse=True)`` yields the blocks last to first for a hand-written backward loop. Without
-checkpointing, autograd would keep references to the ring slots; a swapped block's weights then point back at
-host memory and the backward fails loudly (never silently wrong).
+checkpointing, autograd would keep tensors aliasing ring slots that get refilled: each swapped weight's version
+counter is bumped when its block leaves the ring, so such a backward raises ("modified by an inplace operation")
+instead of silently using another block's weights.
 """
 from .config import BlockSwapConfig, BlockSwapPlan, plan_blockswap, spread_indices, default_reserve_bytes
 from .resident import ResidentRunner

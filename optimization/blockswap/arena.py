@@ -29,6 +29,9 @@ class TensorRecord:
     name: str
 
 
+_increment_version = getattr(torch.autograd.graph, "increment_version", None) or torch._C._increment_version
+
+
 def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
@@ -119,6 +122,10 @@ class HostArena:
     def unbind(self) -> None:
         for r, v in zip(self.records, self.host_views):
             r.tensor.data = v
+            # anything autograd saved from this block (the weight or a view of it, e.g. W.t()) aliases the ring
+            # slot that is about to be refilled: bump the version so such a backward raises instead of silently
+            # using another block's weights (training must use per-block checkpointing)
+            _increment_version(r.tensor)
 
     def restore_to(self, device: Optional[torch.device]) -> None:
         """Move the tensors to `device` and drop the arena. For a CPU device nothing is copied: the tensors keep
