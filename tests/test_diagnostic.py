@@ -345,3 +345,11 @@ def test_torch_without_kernels_for_the_gpu_skips_the_gpu_sections(monkeypatch):
     report = runner.run_diagnostics(device="cpu", quick=True)
     assert [r.status for r in report.results] == ["FAIL", "SKIP", "SKIP", "SKIP"]
     assert "no kernels for this GPU" in report.results[1].detail
+
+
+def test_overlap_trials_median_of_interleaved_trials():
+    seq = iter([5.0, 5.0, 5.1,   5.0, 5.0, 9.0,   4.0, 6.0, 6.2])   # (copy, gemm, both) per trial
+    t_copy, t_gemm, t_both, hidden = checks_transfer.overlap_trials(lambda: next(seq), lambda: next(seq),
+                                                                    lambda: next(seq), trials=3)
+    assert (t_copy, t_gemm, t_both) == (5.0, 5.0, 6.2)
+    assert abs(hidden - 0.95) < 1e-9      # per-trial fractions 0.98, 0.2, 0.95 -> median 0.95
