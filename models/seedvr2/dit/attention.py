@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from ....optimization import fused
 from ....optimization.attention import varlen_attention
 from .mm import MMPair
 from .norm import RMSNorm
@@ -57,11 +58,33 @@ class NaSwinAttention(nn.Module):
                 qkv[:, slot] = y
         return qkv
 
+    def _qkv_packed_fused(self, vid: torch.Tensor, txt: torch.Tensor, ctx: AttentionContext):
+        """One Triton pass per stream: qkv projection output -> q/k norm -> RoPE -> packed, contiguous
+        q, k, v (N_all, H, D) (the layout every attention backend takes without copies)."""
+        lay = ctx.layout
+        q, k, v = (vid.new_empty((lay.total, self.heads, self.head_dim)) for _ in range(3))
+        for stream, x, rope, dst, src in (("vid", vid, ctx.vid_rope, lay.vid_pos, None),
+                                          ("txt", txt, ctx.txt_rope, lay.txt_slots, lay.txt_src)):
+            pick = (lambda p: p.for_vid()) if stream == "vid" else (lambda p: p.for_txt())
+            nq, nk = pick(self.norm_q), pick(self.norm_k)
+            fused.qkv_norm_rope_pack(pick(self.proj_qkv)(x), self.heads, self.head_dim, nq.weight, nk.weight, nq.eps,
+                                     rope.cos_pair if rope is not None else None,
+                                     rope.sin_pair if rope is not None else None, dst, q, k, v, src=src)
+        return q, k, v
+
+    def _fused_ok(self, vid: torch.Tensor, ctx: AttentionContext) -> bool:
+        ropes = [r for r in (ctx.vid_rope, ctx.txt_rope) if r is not None]
+        return (fused.enabled(vid) and self.head_dim % 2 == 0 and all(r.cos_pair is not None for r in ropes)
+                and self.norm_q.for_vid().weight.dtype == vid.dtype)
+
     def forward(self, vid: torch.Tensor, txt: torch.Tensor, ctx: AttentionContext,
                 need_txt: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         lay = ctx.layout
-        packed = lay.pack(self._qkv(vid, "vid", ctx.vid_rope), self._qkv(txt, "txt", ctx.txt_rope))
-        q, k, v = packed.unbind(1)  # packed: [window video, text] per segment
+        if self._fused_ok(vid, ctx):
+            q, k, v = self._qkv_packed_fused(vid, txt, ctx)
+        else:
+            packed = lay.pack(self._qkv(vid, "vid", ctx.vid_rope), self._qkv(txt, "txt", ctx.txt_rope))
+            q, k, v = packed.unbind(1)  # packed: [window video, text] per segment
         plan = lay.plan
         out = varlen_attention(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q,
                                plan.max_seqlen_k, backend=ctx.backend, plan=plan)

@@ -19,7 +19,7 @@ from .attention import AttentionContext, NaSwinAttention
 from .config import DiTConfig
 from .mm import MMPair
 from .mlp import make_mlp
-from .modulation import AdaSingle, gated_residual, modulate_in
+from .modulation import AdaSingle, gated_residual_fused as gated_residual, gated_residual_norm_modulate, norm_modulate_in
 from .norm import rms_norm
 
 
@@ -46,19 +46,19 @@ class MMSRBlock(nn.Module):
         e_attn, e_mlp = emb[:, :, 0], emb[:, :, 1]
         ada_v, ada_t = self.ada.for_vid(), self.ada.for_txt()
 
-        a_v = modulate_in(rms_norm(vid, None, self.eps), e_attn, ada_v.attn_shift, ada_v.attn_scale, vid_lens)
-        a_t = rms_norm(txt, None, self.eps)
-        if not self.text_skip:
-            a_t = modulate_in(a_t, e_attn, ada_t.attn_shift, ada_t.attn_scale, txt_lens)
+        a_v = norm_modulate_in(vid, e_attn, ada_v.attn_shift, ada_v.attn_scale, vid_lens, self.eps)
+        if self.text_skip:
+            a_t = rms_norm(txt, None, self.eps)
+        else:
+            a_t = norm_modulate_in(txt, e_attn, ada_t.attn_shift, ada_t.attn_scale, txt_lens, self.eps)
         o_v, o_t = self.attn(a_v, a_t, ctx, need_txt=not self.is_last)
-        vid = gated_residual(vid, o_v, e_attn, ada_v.attn_gate, vid_lens)
-
-        m_v = modulate_in(rms_norm(vid, None, self.eps), e_mlp, ada_v.mlp_shift, ada_v.mlp_scale, vid_lens)
+        vid, m_v = gated_residual_norm_modulate(vid, o_v, e_attn, ada_v.attn_gate, e_mlp, ada_v.mlp_shift,
+                                                ada_v.mlp_scale, vid_lens, self.eps)
         vid = gated_residual(vid, self.mlp.for_vid()(m_v), e_mlp, ada_v.mlp_gate, vid_lens)
         if self.is_last:
             return vid, None  # text output of the last block is never used
 
-        txt = gated_residual(txt, o_t, e_attn, ada_t.attn_gate, txt_lens)
-        m_t = modulate_in(rms_norm(txt, None, self.eps), e_mlp, ada_t.mlp_shift, ada_t.mlp_scale, txt_lens)
+        txt, m_t = gated_residual_norm_modulate(txt, o_t, e_attn, ada_t.attn_gate, e_mlp, ada_t.mlp_shift,
+                                                ada_t.mlp_scale, txt_lens, self.eps)
         txt = gated_residual(txt, self.mlp.for_txt()(m_t), e_mlp, ada_t.mlp_gate, txt_lens)
         return vid, txt

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ....optimization import fused
+
 
 class SwiGLU(nn.Module):
     """3B: proj_out(silu(proj_in_gate x) * proj_in x), no biases."""
@@ -16,6 +18,8 @@ class SwiGLU(nn.Module):
         self.proj_in = nn.Linear(dim, hidden, bias=False, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.enabled(x):  # silu(a) * b in one pass
+            return self.proj_out(fused.silu_mul(self.proj_in_gate(x), self.proj_in(x)))
         return self.proj_out(F.silu(self.proj_in_gate(x)) * self.proj_in(x))
 
 
@@ -28,6 +32,9 @@ class GeluMLP(nn.Module):
         self.proj_out = nn.Linear(hidden, dim, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.proj_in
+        if type(p) is nn.Linear and p.bias is not None and p.weight.dtype == x.dtype and fused.enabled(x, p.weight):
+            return self.proj_out(fused.linear_gelu(x, p.weight, p.bias))  # GELU in the GEMM epilogue
         return self.proj_out(F.gelu(self.proj_in(x), approximate="tanh"))
 
 

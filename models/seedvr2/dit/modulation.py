@@ -15,6 +15,9 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from ....optimization import fused
+from .norm import rms_norm
+
 LAYERS = ("attn", "mlp")
 
 
@@ -80,3 +83,34 @@ def gated_residual(res: torch.Tensor, x: torch.Tensor, e: torch.Tensor, gate: to
     if _exact(x):
         return res + x * g.to(x.dtype)
     return torch.addcmul(res, x, g, out=torch.empty(res.shape, dtype=res.dtype, device=res.device))
+
+
+# ---- fused entry points: one Triton pass on CUDA half tensors, else exactly the torch code above ----
+def _vec(e: torch.Tensor, kind: int, p: torch.Tensor) -> torch.Tensor:
+    """(B, dim) fp32 e[..., kind] + p (the per-sample shift/scale/gate)."""
+    return e.float()[..., kind] + p.float()
+
+
+def norm_modulate_in(x: torch.Tensor, e: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, lens,
+                     eps: float) -> torch.Tensor:
+    """modulate_in(rms_norm(x)): RMSNorm without weight (fp32 statistics), then the "in" modulation."""
+    if fused.enabled(x):
+        return fused.norm_modulate(x, _vec(e, 1, scale), _vec(e, 0, shift), eps, lens)
+    return modulate_in(rms_norm(x, None, eps), e, shift, scale, lens)
+
+
+def gated_residual_norm_modulate(res: torch.Tensor, x: torch.Tensor, e_out: torch.Tensor, gate: torch.Tensor,
+                                 e_in: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, lens, eps: float):
+    """r = gated_residual(res, x, e_out, gate); returns (r, norm_modulate_in(r, e_in, shift, scale))."""
+    if fused.enabled(res, x):
+        return fused.residual_norm_modulate(res, x, _vec(e_out, 2, gate), _vec(e_in, 1, scale),
+                                            _vec(e_in, 0, shift), eps, lens)
+    r = gated_residual(res, x, e_out, gate, lens)
+    return r, modulate_in(rms_norm(r, None, eps), e_in, shift, scale, lens)
+
+
+def gated_residual_fused(res: torch.Tensor, x: torch.Tensor, e: torch.Tensor, gate: torch.Tensor, lens) -> torch.Tensor:
+    """:func:`gated_residual`, one Triton pass on CUDA half tensors (no per-token gate copy for B > 1)."""
+    if fused.enabled(res, x):
+        return fused.gated_residual(res, x, _vec(e, 2, gate), lens)
+    return gated_residual(res, x, e, gate, lens)

@@ -97,6 +97,8 @@ class RopeTable:
     cos: torch.Tensor
     sin: torch.Tensor
     cis: torch.Tensor
+    cos_pair: Optional[torch.Tensor] = None  # (N, R/2) fp32, one entry per pair (fused kernels)
+    sin_pair: Optional[torch.Tensor] = None
 
     @property
     def rotated(self) -> int:
@@ -106,7 +108,8 @@ class RopeTable:
 def make_rope_table(angles: torch.Tensor, device) -> RopeTable:
     per_pair = angles[:, 0::2]
     return RopeTable(angles.cos().to(device), angles.sin().to(device),
-                     torch.polar(torch.ones_like(per_pair), per_pair).to(device))
+                     torch.polar(torch.ones_like(per_pair), per_pair).to(device),
+                     per_pair.cos().contiguous().to(device), per_pair.sin().contiguous().to(device))
 
 
 def apply_rope(x: torch.Tensor, table: RopeTable, out: Optional[torch.Tensor] = None) -> torch.Tensor:

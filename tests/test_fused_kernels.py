@@ -1,0 +1,167 @@
+"""CPU checks of the fused Triton kernels through the Triton interpreter (TRITON_INTERPRET=1), against the
+torch references, on tiny shapes; and the dispatch rules. Each kernel check runs in a subprocess so that
+the interpreter flag is set before Triton is imported. Skips the kernel checks when Triton is absent."""
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from seedvr2bw.optimization import fused
+from seedvr2bw.optimization.fused import reference
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+_PRELUDE = textwrap.dedent("""
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, {root!r})
+    from pack_import import import_pack
+    import_pack()
+    import torch
+    from seedvr2bw.optimization.fused import kernels as k, reference as ref
+    g = torch.Generator().manual_seed(0)
+    def rnd(*s, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(*s, generator=g) * scale).to(dtype)
+    def rel(a, b):
+        a, b = a.double(), b.double()
+        return float((a - b).norm() / b.norm())
+""")
+
+
+def _run(body: str):
+    code = _PRELUDE.format(root=str(ROOT)) + textwrap.dedent(body)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+
+
+@needs_triton
+def test_norm_modulate_kernels_interpreted():
+    out = _run("""
+        n, d = 7, 80
+        x, o = rnd(n, d), rnd(n, d)
+        sc, sh, gt = rnd(2, d, dtype=torch.float32), rnd(2, d, dtype=torch.float32), rnd(2, d, dtype=torch.float32)
+        sid = torch.tensor([0, 0, 1, 1, 1, 0, 1], dtype=torch.int32)
+        y = k.norm_modulate(x, sc, sh, 1e-5, sid)[1]
+        assert rel(y, ref.norm_modulate(x, sc, sh, 1e-5, sid)) < 8e-3
+        y1 = k.norm_modulate(x, sc[:1], sh[:1], 1e-5)[1]
+        assert rel(y1, ref.norm_modulate(x, sc[:1], sh[:1], 1e-5)) < 8e-3
+        xr, y = k.norm_modulate(x, sc, sh, 1e-5, sid, res_o=o, res_g=gt)
+        xr2, y2 = ref.residual_norm_modulate(x, o, gt, sc, sh, 1e-5, sid)
+        assert rel(xr, xr2) < 8e-3 and rel(y, y2) < 8e-3
+        assert rel(k.gated_residual(x, o, gt, sid), ref.gated_residual(x, o, gt, sid)) < 8e-3
+        assert rel(k.silu_mul(x, o), ref.silu_mul(x, o)) < 8e-3
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+@needs_triton
+@pytest.mark.parametrize("rope", [True, False])
+def test_qkv_pack_kernel_interpreted(rope):
+    out = _run(f"""
+        h, hd, m = 3, 128, 6
+        qkv = rnd(m, 3 * h * hd)
+        wq, wk = rnd(hd, scale=0.2) + 1, rnd(hd, scale=0.2) + 1
+        ang = torch.rand(m, 30, generator=g) * 6
+        cos, sin = (ang.cos(), ang.sin()) if {rope} else (None, None)
+        dst = torch.tensor([5, 1, 7, 0, 3, 2])
+        outs = [torch.full((9, h, hd), float("nan"), dtype=torch.bfloat16) for _ in range(6)]
+        k.qkv_norm_rope_pack(qkv, h, hd, wq, wk, 1e-5, cos, sin, dst, *outs[:3])
+        ref.qkv_norm_rope_pack(qkv, h, hd, wq, wk, 1e-5, cos, sin, dst, *outs[3:])
+        for a, b in zip(outs[:3], outs[3:]):
+            assert rel(a[dst], b[dst]) < 8e-3, rel(a[dst], b[dst])
+        # a source index (text copies): rows 0,1 written twice each
+        src = torch.tensor([0, 1, 0, 1])
+        dst2 = torch.tensor([8, 6, 4, 0])
+        outs = [torch.full((9, h, hd), float("nan"), dtype=torch.bfloat16) for _ in range(6)]
+        k.qkv_norm_rope_pack(qkv, h, hd, wq, wk, 1e-5, cos, sin, dst2, *outs[:3], src=src)
+        ref.qkv_norm_rope_pack(qkv, h, hd, wq, wk, 1e-5, cos, sin, dst2, *outs[3:], src=src)
+        for a, b in zip(outs[:3], outs[3:]):
+            assert rel(a[dst2], b[dst2]) < 8e-3
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+def test_reference_qk_norm_rope_matches_model_path():
+    """The reference's pair rotation equals the model's apply_rope (exact fp32 path) after its qk-norm."""
+    from seedvr2bw.models.seedvr2.dit.norm import rms_norm
+    from seedvr2bw.models.seedvr2.dit.rope import apply_rope, make_rope_table
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 2, 128, generator=g, dtype=torch.float64).float()
+    w = torch.rand(128, generator=g) + 0.5
+    ang = torch.rand(5, 30, generator=g).repeat_interleave(2, -1) * 5
+    t = make_rope_table(ang, "cpu")
+    want = apply_rope(rms_norm(x, w, 1e-5), t)
+    got = reference.qk_norm_rope(x, w, 1e-5, t.cos_pair, t.sin_pair)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_reference_norm_modulate_matches_model_path():
+    from seedvr2bw.models.seedvr2.dit.modulation import modulate_in
+    from seedvr2bw.models.seedvr2.dit.norm import rms_norm
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 16, generator=g)
+    e = torch.randn(1, 16, 3, generator=g)
+    shift, scale = torch.randn(16, generator=g), torch.randn(16, generator=g)
+    want = modulate_in(rms_norm(x, None, 1e-5), e, shift, scale, [9])
+    got = reference.norm_modulate(x, e[0, :, 1] + scale, e[0, :, 0] + shift, 1e-5)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_dispatch_off_on_cpu_and_fp32():
+    assert not fused.enabled(torch.zeros(2, 2, dtype=torch.bfloat16))
+    assert not fused.enabled(torch.zeros(2, 2))
+
+
+def test_dispatch_env_switch(monkeypatch):
+    monkeypatch.setenv("SEEDVR2_FUSED", "0")
+    assert not fused._env_enabled()
+    monkeypatch.setenv("SEEDVR2_FUSED", "1")
+    assert fused._env_enabled()
+
+
+def test_sample_ids():
+    assert fused.sample_ids([5], "cpu") is None
+    assert fused.sample_ids([2, 3], "cpu").tolist() == [0, 0, 1, 1, 1]
+
+
+def test_linear_gelu_matches_gelu_tanh():
+    g = torch.Generator().manual_seed(5)
+    x, w, b = torch.randn(7, 12, generator=g), torch.randn(20, 12, generator=g), torch.randn(20, generator=g)
+    want = torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b), approximate="tanh")
+    assert torch.equal(fused.linear_gelu(x, w, b), want)  # CPU: the plain torch expression
+
+
+def test_block_wrappers_fall_back_exactly():
+    """On CPU the fused entry points of the block are bit-identical to the previous torch code."""
+    from seedvr2bw.models.seedvr2.dit.modulation import (gated_residual, gated_residual_fused,
+                                                          gated_residual_norm_modulate, modulate_in,
+                                                          norm_modulate_in)
+    from seedvr2bw.models.seedvr2.dit.norm import rms_norm
+
+    g = torch.Generator().manual_seed(6)
+    for dt in (torch.float32, torch.bfloat16):
+        x, o = torch.randn(10, 16, generator=g).to(dt), torch.randn(10, 16, generator=g).to(dt)
+        e = torch.randn(2, 16, 3, generator=g).to(dt)
+        sh, sc, gt = (torch.randn(16, generator=g).to(dt) for _ in range(3))
+        lens = [4, 6]
+        assert torch.equal(norm_modulate_in(x, e, sh, sc, lens, 1e-5), modulate_in(rms_norm(x, None, 1e-5), e, sh, sc, lens))
+        r, m = gated_residual_norm_modulate(x, o, e, gt, e, sh, sc, lens, 1e-5)
+        r2 = gated_residual(x, o, e, gt, lens)
+        assert torch.equal(r, r2)
+        assert torch.equal(m, modulate_in(rms_norm(r2, None, 1e-5), e, sh, sc, lens))
+        assert torch.equal(gated_residual_fused(x, o, e, gt, lens), r2)
