@@ -12,7 +12,7 @@
 All divisions use ``div_rn`` (IEEE round-to-nearest) so results match the CPU reference bit for bit.
 None of these kernels uses FP4 instructions, so they run (and are tested) on any GPU Triton supports.
 """
-from __future__ import annotations
+
 
 import torch
 
@@ -154,63 +154,73 @@ if HAS_TRITON:
         tl.store(o_ptr + rows[:, None].to(tl.int64) * K_OUT + ocols[None, :], vals.to(o_ptr.dtype.element_ty),
                  mask=omask)
 
-    def _w4a16_configs():
-        out = []
-        for bm, bn, bk, sk, w, st in ((16, 64, 128, 1, 4, 4), (16, 64, 128, 4, 4, 4), (16, 128, 128, 2, 4, 4),
-                                      (32, 64, 128, 2, 4, 4), (32, 128, 128, 4, 4, 4), (64, 64, 128, 2, 4, 3),
-                                      (64, 128, 64, 1, 4, 3), (64, 128, 128, 4, 8, 3), (64, 128, 128, 1, 8, 3),
-                                      (128, 128, 64, 1, 8, 3), (128, 128, 64, 2, 8, 3), (128, 64, 128, 4, 4, 3),
-                                      (256, 64, 64, 2, 8, 3), (256, 128, 64, 1, 8, 3)):
-            out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk},
-                                     num_warps=w, num_stages=st))
-        return out
-
     @triton.jit
-    def _w4a16_kernel_raw(x_ptr, p_ptr, s_ptr, lut_ptr, g_ptr, ws_ptr, M, N, K, M_BUCKET, stride_xm, NCB4,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          SPLIT_K: tl.constexpr):
-        """ws[M, N] (+)= x @ dequant(W)^T * g in fp32. Each packed byte is decoded by one lookup in a
-        256-entry table holding both of its values (exact); q * s_block is exact in bf16 (<= 6 significant
-        bits); the global scale is applied to the fp32 accumulator. Split-K programs add atomically."""
+    def _w4a16_swab_kernel(x_ptr, p_ptr, s_ptr, g_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, NCB4, TILES_PER,
+                           HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+        """y^T[N, M] = dequant(W)[N, K] @ x^T[K, M] ("swap AB": the weight tile, decoded in registers, is the
+        MMA's wide operand; the few activation rows are the narrow one, so BLOCK_M can be 16).
+        The packed weight is read once per M tile (0.5 B/weight + scales). fp32 accumulation; the global
+        scale (and bias, cast) in the epilogue when SPLIT_K == 1, else fp32 partials ws[SPLIT_K, M, N] for
+        ``_splitk_reduce_kernel`` (no atomics, no zero-fill)."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn_l = rn % N                                   # rows past N re-read valid rows; masked at the store
+        rm_l = rm % M
         rkp = tl.arange(0, BLOCK_K // 2)
+        rk = tl.arange(0, BLOCK_K)
+        rb = tl.arange(0, BLOCK_K // 16)
         HALF = K // 2
-        k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-        k_lo = pid_k * k_per
-        k_hi = tl.minimum(k_lo + k_per, K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        mmask = rm[:, None] < M
-        nmask = rn[:, None] < N
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            kk = k0 + rk
-            x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + kk[None, :],
-                        mask=mmask & (kk[None, :] < K), other=0.0)
-            pk = k0 // 2 + rkp
-            pm = nmask & (pk[None, :] < HALF)
-            p = tl.load(p_ptr + rn[:, None].to(tl.int64) * HALF + pk[None, :], mask=pm, other=0).to(tl.int32)
-            kb = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-            s = tl.load(s_ptr + _swz_offset(rn[:, None].to(tl.int64), kb[None, :], NCB4),
-                        mask=nmask & (kb[None, :] < K // 16), other=0.0).to(tl.float32)
-            hv, lv = _e2m1_pair_f32(p, lut_ptr)
+        p_base = p_ptr + rn_l[:, None].to(tl.int64) * HALF
+        x_base = x_ptr + rm_l[None, :].to(tl.int64) * stride_xm
+        s_row = rn_l[:, None].to(tl.int64)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for t in range(0, TILES_PER):
+            k0 = (pid_k * TILES_PER + t) * BLOCK_K
+            kb = k0 // 16 + rb
+            soff = _swz_offset(s_row, kb[None, :], NCB4)
+            if EVEN_K:
+                p = tl.load(p_base + (k0 // 2 + rkp)[None, :])
+                xt = tl.load(x_base + (k0 + rk)[:, None])
+                sv = tl.load(s_ptr + soff)
+            else:
+                pk = k0 // 2 + rkp
+                p = tl.load(p_base + pk[None, :], mask=pk[None, :] < HALF, other=0)
+                kk = k0 + rk
+                xt = tl.load(x_base + kk[:, None], mask=kk[:, None] < K, other=0.0)
+                sv = tl.load(s_ptr + soff, mask=kb[None, :] < K // 16, other=0.0)
+            p = p.to(tl.int32)
+            hv = _e2m1_value((p >> 4) & 15)
+            lv = _e2m1_value(p & 15)
             w = tl.reshape(tl.join(hv, lv), (BLOCK_N, BLOCK_K // 16, 16))
-            w = tl.reshape(w * s[:, :, None], (BLOCK_N, BLOCK_K)).to(x.dtype)
-            acc = tl.dot(x, tl.trans(w), acc)
-        g = tl.load(g_ptr)
-        acc = acc * g
-        optr = ws_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
-        omask = (rm[:, None] < M) & (rn[None, :] < N)
+            sf = sv.to(tl.float32)
+            w = tl.reshape(w * sf[:, :, None], (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
+            acc = tl.dot(w, xt, acc)
+        omask = (rn[:, None] < N) & (rm[None, :] < M)
         if SPLIT_K == 1:
-            tl.store(optr, acc, mask=omask)
+            acc = acc * tl.load(g_ptr)
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn_l).to(tl.float32)[:, None]
+            tl.store(y_ptr + rm[None, :].to(tl.int64) * N + rn[:, None], acc.to(y_ptr.dtype.element_ty),
+                     mask=omask)
         else:
-            tl.atomic_add(optr, acc, mask=omask, sem="relaxed")
+            tl.store(ws_ptr + (pid_k * M + rm[None, :]).to(tl.int64) * N + rn[:, None], acc, mask=omask)
 
-    _w4a16_kernel = triton.autotune(configs=_w4a16_configs(), key=["M_BUCKET", "N", "K"],
-                                    reset_to_zero=["ws_ptr"])(_w4a16_kernel_raw)
+    @triton.jit
+    def _splitk_reduce_kernel(ws_ptr, g_ptr, b_ptr, y_ptr, MN, N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                              BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < MN
+        acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+        for i in tl.static_range(1, SPLIT_K):
+            acc += tl.load(ws_ptr + i * MN + offs, mask=mask, other=0.0)
+        acc = acc * tl.load(g_ptr)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 _LUT_DEV: dict = {}
@@ -306,25 +316,72 @@ def _m_bucket(m: int) -> int:
     return 2048
 
 
-def w4a16_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=None):
-    """y[M, n] = x[M, Kp] @ dequant(W)^T (+ bias), fp32 accumulation, output in x's dtype.
-    x must already be padded to the weight's padded K. Split-K over the grid keeps the GPU busy at small M."""
+# (max M, BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages) for the swap-AB W4A16 kernel; first row whose max M
+# covers M is used. SPLIT_K is then chosen so that the grid has >= ~2 programs per SM with >= 4 K tiles each.
+W4A16_CONFIGS = [
+    (16, 128, 16, 128, 4, 4),
+    (32, 128, 32, 128, 4, 4),
+    (64, 128, 64, 128, 4, 3),
+    (128, 128, 64, 128, 4, 3),
+    (1 << 30, 128, 128, 64, 8, 3),
+]
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device) -> int:
+    key = str(device)
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return _SM_COUNT[key]
+
+
+def w4a16_config(m: int, n: int, k: int, device, configs=None):
+    """(BLOCK_N, BLOCK_M, BLOCK_K, SPLIT_K, num_warps, num_stages) for an [m, k] x [n, k]^T product."""
+    for row in (configs or W4A16_CONFIGS):
+        if m <= row[0]:
+            _, bn, bm, bk, w, st = row
+            break
+    tiles = -(-n // bn) * -(-m // bm)
+    k_tiles = -(-k // bk)
+    sk = 1
+    target = 2 * _sm_count(torch.device(device))
+    for cand in (2, 3, 4, 6, 8):   # K tiles must split evenly (each split a whole number of tiles, >= 4)
+        if tiles * sk >= target:
+            break
+        if k_tiles % cand == 0 and k_tiles // cand >= 4:
+            sk = cand
+    return bn, bm, bk, sk, w, st
+
+
+def w4a16_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=None, config=None):
+    """y[M, n] = x[M, Kp] @ dequant(W)^T (+ bias), fp32 accumulation, output in x's dtype (bf16 / fp16).
+    x must already be padded to the weight's padded K. One launch (two with split-K: partials + reduce)."""
     _check_triton(x)
     M, K = x.shape
     if packed.shape[1] * 2 != K:
         raise ValueError(f"activation K={K} does not match the packed weight's K={packed.shape[1] * 2}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        x = x.to(torch.bfloat16)
     if x.stride(1) != 1:
         x = x.contiguous()
-    ws = torch.zeros((M, n), dtype=torch.float32, device=x.device)
+    y = torch.empty((M, n), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
     g = global_scale.to(device=x.device, dtype=torch.float32).reshape(1)
     sc = block_scale.shape[1]
-    args = (x, packed, block_scale, byte_lut(x.device), g, ws, M, n, K, _m_bucket(M), x.stride(0), sc // 4)
-    if _INTERPRET:
-        grid = (triton.cdiv(n, 32), triton.cdiv(M, 16), 1)
-        _w4a16_kernel_raw[grid](*args, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1)
-    else:
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(M, meta["BLOCK_M"]), meta["SPLIT_K"])  # noqa: E731
-        _w4a16_kernel[grid](*args)
-    if bias is not None:
-        ws += bias.float()
-    return ws.to(x.dtype)
+    bn, bm, bk, sk, w, st = config or w4a16_config(M, n, K, x.device)
+    has_bias = bias is not None
+    b = bias if has_bias else g
+    k_tiles = triton.cdiv(K, bk)
+    if k_tiles % sk:
+        raise ValueError(f"SPLIT_K={sk} does not divide the {k_tiles} K tiles")
+    ws = torch.empty((sk, M, n), dtype=torch.float32, device=x.device) if sk > 1 else y
+    grid = (triton.cdiv(n, bn), triton.cdiv(M, bm), sk)
+    _w4a16_swab_kernel[grid](x, packed, block_scale, g, b, y, ws, M, n, K, x.stride(0), sc // 4,
+                             k_tiles // sk, HAS_BIAS=has_bias, EVEN_K=(K % bk == 0), BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk,
+                             SPLIT_K=sk, num_warps=w, num_stages=st)
+    if sk > 1:
+        mn = M * n
+        _splitk_reduce_kernel[(triton.cdiv(mn, 1024),)](ws, g, b, y, mn, n, HAS_BIAS=has_bias, SPLIT_K=sk,
+                                                        BLOCK=1024, num_warps=4)
+    return y

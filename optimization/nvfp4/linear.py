@@ -34,11 +34,61 @@ from .format import NVFP4Tensor
 log = logging.getLogger(__name__)
 
 PATHS = ("fp4_tensorcore", "fp8_speed", "fidelity", "reference")
-SMALL_M = 256                # fidelity path: fused W4A16 kernel considered at or below this many rows
-_FIDELITY_CHOICE: dict = {}  # (m bucket, N, K, device) -> "fused" | "dequant", decided by timing once
+FIDELITY_KERNELS = ("auto", "fused", "dequant", "pipelined", "timed")
+# fidelity path, kernel by rows M (bf16/fp16 activations on CUDA), fidelity_kernel="auto":
+#   M <= FUSED_MAX_M           -> fused W4A16 Triton kernel (reads the 4-bit weight; no bf16 weight is written)
+#   M >= PIPELINE_MIN_M         -> pipelined: weight dequantized chunk by chunk on a side stream while cuBLAS
+#                                  multiplies the previous chunk (dequant hidden behind the GEMM)
+#   otherwise                   -> dequant (whole weight -> bf16, one cuBLAS call)
+# Provisional values, see the measurement note in scripts/bench_nvfp4.py's docstring.
+FUSED_MAX_M = 256
+PIPELINE_MIN_M = 1024
+PIPELINE_CHUNKS = 4          # N chunks of the pipelined path (each a multiple of PIPELINE_ALIGN rows)
+PIPELINE_ALIGN = 128         # chunk boundaries on 128-row multiples: the swizzled scales slice per chunk
+SMALL_M = FUSED_MAX_M        # kept for older callers
+_FIDELITY_CHOICE: dict = {}  # (m bucket, N, K, device) -> kernel name, decided by timing once ("timed")
 
 
 _FUSED_BROKEN: list = []   # reason the fused W4A16 kernel failed to build/run here (then never tried again)
+
+
+def plan_chunks(n: int, chunks: int, align: int = PIPELINE_ALIGN) -> list[tuple[int, int]]:
+    """Split rows [0, n) into at most ``chunks`` contiguous ranges whose starts are multiples of ``align``
+    (all but the last have the same size, a multiple of ``align``)."""
+    if n <= 0:
+        return []
+    chunks = max(1, int(chunks))
+    size = fmt.roundup(-(-n // chunks), align)
+    return [(n0, min(n0 + size, n)) for n0 in range(0, n, size)]
+
+
+_SIDE_STREAM: dict = {}
+_SCRATCH: dict = {}
+
+
+def _side_stream(device):
+    key = str(device)
+    st = _SIDE_STREAM.get(key)
+    if st is None:
+        lo, hi = torch.cuda.Stream.priority_range()
+        st = _SIDE_STREAM[key] = torch.cuda.Stream(device=device, priority=hi)   # dequant CTAs go first
+    return st
+
+
+def _scratch(device, dtype, numel: int):
+    """Two flat buffers (double buffering), one pair per device/dtype shared by every layer, grown on demand.
+    Growing frees the old pair on the current stream; every earlier side-stream write to it was waited for
+    by the current stream (each chunk's GEMM waits for its dequant), so the allocator may reuse it."""
+    key = (str(device), dtype)
+    bufs = _SCRATCH.get(key)
+    if bufs is None or bufs[0].numel() < numel:
+        _SCRATCH.pop(key, None)
+        bufs = _SCRATCH[key] = [torch.empty(numel, dtype=dtype, device=device) for _ in range(2)]
+    return bufs
+
+
+def scratch_nbytes() -> int:
+    return sum(b.numel() * b.element_size() for bufs in _SCRATCH.values() for b in bufs)
 
 
 def _time_choice(fns: dict, reps: int = 5) -> str:
@@ -190,9 +240,10 @@ class NVFP4Linear(_QuantLinearBase):
                                        requires_grad=False) if bias else None
         self.path = path
         self.fp8_fast_accum = fp8_fast_accum
-        # small M: "dequant" (Triton dequant + cuBLAS, default: measured fastest on H100/H200), "fused" (the
-        # Triton W4A16 kernel, reads 4-bit weights but was 2-10x slower there), "auto" (time both once per shape)
-        self.fidelity_kernel = "dequant"
+        # fidelity path kernel: "auto" (by M, thresholds FUSED_MAX_M / PIPELINE_MIN_M), "fused" (Triton W4A16),
+        # "dequant" (whole weight -> bf16 + one cuBLAS call), "pipelined" (chunked, dequant overlapped with the
+        # GEMM), "timed" (time the candidates once per M bucket and shape, keep the fastest)
+        self.fidelity_kernel = "auto"
         self._derived: dict = {}
 
     # -- construction -------------------------------------------------------------------------------------
@@ -293,6 +344,8 @@ class NVFP4Linear(_QuantLinearBase):
 
     def _fidelity_fused(self, x2):
         b = self.bias if self.bias is not None else None
+        if b is not None and b.dtype != x2.dtype:
+            b = b.to(x2.dtype)
         return K.w4a16_linear(self._padded_input(x2), self.weight, self.weight_scale, self.weight_scale_2,
                               self.out_features, bias=b)
 
@@ -302,19 +355,111 @@ class NVFP4Linear(_QuantLinearBase):
         b = self.bias.to(dtype) if self.bias is not None else None
         return F.linear(x2.to(dtype), w, b).to(x2.dtype)
 
-    def _forward_fidelity(self, x2):
+    def _dequant_rows(self, n0: int, n1: int, dtype, out=None) -> torch.Tensor:
+        """Rows [n0, n1) of the dequantized weight ([n1-n0, in_features]); n0 a multiple of 128."""
+        rows_p = min(fmt.roundup(n1 - n0, 16), self.weight.shape[0] - n0)
+        packed = self.weight[n0:n0 + rows_p]
+        scales = self.weight_scale[n0:n0 + fmt.roundup(rows_p, 128)]
+        shape = (n1 - n0, self.in_features)
+        if K.triton_usable(packed) and packed.is_cuda:
+            return K.dequantize_nvfp4_triton(packed, scales, self.weight_scale_2, shape, dtype=dtype, out=out)
+        w = fmt.dequantize_nvfp4(packed, scales, self.weight_scale_2, dtype=dtype, shape=shape)
+        if out is not None:
+            out.copy_(w)
+            return out
+        return w
+
+    def _fidelity_pipelined(self, x2, chunks: int | None = None):
+        """dequant + cuBLAS with the dequantization hidden behind the GEMM: the weight is split along N into
+        ``chunks`` row ranges; chunk i+1 is dequantized on a (high-priority) side stream into one of two
+        scratch buffers while the current stream multiplies chunk i straight into its column slice of the
+        output (cuBLAS takes the slice as a strided C, ldc = N; no copy). Bias: the side stream fills the
+        chunk's output slice with it and the GEMM accumulates (beta = 1). Off CUDA the same chunking runs
+        sequentially (tests)."""
+        dtype = x2.dtype if x2.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        x2 = x2.to(dtype)
+        m, n, k = x2.shape[0], self.out_features, self.in_features
+        bounds = plan_chunks(n, chunks or PIPELINE_CHUNKS)
+        out = torch.empty((m, n), dtype=dtype, device=x2.device)
+        bias = self.bias.to(dtype) if self.bias is not None else None
+        if not x2.is_cuda:
+            for n0, n1 in bounds:
+                w = self._dequant_rows(n0, n1, dtype)
+                o = out[:, n0:n1]
+                if bias is not None:
+                    o.copy_(bias[n0:n1].expand(m, n1 - n0))
+                    torch.addmm(o, x2, w.t(), out=o)
+                else:
+                    torch.mm(x2, w.t(), out=o)
+            return out
+        main = torch.cuda.current_stream(x2.device)
+        side = _side_stream(x2.device)
+        bufs = _scratch(x2.device, dtype, (bounds[0][1] - bounds[0][0]) * k)
+        side.wait_stream(main)        # previous users of the scratch buffers (earlier layers' GEMMs) are done
+        done = [None, None]
+        for i, (n0, n1) in enumerate(bounds):
+            buf = bufs[i % 2][: (n1 - n0) * k].view(n1 - n0, k)
+            o = out[:, n0:n1]
+            with torch.cuda.stream(side):
+                if done[i % 2] is not None:
+                    side.wait_event(done[i % 2])     # GEMM i-2 has finished reading this buffer
+                self._dequant_rows(n0, n1, dtype, out=buf)
+                if bias is not None:
+                    o.copy_(bias[n0:n1].expand(m, n1 - n0))
+                ready = torch.cuda.Event()
+                ready.record(side)
+            main.wait_event(ready)
+            if bias is not None:
+                torch.addmm(o, x2, buf.t(), out=o)
+            else:
+                torch.mm(x2, buf.t(), out=o)
+            d = torch.cuda.Event()
+            d.record(main)
+            done[i % 2] = d
+        return out
+
+    def _fidelity_kernel_for(self, x2) -> str:
         m = x2.shape[0]
-        if (m <= SMALL_M and K.triton_usable(x2) and x2.is_cuda and x2.dtype == torch.bfloat16
-                and self.fidelity_kernel != "dequant" and not (_FUSED_BROKEN and self.fidelity_kernel == "auto")):
-            if self.fidelity_kernel == "fused":
-                return self._fidelity_fused(x2)
+        kern = self.fidelity_kernel
+        fused_ok = (K.triton_usable(x2) and x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16)
+                    and not _FUSED_BROKEN)
+        if kern == "fused":
+            return "fused" if fused_ok else "dequant"
+        if kern in ("dequant", "pipelined"):
+            return kern
+        if not x2.is_cuda:
+            return "dequant"
+        pipe_ok = self.out_features >= 2 * PIPELINE_ALIGN
+        if kern == "timed":
             key = (K._m_bucket(m), self.out_features, self.in_features, str(x2.device))
             choice = _FIDELITY_CHOICE.get(key)
             if choice is None:
-                choice = _FIDELITY_CHOICE[key] = _time_choice(
-                    {"fused": lambda: self._fidelity_fused(x2), "dequant": lambda: self._fidelity_dequant(x2)})
-            if choice == "fused":
-                return self._fidelity_fused(x2)
+                cands = {}
+                if fused_ok and m <= 1024:
+                    cands["fused"] = lambda: self._fidelity_fused(x2)
+                if pipe_ok:
+                    cands["pipelined"] = lambda: self._fidelity_pipelined(x2)
+                cands["dequant"] = lambda: self._fidelity_dequant(x2)
+                choice = _FIDELITY_CHOICE[key] = _time_choice(cands)
+            return choice
+        if fused_ok and m <= FUSED_MAX_M:
+            return "fused"
+        if pipe_ok and m >= PIPELINE_MIN_M:
+            return "pipelined"
+        return "dequant"
+
+    def _forward_fidelity(self, x2):
+        kern = self._fidelity_kernel_for(x2)
+        if kern == "fused":
+            try:
+                return self._fidelity_fused(x2).to(x2.dtype)
+            except Exception as exc:  # noqa: BLE001 - Triton compile failure on this GPU / version
+                _FUSED_BROKEN.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                log.warning("[SeedVR2-BW] NVFP4 fused W4A16 kernel unavailable, using dequant + cuBLAS: %s",
+                            _FUSED_BROKEN[-1])
+                return self._fidelity_dequant(x2)
+        if kern == "pipelined":
+            return self._fidelity_pipelined(x2).to(x2.dtype)
         return self._fidelity_dequant(x2)
 
     def _fp8_weight(self, device):
