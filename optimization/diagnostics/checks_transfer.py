@@ -69,7 +69,7 @@ def check_h2d(ctx) -> CheckResult:
     dst = torch.empty(n, dtype=torch.uint8, device=ctx.device)
     reps = _reps(ctx)
     t_pin = cuda_ms(lambda: dst.copy_(pinned, non_blocking=True), reps=reps)
-    t_page = wall_ms(lambda: dst.copy_(pageable, non_blocking=True), reps=max(3, reps // 2))
+    t_page = wall_ms(lambda: dst.copy_(pageable, non_blocking=True), reps=max(3, reps - 2))
     bw_pin, bw_page = gbps(n, t_pin), gbps(n, t_page)
     ratio = bw_pin / bw_page if bw_page > 0 else float("nan")
     ctx.measured["h2d_pinned_gbps"] = bw_pin
