@@ -2,6 +2,11 @@
 
     python scripts/bench_nvfp4.py [--m 64,256,1024,4096,16384,32768] [--shapes 2560x6912,...]
                                   [--paths bf16,ck,fidelity,fp8_speed,fp4_tensorcore] [--json out.json]
+                                  [--inner 8] [--variants] [--sweep]
+
+--variants adds the fidelity path's kernels forced one by one (fid_dequant, fid_fused [M <= 1024],
+fid_pipe2/4/8 = pipelined with 2/4/8 N chunks), so the M thresholds in linear.py can be read off one run;
+--sweep times the fused W4A16 kernel over a few tile configs (for kernels.W4A16_CONFIGS).
 
 Shapes are KxN (in x out): SeedVR2 3B hidden 2560 / MLP 6912, 7B hidden 3072 / MLP 12288, plus qkv/out.
 Timing: CUDA events via triton.testing.do_bench (median, warm-up first, rotating inputs); each path's
@@ -54,6 +59,42 @@ def _git_commit():
         return "unknown"
 
 
+SWEEP_CONFIGS = {   # (BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages); SPLIT_K as w4a16_config picks it
+    16: [(128, 16, 128, 4, 4), (64, 16, 256, 4, 4), (256, 16, 64, 8, 3)],
+    64: [(128, 64, 128, 4, 3), (128, 64, 64, 4, 4), (256, 64, 64, 8, 3)],
+    256: [(128, 128, 64, 8, 3), (128, 64, 128, 4, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3)],
+}
+
+
+def sweep_w4a16(dev, args, shapes=((3072, 3072), (3072, 12288))):
+    """Fused W4A16 kernel over a few tile configs per M (one table row per config), vs bf16 cuBLAS."""
+    out = []
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    for (k, n) in shapes:
+        w = (torch.randn(n, k, generator=gen) * 0.02).to(dev)
+        t = fmt.quantize_nvfp4(w, return_tensor=True)
+        wb = w.to(torch.bfloat16)
+        for m, cfgs in SWEEP_CONFIGS.items():
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            t_bf16 = _bench(lambda: F.linear(x, wb), rep_ms=args.rep_ms)
+            ref = F.linear(x.float(), t.dequantize(torch.float32)[:n, :k])
+            for (bn, bm, bk, nw, st) in cfgs:
+                cfg = K.w4a16_config(m, n, k, dev, configs=[(1 << 30, bn, bm, bk, nw, st)])
+                try:
+                    y = K.w4a16_linear(x, t.packed, t.block_scale, t.global_scale, n, None, config=cfg)
+                    err = ((y.float() - ref).norm() / ref.norm()).item()
+                    ms_ = _bench(lambda: K.w4a16_linear(x, t.packed, t.block_scale, t.global_scale, n, None,
+                                                        config=cfg), rep_ms=args.rep_ms)
+                    row = {"K": k, "N": n, "M": m, "config": list(cfg), "ms": ms_, "bf16_ms": t_bf16,
+                           "vs_bf16": t_bf16 / ms_, "rel_err": err}
+                except Exception as exc:  # noqa: BLE001
+                    row = {"K": k, "N": n, "M": m, "config": list(cfg), "error": str(exc).splitlines()[0][:200]}
+                out.append(row)
+                print("sweep " + json.dumps(row), flush=True)
+        del w, t, wb
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", default=DEFAULT_M)
@@ -67,6 +108,8 @@ def main(argv=None):
                          "model queues layers back to back, which --inner 8 reproduces")
     ap.add_argument("--json", default=None)
     ap.add_argument("--components", action="store_true", help="also time dequant / act-quant / GEMM alone")
+    ap.add_argument("--variants", action="store_true", help="also time each fidelity kernel forced")
+    ap.add_argument("--sweep", action="store_true", help="tile-config sweep of the fused W4A16 kernel")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -90,6 +133,8 @@ def main(argv=None):
             "time": time.strftime("%Y-%m-%d %H:%M:%S"), "inner": args.inner}
     if ck is not None:
         info["comfy_kitchen_version"] = getattr(ck, "__version__", "?")
+    if args.variants:
+        paths += ["fid_dequant", "fid_fused", "fid_pipe2", "fid_pipe4", "fid_pipe8"]
     print(json.dumps(info))
     results = []
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -103,6 +148,14 @@ def main(argv=None):
                   if p in paths}
         if "fp8_speed" in layers:
             layers["fp8_speed"]._fp8_weight(dev)        # one-time conversion, outside the timing
+        for p in paths:
+            if p.startswith("fid_"):
+                lay = NVFP4Linear.from_nvfp4(t, bias=bias, path="fidelity")
+                kind = p[4:]
+                lay.fidelity_kernel = "pipelined" if kind.startswith("pipe") else kind
+                if kind.startswith("pipe"):
+                    lay.pipeline_chunks = int(kind[4:])
+                layers[p] = lay
         if ck is not None:
             ck_q = t.packed
             ck_s = t.block_scale
@@ -123,6 +176,8 @@ def main(argv=None):
             row = {"K": k, "N": n, "M": m, "weight_rel_err": wrel}
             flops = 2.0 * m * k * n
             for p in paths:
+                if p == "fid_fused" and m > 1024:
+                    continue
                 fn = fns[p]
                 it = [0]
 
@@ -165,13 +220,15 @@ def main(argv=None):
                 if p != "bf16" and f"{p}_ms" in row and "bf16_ms" in row:
                     row[f"{p}_vs_bf16"] = row["bf16_ms"] / row[f"{p}_ms"]
             if "ck_ms" in row:
-                for p in ("fidelity", "fp8_speed"):
-                    if f"{p}_ms" in row:
+                for p in paths:
+                    if p not in ("bf16", "ck") and f"{p}_ms" in row:
                         row[f"{p}_vs_ck"] = row["ck_ms"] / row[f"{p}_ms"]
             if m == args.acc_m or (args.acc_m not in ms and m == ms[0]):
                 x = xs[0]
                 ref = x.float() @ w.t() + bias.float()
                 for p in paths:
+                    if p == "fid_fused" and m > 1024:
+                        continue
                     try:
                         y = fns[p](x).float()
                         e = (y - ref).norm() / ref.norm()
@@ -179,18 +236,16 @@ def main(argv=None):
                         row[f"{p}_snr_db"] = -20 * math.log10(max(e.item(), 1e-30))
                     except Exception as exc:  # noqa: BLE001
                         row[f"{p}_acc_error"] = str(exc).splitlines()[0]
-            from seedvr2bw.optimization.nvfp4.linear import _FIDELITY_CHOICE
-            ch = [v for kk, v in _FIDELITY_CHOICE.items() if kk[1:3] == (n, k) and kk[0] == K._m_bucket(m)]
-            if ch:
-                row["fidelity_small_m_kernel"] = ch[0]
+            if "fidelity" in layers:
+                row["fidelity_kernel"] = layers["fidelity"]._fidelity_kernel_for(xs[0])
             results.append(row)
             line = f"K={k:5d} N={n:5d} M={m:5d} " + " ".join(
                 f"{p}={row[f'{p}_ms']:.4f}ms" + (f"({row[f'{p}_vs_bf16']:.2f}x)" if f"{p}_vs_bf16" in row else "")
                 for p in paths if f"{p}_ms" in row)
             if "fidelity_vs_ck" in row:
                 line += f" fid/ck={row['fidelity_vs_ck']:.2f}x"
-            if "fidelity_small_m_kernel" in row:
-                line += f" [{row['fidelity_small_m_kernel']}]"
+            if "fidelity_kernel" in row:
+                line += f" [{row['fidelity_kernel']}]"
             print(line, flush=True)
             del xs
         del layers, fns
@@ -208,15 +263,20 @@ def main(argv=None):
     summary["fused_w4a16_unavailable"] = _FUSED_BROKEN[0] if _FUSED_BROKEN else None
     print(json.dumps(summary))
     print("\n| K | N | M | " + " | ".join(f"{p} ms" for p in paths) + " | " +
-          " | ".join(f"{p}/bf16" for p in paths if p != "bf16") + " | fid/ck |")
+          " | ".join(f"{p}/bf16" for p in paths if p != "bf16") + " | fid/ck | fid kernel |")
+    print("|" + "---|" * (3 + 2 * len(paths) - 1 + 2))
     for r in results:
         cells = [f"{r.get(p + '_ms', float('nan')):.4f}" for p in paths]
         ratios = [f"{r.get(p + '_vs_bf16', float('nan')):.2f}" for p in paths if p != "bf16"]
         print(f"| {r['K']} | {r['N']} | {r['M']} | " + " | ".join(cells) + " | " + " | ".join(ratios) +
-              f" | {r.get('fidelity_vs_ck', float('nan')):.2f} |")
+              f" | {r.get('fidelity_vs_ck', float('nan')):.2f} | {r.get('fidelity_kernel', '')} |")
+    if args.sweep:
+        results_sweep = sweep_w4a16(dev, args)
+    else:
+        results_sweep = []
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"info": info, "results": results, "accuracy": summary}, fh, indent=1)
+            json.dump({"info": info, "results": results, "accuracy": summary, "sweep": results_sweep}, fh, indent=1)
     return 0
 
 

@@ -244,6 +244,7 @@ class NVFP4Linear(_QuantLinearBase):
         # "dequant" (whole weight -> bf16 + one cuBLAS call), "pipelined" (chunked, dequant overlapped with the
         # GEMM), "timed" (time the candidates once per M bucket and shape, keep the fastest)
         self.fidelity_kernel = "auto"
+        self.pipeline_chunks = None      # None: PIPELINE_CHUNKS
         self._derived: dict = {}
 
     # -- construction -------------------------------------------------------------------------------------
@@ -379,7 +380,7 @@ class NVFP4Linear(_QuantLinearBase):
         dtype = x2.dtype if x2.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         x2 = x2.to(dtype)
         m, n, k = x2.shape[0], self.out_features, self.in_features
-        bounds = plan_chunks(n, chunks or PIPELINE_CHUNKS)
+        bounds = plan_chunks(n, chunks or getattr(self, "pipeline_chunks", None) or PIPELINE_CHUNKS)
         out = torch.empty((m, n), dtype=dtype, device=x2.device)
         bias = self.bias.to(dtype) if self.bias is not None else None
         if not x2.is_cuda:

@@ -106,8 +106,9 @@ def test_paths_match_their_cpu_emulation(path, tol, m, n, k):
 
 @cuda
 @needs_triton
-@pytest.mark.parametrize("kernel", ["fused", "dequant", "auto"])
-@pytest.mark.parametrize("m,n,k", [(1, 96, 160), (64, 512, 2560), (200, 80, 72), (256, 3072, 3072)])
+@pytest.mark.parametrize("kernel", ["fused", "dequant", "auto", "pipelined", "timed"])
+@pytest.mark.parametrize("m,n,k", [(1, 96, 160), (64, 512, 2560), (200, 80, 72), (256, 3072, 3072),
+                                   (1100, 1000, 160)])
 def test_fidelity_small_m_kernels(kernel, m, n, k):
     layer = _layer(n, k, "fidelity", seed=m + k)
     layer.fidelity_kernel = kernel
@@ -115,6 +116,51 @@ def test_fidelity_small_m_kernels(kernel, m, n, k):
     want = expected_output(layer, x, "reference")
     got = layer.to(DEV)(x.to(DEV)).double().cpu()
     assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+@cuda
+@needs_triton
+@pytest.mark.parametrize("m,n,k", [(1, 3072, 3072), (16, 300, 512), (40, 2560, 6912), (64, 640, 2560),
+                                   (130, 384, 96), (256, 1000, 3072), (600, 257, 208)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a16_swab_kernel_all_configs(m, n, k, bias, dtype):
+    """Every row of the config table (split-K and not, even and odd K, N not a multiple of the tile)."""
+    t = fmt.quantize_nvfp4(torch.randn(n, k) * 0.1, return_tensor=True)
+    x = torch.randn(m, t.packed.shape[1] * 2).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    want = x.double() @ t.dequantize().double().t() + (b.double() if bias else 0)
+    cfg = K.w4a16_config(m, n, x.shape[1], torch.device(DEV))
+    got = K.w4a16_linear(x.to(DEV), t.packed.to(DEV), t.block_scale.to(DEV), t.global_scale.to(DEV), n,
+                         b.to(DEV) if bias else None)
+    assert got.dtype == dtype and got.shape == (m, n)
+    err = ((got.double().cpu() - want).norm() / want.norm()).item()
+    assert err < 5e-3, (err, cfg)
+
+
+@cuda
+@needs_triton
+@pytest.mark.parametrize("chunks", [1, 2, 3, 8])
+@pytest.mark.parametrize("n,k,bias", [(1000, 160, True), (3072, 512, False), (257, 48, True)])
+def test_pipelined_matches_expected_and_is_stream_safe(chunks, n, k, bias):
+    """Chunked dequant on the side stream + GEMMs into column slices: equals the CPU emulation; two layers
+    back to back (sharing the scratch buffers) on a non-default stream."""
+    a = _layer(n, k, "fidelity", bias=bias, seed=chunks).to(DEV)
+    b = _layer(n, n, "fidelity", bias=not bias, seed=chunks + 1).to(DEV)
+    x = torch.randn(700, k).to(torch.bfloat16)
+    want_a = expected_output(a, x, "fidelity")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        xd = x.to(DEV)
+        for _ in range(3):
+            ya = a._fidelity_pipelined(xd, chunks=chunks)
+            yb = b._fidelity_pipelined(ya, chunks=chunks)
+    torch.cuda.synchronize()
+    want_b = expected_output(b, ya.cpu(), "fidelity")
+    for got, want in ((ya, want_a), (yb, want_b)):
+        assert torch.isfinite(got).all()
+        err = ((got.double().cpu() - want).norm() / want.norm()).item()
+        assert err < 1e-2, err
 
 
 @cuda
