@@ -247,6 +247,9 @@ def main(argv=None):
             if "fidelity_kernel" in row:
                 line += f" [{row['fidelity_kernel']}]"
             print(line, flush=True)
+            if args.json:     # written after every row, so a run cut short still leaves its numbers
+                with open(args.json, "w") as fh:
+                    json.dump({"info": info, "results": results, "partial": True}, fh, indent=1)
             del xs
         del layers, fns
         torch.cuda.empty_cache()
