@@ -345,8 +345,9 @@ def w4a16_config(m: int, n: int, k: int, device, configs=None):
     k_tiles = -(-k // bk)
     sk = 1
     target = 2 * _sm_count(torch.device(device))
+    max_sk = max(1, k // (8 * m))   # fp32 partials (sk * m * n * 4 B, written + read) <= the packed weight
     for cand in (2, 3, 4, 6, 8):   # K tiles must split evenly (each split a whole number of tiles, >= 4)
-        if tiles * sk >= target:
+        if tiles * sk >= target or cand > max_sk:
             break
         if k_tiles % cand == 0 and k_tiles // cand >= 4:
             sk = cand
