@@ -78,3 +78,42 @@ def test_node_errors(nodes_mod, tmp_path):
     ds = N.FluxLoraDatasetNode.execute(str(folder), "", "", 256, True).result[0]
     with pytest.raises(TypeError, match="needs a FLUX model.*Fix"):
         N.FluxLoraTrainNode.execute(NotFlux(), FakeVAE(), FakeCLIP(), ds, _settings(N), "x", True)
+
+
+def test_schemas_and_loraloader_link(nodes_mod):
+    """V3 schemas validate, and the train node's lora_name output type-checks into LoraLoader's combo input."""
+    N = nodes_mod
+    from comfy_execution.validation import validate_node_input
+    import nodes
+    for cls in N.NODES:
+        cls.GET_SCHEMA()
+    out_type = N.FluxLoraTrainNode.RETURN_TYPES[0]
+    for loader in (nodes.LoraLoader, nodes.LoraLoaderModelOnly):
+        combo = loader.INPUT_TYPES()["required"]["lora_name"][0]
+        assert validate_node_input(out_type, combo)
+    assert N.FluxLoraTrainNode.RETURN_TYPES[2] == "IMAGE"
+
+
+def test_workflow_file(nodes_mod):
+    """workflows/flux_lora_train.json: UI format, known node types, our widget values match our schemas,
+    and the LoRA name goes from the train node into ComfyUI's LoraLoader."""
+    import json
+    import nodes
+    N = nodes_mod
+    wf = json.loads((Path(__file__).resolve().parents[1] / "workflows" / "flux_lora_train.json").read_text())
+    ours = {c.GET_SCHEMA().node_id: c for c in N.NODES}
+    byid = {n["id"]: n for n in wf["nodes"]}
+    extras = "".join(p.read_text(errors="replace") for p in (Path(nodes.__file__).parent / "comfy_extras").glob("*.py"))
+    for n in wf["nodes"]:
+        assert (n["type"] in ours or n["type"] in nodes.NODE_CLASS_MAPPINGS
+                or f'"{n["type"]}"' in extras), n["type"]  # comfy_extras nodes (FluxGuidance, EmptySD3LatentImage)
+        if n["type"] in ours:
+            it = ours[n["type"]].INPUT_TYPES()
+            widgets = [k for sec in ("required", "optional") for k, v in it.get(sec, {}).items()
+                       if isinstance(v[0], list) or v[0] in ("STRING", "INT", "FLOAT", "BOOLEAN", "COMBO")]
+            assert len(n["widgets_values"]) == len(widgets), (n["type"], len(n["widgets_values"]), len(widgets))
+    links = {l[0]: l for l in wf["links"]}
+    ll = next(n for n in wf["nodes"] if n["type"] == "LoraLoader")
+    name_in = next(i for i in ll["inputs"] if i["name"] == "lora_name")
+    src = links[name_in["link"]]
+    assert byid[src[1]]["type"] == "SeedVR2BW_FluxLoraTrain" and src[2] == 0
