@@ -374,3 +374,54 @@ def test_rope_function_matches_comfyui_autograd(comfy):
     out = _Rope.apply(x, cos, sin)
     (go,) = torch.autograd.grad(out, x, g)
     assert torch.allclose(out, ref, atol=1e-6) and torch.allclose(go, gr, atol=1e-5)
+
+
+def test_fp8_stored_base_used_as_is(comfy, tmp_path):
+    """A model ComfyUI loaded in fp8 (weight_dtype fp8_e4m3fn): base_precision=fp8 uses the stored fp8 weights
+    (no re-quantization, nothing offloaded) and leaves them untouched."""
+    T = _tr()
+    from seedvr2bw.training.quant import block_linears
+    ds = _dataset(tmp_path)
+    mp = tiny_flux_patcher()
+    dm = mp.model.diffusion_model
+    with torch.no_grad():
+        for _, lin in block_linears(dm):
+            lin.weight.data = lin.weight.data.to(torch.float8_e4m3fn)
+    before = {n: l.weight.data.clone() for n, l in block_linears(dm)}
+    tr = T.FluxLoraTrainer(dm, _cfg(tmp_path, steps=3, base_precision="fp8"), ds,
+                           latent_format=mp.model.latent_format, device="cpu")
+    assert all(moved is None for _, moved, _ in tr.quant.saved)
+    tr.run()
+    tr.close()
+    assert all(l1 == l2 for l1, l2 in zip(tr.losses, tr.losses)) and all(v == v for v in tr.losses)
+    for n, l in block_linears(dm):
+        assert l.weight.dtype == torch.float8_e4m3fn and torch.equal(l.weight.data.view(torch.uint8),
+                                                                     before[n].view(torch.uint8))
+
+
+def test_bf16_cast_cache_gradients_match(comfy, tmp_path):
+    """LoRA weights cast once per step (shared by forward and checkpoint recompute) give the same gradients."""
+    T = _tr()
+    ds = _dataset(tmp_path)
+    mp = tiny_flux_patcher()
+    tr = T.FluxLoraTrainer(mp.model.diffusion_model, _cfg(tmp_path), ds, latent_format=mp.model.latent_format,
+                           device="cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in tr.network.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    x0 = tr._process_in(ds.latents[0][None]).double()
+    cap = ds.items[0].caption
+    mp.model.diffusion_model.double()
+    grads = []
+    for cached in (False, True):
+        tr.network.zero_grad(set_to_none=True)
+        import contextlib
+        cm = tr.network.cast_cache(torch.float64) if cached else contextlib.nullcontext()
+        with cm:
+            pred = tr.forward(x0 * 0.5, torch.tensor([0.5]), ds.conds[cap][None].double(),
+                              ds.pooled[cap][None].double(), 1.0)
+            pred.square().mean().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in tr.network.parameters()]))
+    tr.close()
+    assert torch.allclose(grads[0], grads[1], rtol=1e-6, atol=1e-9)

@@ -97,6 +97,15 @@ class LoraModule(nn.Module):
         nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_up.weight)
         self.enabled = True
+        self._cache = None
+
+    def compute_weights(self, dtype):
+        """(down, up) in the compute dtype. Within a training step the cast is done once and shared by the
+        forward and the checkpoint recompute (``FluxLoraNetwork.cast_cache``)."""
+        c = self._cache
+        if c is not None and c[0].dtype == dtype:
+            return c
+        return self.lora_down.weight.to(dtype), self.lora_up.weight.to(dtype)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         dt = x.dtype
@@ -113,10 +122,10 @@ def _hook(lora: LoraModule):
             return output
         x = args[0]
         dt = output.dtype
-        h = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).to(dt), lora.lora_down.weight.to(dt))
+        down, up = lora.compute_weights(dt)
+        h = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).to(dt), down)
         # one GEMM-with-accumulate instead of up-GEMM + scale + add over the (large) output
-        out = torch.addmm(output.reshape(-1, output.shape[-1]), h, lora.lora_up.weight.to(dt).t(),
-                          alpha=lora.scale)
+        out = torch.addmm(output.reshape(-1, output.shape[-1]), h, up.t(), alpha=lora.scale)
         return out.view(output.shape)
     return hook
 
@@ -204,6 +213,22 @@ class FluxLoraNetwork(nn.Module):
         for h in self._handles:
             h.remove()
         self._handles = []
+
+    def cast_cache(self, dtype):
+        """Context: cast every LoRA weight to ``dtype`` once (autograd-connected) for one forward/backward."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            for m in self.loras.values():
+                if m.lora_down.weight.dtype != dtype:
+                    m._cache = (m.lora_down.weight.to(dtype), m.lora_up.weight.to(dtype))
+            try:
+                yield
+            finally:
+                for m in self.loras.values():
+                    m._cache = None
+        return ctx()
 
     def set_enabled(self, flag: bool):
         for m in self.loras.values():

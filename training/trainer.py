@@ -177,9 +177,10 @@ class FluxLoraTrainer:
                                   shift=cfg.shift, image_seq_len=seq)
             x_t, target = noisy_input(x0, noise, sigma)
             dev, dt = self.device, self.dtype
-            pred = self.forward(x_t.to(dev, dt), sigma.to(dev), ctx.to(dev, dt), y.to(dev, dt), cfg.guidance)
-            loss = flow_loss(pred, target.to(dev), cfg.loss_type) / cfg.grad_accum
-            loss.backward()
+            with self.network.cast_cache(dt):
+                pred = self.forward(x_t.to(dev, dt), sigma.to(dev), ctx.to(dev, dt), y.to(dev, dt), cfg.guidance)
+                loss = flow_loss(pred, target.to(dev), cfg.loss_type) / cfg.grad_accum
+                loss.backward()
             total += float(loss.detach())
         if cfg.max_grad_norm and cfg.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.network.parameters(), cfg.max_grad_norm)
