@@ -111,7 +111,10 @@ def test_workflow_file(nodes_mod):
             it = ours[n["type"]].INPUT_TYPES()
             widgets = [k for sec in ("required", "optional") for k, v in it.get(sec, {}).items()
                        if isinstance(v[0], list) or v[0] in ("STRING", "INT", "FLOAT", "BOOLEAN", "COMBO")]
-            assert len(n["widgets_values"]) == len(widgets), (n["type"], len(n["widgets_values"]), len(widgets))
+            # The frontend gives INT inputs named seed/noise_seed (or asking for it) a control_after_generate widget.
+            controls = [k for sec in ("required", "optional") for k, v in it.get(sec, {}).items()
+                        if v[0] == "INT" and (k in ("seed", "noise_seed") or (len(v) > 1 and v[1].get("control_after_generate")))]
+            assert len(n["widgets_values"]) == len(widgets) + len(controls), (n["type"], len(n["widgets_values"]), len(widgets))
     links = {l[0]: l for l in wf["links"]}
     ll = next(n for n in wf["nodes"] if n["type"] == "LoraLoader")
     name_in = next(i for i in ll["inputs"] if i["name"] == "lora_name")
