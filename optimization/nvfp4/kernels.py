@@ -319,11 +319,15 @@ def _m_bucket(m: int) -> int:
 # (max M, BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages) for the swap-AB W4A16 kernel; first row whose max M
 # covers M is used. SPLIT_K is then chosen so that the grid has >= ~2 programs per SM with >= 4 K tiles each.
 W4A16_CONFIGS = [
-    (16, 128, 16, 128, 4, 4),
-    (32, 128, 32, 128, 4, 4),
-    (64, 128, 64, 128, 4, 3),
-    (128, 128, 64, 128, 4, 3),
-    (1 << 30, 128, 128, 64, 8, 3),
+    # H100, bench_nvfp4 --sweep (do_bench median, one launch per sample), K=3072:
+    #   M=16:  (64,16,256)  0.023 ms N=3072 / 0.040 ms N=12288 (0.75x / 0.99x bf16) vs (128,16,128) 0.153 / 0.048
+    #   M=64:  (128,64,64)  0.024 / 0.052 ms (0.65x / 0.78x bf16)                  vs (128,64,128)  0.032 / 0.082
+    #   M=256: (128,256,64) 0.080 / 0.090 ms (0.23x / 0.49x bf16); (128,128,64)    0.071 / 0.134
+    (16, 64, 16, 256, 4, 4),
+    (32, 64, 32, 256, 4, 4),
+    (64, 128, 64, 64, 4, 4),
+    (128, 128, 128, 64, 8, 3),
+    (1 << 30, 128, 256, 64, 8, 3),
 ]
 _SM_COUNT: dict = {}
 

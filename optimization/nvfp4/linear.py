@@ -38,11 +38,17 @@ FIDELITY_KERNELS = ("auto", "fused", "dequant", "pipelined", "timed")
 # fidelity path, kernel by rows M (bf16/fp16 activations on CUDA), fidelity_kernel="auto":
 #   M <= FUSED_MAX_M           -> fused W4A16 Triton kernel (reads the 4-bit weight; no bf16 weight is written)
 #   M >= PIPELINE_MIN_M         -> pipelined: weight dequantized chunk by chunk on a side stream while cuBLAS
-#                                  multiplies the previous chunk (dequant hidden behind the GEMM)
+#                                  multiplies the previous chunk (None: never chosen by "auto")
 #   otherwise                   -> dequant (whole weight -> bf16, one cuBLAS call)
-# Provisional values, see the measurement note in scripts/bench_nvfp4.py's docstring.
-FUSED_MAX_M = 256
-PIPELINE_MIN_M = 1024
+# Measured on H100 (torch 2.11, Triton 3.6, bench_nvfp4 --inner 8, 6 SeedVR2 shapes, 2026-11-22):
+#   M=64:   fused 0.079-0.127 ms, dequant 0.081-0.132 ms (both host-bound: one Triton launch ~40-70 us host)
+#   M=256:  fused won on 2560x6912 / 3072^2 (0.090 vs 0.108, 0.088 vs 0.104 ms), dequant on the 4 others
+#           (e.g. 12288x3072: 0.089 vs 0.151 ms)
+#   M>=1024: dequant fastest everywhere (0.69-0.95x bf16); pipelined 2/4/8 chunks slower at every M
+#           (4096, 3072x12288: 0.58 / 0.80 / 2.0 ms vs dequant 0.49 ms): each chunk costs a Triton launch
+#           (host) and the bias pre-fill of the output slice (2 B/output, the size of the dequant it hides).
+FUSED_MAX_M = 64
+PIPELINE_MIN_M = None
 PIPELINE_CHUNKS = 4          # N chunks of the pipelined path (each a multiple of PIPELINE_ALIGN rows)
 PIPELINE_ALIGN = 128         # chunk boundaries on 128-row multiples: the swizzled scales slice per chunk
 SMALL_M = FUSED_MAX_M        # kept for older callers
@@ -445,7 +451,7 @@ class NVFP4Linear(_QuantLinearBase):
             return choice
         if fused_ok and m <= FUSED_MAX_M:
             return "fused"
-        if pipe_ok and m >= PIPELINE_MIN_M:
+        if pipe_ok and PIPELINE_MIN_M is not None and m >= PIPELINE_MIN_M:
             return "pipelined"
         return "dequant"
 
