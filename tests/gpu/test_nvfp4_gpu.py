@@ -241,3 +241,24 @@ def test_torch_quantizer_on_gpu_matches_cpu(recipe):
     p, s, _ = fmt.quantize_nvfp4(x, g, recipe=recipe)
     pg, sg, _ = fmt.quantize_nvfp4(x.to(DEV), g.to(DEV), recipe=recipe)
     assert torch.equal(pg.cpu(), p) and torch.equal(_u8(sg.cpu()), _u8(s))
+
+
+@cuda
+@needs_triton
+@pytest.mark.parametrize("m,n,k", [(1, 3072, 3072), (64, 640, 2560), (256, 1000, 3072)])
+def test_fast_relaunch_gives_the_same_bits(m, n, k):
+    """Second and later calls reuse the compiled kernel through its launcher (kernels._launch): same bytes as
+    the first (normal) launch, for the fused W4A16 kernel (+ split-K reduce) and the dequant kernel."""
+    t = fmt.quantize_nvfp4(torch.randn(n, k) * 0.1, return_tensor=True).to(DEV)
+    b = torch.randn(n, dtype=torch.bfloat16, device=DEV)
+    ys = []
+    for i in range(3):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(DEV)
+        ys.append(K.w4a16_linear(x, t.packed, t.block_scale, t.global_scale, n, b))
+    ws = [K.dequantize_nvfp4_triton(t.packed, t.block_scale, t.global_scale, t.shape) for _ in range(3)]
+    torch.cuda.synchronize()
+    assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2])
+    assert torch.equal(ws[0], ws[1]) and torch.equal(ws[0], ws[2])
+    assert torch.equal(ws[0].cpu(), t.to("cpu").dequantize(torch.bfloat16))
+    want = x.double().cpu() @ t.to("cpu").dequantize().double().t() + b.double().cpu()
+    assert ((ys[2].double().cpu() - want).norm() / want.norm()).item() < 5e-3
