@@ -117,7 +117,8 @@ def bench_dit(name, cfg, cases, args, peak):
     rows = []
     model = random_dit(cfg, args.backends[0])
     weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 30
-    for backend, (res, frames) in [(b, c) for b in args.backends for c in cases]:
+    for backend, (res, frames), fz in [(b, c, f) for b in args.backends for c in cases for f in args.fused_modes]:
+        os.environ["SEEDVR2_FUSED"] = "1" if fz == "on" else "0"
         model.attention_backend = backend
         h, w = RESOLUTIONS[res]
         padded, latent = latent_grid(h, w, frames)
@@ -130,7 +131,7 @@ def bench_dit(name, cfg, cases, args, peak):
         t = torch.tensor([1000.0], device="cuda")
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        row = {"model": name, "backend": backend, "res": res, "frames": frames, "padded_frames": padded, "latent": list(latent),
+        row = {"model": name, "backend": backend, "fused": fz, "res": res, "frames": frames, "padded_frames": padded, "latent": list(latent),
                "tokens": fl["tokens"], "max_window_tokens": fl["max_segment"], "tflop": fl["total"] / 1e12,
                "attn_flop_share": fl["attention"] / fl["total"], "weights_gib": weights_gib}
         try:
@@ -214,16 +215,69 @@ def profile_one(args, cfgs):
     torch.cuda.empty_cache()
 
 
+def bench_fused_ops(n=21600, d=3072, heads=24, hidden=12288):
+    """Each fused op against its torch path (the model's own functions) at the 7B 720p x 21 shape."""
+    from seedvr2bw.models.seedvr2.dit import modulation as M
+    from seedvr2bw.models.seedvr2.dit.norm import rms_norm
+    from seedvr2bw.models.seedvr2.dit.rope import apply_rope, make_rope_table
+    from seedvr2bw.optimization import fused
+
+    bf = torch.bfloat16
+    dev = "cuda"
+    x, o = torch.randn(n, d, device=dev, dtype=bf), torch.randn(n, d, device=dev, dtype=bf)
+    e = torch.randn(1, d, 3, device=dev, dtype=bf)
+    p = torch.randn(d, device=dev, dtype=bf)
+    qkv = torch.randn(n, 3 * d, device=dev, dtype=bf)
+    w = torch.ones(128, device=dev, dtype=bf)
+    table = make_rope_table(torch.rand(n, 60) * 6, dev)
+    perm = torch.randperm(n, device=dev)
+    q, k, v = (torch.empty(n, heads, 128, device=dev, dtype=bf) for _ in range(3))
+    lin_w = torch.randn(hidden, d, device=dev, dtype=bf) * d ** -0.5
+    lin_b = torch.randn(hidden, device=dev, dtype=bf)
+    sa, sb = torch.randn(n, 6912, device=dev, dtype=bf), torch.randn(n, 6912, device=dev, dtype=bf)
+    unit = n * d * 2 / 3e12  # one N x D bf16 pass at 3 TB/s
+
+    def torch_qkv():
+        t = qkv.view(n, 3, heads, 128)
+        for slot in (0, 1):
+            apply_rope(rms_norm(t[:, slot], w, 1e-5), table, out=t[:, slot])
+        out = torch.empty(n, 3, heads, 128, device=dev, dtype=bf)
+        out.index_copy_(0, perm, t)
+        return [u.contiguous() for u in out.unbind(1)]
+
+    ops = {
+        "norm_modulate": (2, lambda: M.modulate_in(rms_norm(x, None, 1e-5), e, p, p, [n]),
+                          lambda: fused.norm_modulate(x, M._vec(e, 1, p), M._vec(e, 0, p), 1e-5, [n])),
+        "residual_norm_modulate": (4, lambda: M.modulate_in(rms_norm(M.gated_residual(x, o, e, p, [n]), None, 1e-5), e, p, p, [n]),
+                                   lambda: fused.residual_norm_modulate(x, o, M._vec(e, 2, p), M._vec(e, 1, p), M._vec(e, 0, p), 1e-5, [n])),
+        "gated_residual": (3, lambda: M.gated_residual(x, o, e, p, [n]), lambda: fused.gated_residual(x, o, M._vec(e, 2, p), [n])),
+        "qkv_norm_rope_pack": (6, torch_qkv,
+                               lambda: fused.qkv_norm_rope_pack(qkv, heads, 128, w, w, 1e-5, table.cos_pair, table.sin_pair, perm, q, k, v)),
+        "silu_mul(N x 6912)": (3 * 6912 / d, lambda: torch.nn.functional.silu(sa) * sb, lambda: fused.silu_mul(sa, sb)),
+        "linear+gelu(N x 4D)": (0, lambda: torch.nn.functional.gelu(torch.nn.functional.linear(x, lin_w, lin_b), approximate="tanh"),
+                                lambda: fused.linear_gelu(x, lin_w, lin_b)),
+    }
+    res = {}
+    print(f"# fused ops at N={n}, D={d} (one N x D bf16 pass = {unit * 1e6:.0f} us at 3 TB/s)")
+    for name, (passes, ref_fn, fz_fn) in ops.items():
+        t_ref, _ = cuda_time(ref_fn, 3, 10)
+        t_fz = cuda_time(fz_fn, 3, 10)[0] if fz_fn is not None else float("nan")
+        res[name] = {"torch_us": t_ref * 1e6, "fused_us": t_fz * 1e6, "predicted_us": passes * unit * 1e6}
+        print(f"#   {name:>24}: torch {t_ref * 1e6:8.0f} us   fused {t_fz * 1e6:8.0f} us   bytes floor {passes * unit * 1e6:6.0f} us",
+              flush=True)
+    return res
+
+
 # --------------------------------------------------------------------------------------------------
 def fmt_header():
-    return (f"{'model':>5} {'attention':>12} {'res':>6} {'frm':>4} {'latent THW':>13} {'tokens':>7} {'maxwin':>6} "
+    return (f"{'model':>5} {'attention':>12} {'fused':>5} {'res':>6} {'frm':>4} {'latent THW':>13} {'tokens':>7} {'maxwin':>6} "
             f"{'TFLOP':>8} {'attn%':>6} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8}")
 
 
 def fmt_row(r):
     if "error" in r:
-        return f"{r['model']:>5} {r['backend']:>12} {r['res']:>6} {r['frames']:>4} {str(tuple(r['latent'])):>13} {r['tokens']:>7}  {r['error']}"
-    return (f"{r['model']:>5} {r['backend']:>12} {r['res']:>6} {r['frames']:>4} {str(tuple(r['latent'])):>13} {r['tokens']:>7} "
+        return f"{r['model']:>5} {r['backend']:>12} {r.get('fused', '-'):>5} {r['res']:>6} {r['frames']:>4} {str(tuple(r['latent'])):>13} {r['tokens']:>7}  {r['error']}"
+    return (f"{r['model']:>5} {r['backend']:>12} {r.get('fused', '-'):>5} {r['res']:>6} {r['frames']:>4} {str(tuple(r['latent'])):>13} {r['tokens']:>7} "
             f"{r['max_window_tokens']:>6} {r['tflop']:>8.1f} {100 * r['attn_flop_share']:>5.1f}% {r['step_s']:>8.3f} "
             f"{r['tflops']:>8.1f} {100 * r['mfu']:>5.1f}% {r['peak_vram_gib']:>8.1f}")
 
@@ -256,7 +310,12 @@ def main():
                     help="also print the top CUDA kernels of one forward, e.g. 3b:720p:21")
     ap.add_argument("--flops-only", action="store_true", help="print the FLOP counts and exit (no GPU needed)")
     ap.add_argument("--json", default=None, help="write the results to this path")
+    ap.add_argument("--fused", default="on", choices=["on", "off", "both"],
+                    help="Triton fused elementwise kernels (optimization/fused): on, off or both (A/B per case)")
+    ap.add_argument("--fused-ops", action="store_true",
+                    help="also time each fused op against its torch path at the 7B 720p x 21 shape")
     args = ap.parse_args()
+    args.fused_modes = ["off", "on"] if args.fused == "both" else [args.fused]
     if args.quick:
         args.warmup, args.iters, args.vae_iters, args.vae_warmup = 1, 3, 1, 1
 
@@ -291,6 +350,11 @@ def main():
     print(f"# {info['device']} | torch {info['torch']} | commit {info['commit']} | attention {backend} "
           f"(available {info['available_backends']}) | measured bf16 matmul peak {peak:.0f} TFLOP/s")
     print(fmt_header(), flush=True)
+    from seedvr2bw.optimization import fused
+    info["fused_selftest"] = fused.selftest(torch.device("cuda")) if fused.triton_available() else (False, "no triton")
+    print(f"# fused kernels self-test: {info['fused_selftest']}")
+    if args.fused_ops:
+        info["fused_ops"] = bench_fused_ops()
     rows = []
     for m in models:
         rows += bench_dit(m, cfgs[m], cases, args, peak)
