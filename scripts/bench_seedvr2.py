@@ -310,6 +310,8 @@ def main():
                     help="also print the top CUDA kernels of one forward, e.g. 3b:720p:21")
     ap.add_argument("--flops-only", action="store_true", help="print the FLOP counts and exit (no GPU needed)")
     ap.add_argument("--json", default=None, help="write the results to this path")
+    ap.add_argument("--cases", default=None, metavar="RES:FRAMES,...",
+                    help="explicit cases, e.g. 720p:21,1080p:1 (overrides --res/--frames)")
     ap.add_argument("--fused", default="on", choices=["on", "off", "both"],
                     help="Triton fused elementwise kernels (optimization/fused): on, off or both (A/B per case)")
     ap.add_argument("--fused-ops", action="store_true",
@@ -322,6 +324,8 @@ def main():
     cfgs = {"3b": SEEDVR2_3B, "7b": SEEDVR2_7B}
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     cases = [(r.strip(), int(f)) for r in args.res.split(",") for f in args.frames.split(",")]
+    if args.cases:
+        cases = [(c.split(":")[0].strip(), int(c.split(":")[1])) for c in args.cases.split(",") if c.strip()]
     if args.flops_only:
         for m in models:
             for res, frames in cases:
@@ -358,8 +362,6 @@ def main():
     rows = []
     for m in models:
         rows += bench_dit(m, cfgs[m], cases, args, peak)
-    if args.profile:
-        profile_one(args, cfgs)
     vae_rows = []
     if args.vae:
         vres = args.vae_res.split(",") if args.vae_res else [r for r, _ in cases]
@@ -369,6 +371,8 @@ def main():
         with open(args.json, "w") as f:
             json.dump({"info": info, "dit": rows, "vae": vae_rows}, f, indent=1)
         print(f"# wrote {args.json}")
+    if args.profile:
+        profile_one(args, cfgs)
 
 
 if __name__ == "__main__":
