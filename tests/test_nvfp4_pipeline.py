@@ -29,14 +29,16 @@ def test_plan_chunks_cover_rows_exactly_on_aligned_starts(n, chunks):
     assert plan_chunks(0, 4) == []
 
 
-@pytest.mark.parametrize("n,k", [(300, 96), (257, 48), (640, 160), (80, 32), (384, 64)])
+@pytest.mark.parametrize("n,k", [(300, 96), (257, 48), (640, 160), (80, 32), (384, 64), (96, 1000), (40, 520)])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("chunks", [1, 2, 3, 8])
-def test_pipelined_chunks_match_expected_output(n, k, bias, chunks):
+@pytest.mark.parametrize("split", ["k", "n"])
+def test_pipelined_chunks_match_expected_output(n, k, bias, chunks, split):
     layer = _layer(n, k, bias=bias, seed=n + k)
     x = torch.randn(37, k).to(torch.bfloat16)
     want = expected_output(layer, x, "fidelity")
-    got = layer._fidelity_pipelined(x, chunks=chunks)
+    fn = layer._fidelity_pipelined if split == "k" else layer._fidelity_pipelined_n
+    got = fn(x, chunks=chunks)
     assert got.shape == (37, n) and got.dtype == torch.bfloat16
     err = ((got.double() - want).norm() / want.norm()).item()
     assert err < 1e-2, err
@@ -51,6 +53,17 @@ def test_dequant_rows_equal_slices_of_the_full_dequant(n, k):
     full = layer.nvfp4.dequantize(torch.float32)
     for n0, n1 in plan_chunks(n, 3):
         assert torch.equal(layer._dequant_rows(n0, n1, torch.float32), full[n0:n1])
+
+
+@pytest.mark.parametrize("n,k", [(300, 96), (40, 520), (64, 1000)])
+def test_dequant_cols_equal_column_slices_of_the_full_dequant(n, k):
+    layer = _layer(n, k)
+    full = layer.nvfp4.dequantize(torch.float32)
+    kp = layer.weight.shape[1] * 2
+    full = torch.nn.functional.pad(full, (0, kp - k))
+    for c0, c1 in ((0, 64), (64, kp), (0, kp), (16, 48)):
+        c1 = min(c1, kp)
+        assert torch.equal(layer._dequant_cols(c0, c1, torch.float32), full[:, c0:c1])
 
 
 def test_kernel_choice_by_m(monkeypatch):

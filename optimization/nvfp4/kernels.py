@@ -130,18 +130,21 @@ if HAS_TRITON:
     @triton.autotune(configs=[triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
                               for r, c, w in ((32, 64, 4), (16, 256, 4), (32, 256, 8), (8, 512, 4), (64, 128, 8),
                                               (16, 512, 8), (4, 1024, 4))],
-                     key=["R", "HALF"])
+                     key=["R", "HALF", "HALF_C"])
     @triton.jit
-    def _dequant_kernel(p_ptr, s_ptr, lut_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4,
+    def _dequant_kernel(p_ptr, s_ptr, lut_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4, C0, HALF_C,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Packed columns [C0, C0 + HALF_C) of every row (C0 a multiple of 8: whole 16-blocks) ->
+        o[N_OUT, K_OUT] (K_OUT <= 2 * HALF_C)."""
         pid_r = tl.program_id(0)
         pid_c = tl.program_id(1)
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         pcols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask = (rows[:, None] < R) & (pcols[None, :] < HALF)
-        p = tl.load(p_ptr + rows[:, None].to(tl.int64) * HALF + pcols[None, :], mask=mask, other=0).to(tl.int32)
+        mask = (rows[:, None] < R) & (pcols[None, :] < HALF_C)
+        p = tl.load(p_ptr + rows[:, None].to(tl.int64) * HALF + C0 + pcols[None, :], mask=mask,
+                    other=0).to(tl.int32)
         g = tl.load(g_ptr)
-        blk = (pcols * 2) // 16
+        blk = ((C0 + pcols) * 2) // 16
         soff = _swz_offset(rows[:, None].to(tl.int64), blk[None, :], NCB4)
         s = tl.load(s_ptr + soff, mask=mask, other=0.0).to(tl.float32)
         total = g * s
@@ -352,25 +355,31 @@ def quantize_act_fp8_rowwise(x: torch.Tensor):
     return q, s
 
 
-def dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype=torch.bfloat16, out=None):
-    """NVFP4 (internal convention) -> ``dtype`` [shape], bit-exact with ``format.dequantize_nvfp4``."""
+def dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype=torch.bfloat16, out=None,
+                            col0: int = 0):
+    """NVFP4 (internal convention) -> ``dtype`` [shape], bit-exact with ``format.dequantize_nvfp4``.
+    ``col0`` (a multiple of 16): dequantize columns [col0, col0 + shape[1]) of the weight only."""
     _check_triton(packed)
     R, HALF = packed.shape
     n, k = shape
+    if col0 % 16:
+        raise ValueError(f"col0={col0} is not a multiple of 16")
     if out is None:
         out = torch.empty((n, k), dtype=dtype, device=packed.device)
     sc = block_scale.shape[1]
     g = global_scale.to(device=packed.device, dtype=torch.float32).reshape(1)
-    kh = min(HALF, (k + 1) // 2)
+    c0 = col0 // 2
+    half_c = min(HALF - c0, (k + 1) // 2)
+    kh = half_c
     if _INTERPRET:
         _dequant_kernel.fn[(triton.cdiv(n, 32), triton.cdiv(kh, 64))](packed, block_scale, byte_lut(packed.device),
-                                                                       g, out, R, HALF, n, k, sc // 4,
+                                                                       g, out, R, HALF, n, k, sc // 4, c0, half_c,
                                                                        BLOCK_R=32, BLOCK_C=64)
     else:
-        args = (packed, block_scale, byte_lut(packed.device), g, out, R, HALF, n, k, sc // 4)
+        args = (packed, block_scale, byte_lut(packed.device), g, out, R, HALF, n, k, sc // 4, c0, half_c)
         key = None
         if _FAST_LAUNCH[0]:
-            key = ("dq", packed.device.index, R, HALF, out.dtype, _spec_key(args))
+            key = ("dq", packed.device.index, R, HALF, half_c, out.dtype, _spec_key(args))
             ent = _FAST_CACHE.get(key)
             if ent is not None:
                 kern, br, bc = ent

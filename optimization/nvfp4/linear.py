@@ -34,23 +34,25 @@ from .format import NVFP4Tensor
 log = logging.getLogger(__name__)
 
 PATHS = ("fp4_tensorcore", "fp8_speed", "fidelity", "reference")
-FIDELITY_KERNELS = ("auto", "fused", "dequant", "pipelined", "timed")
+FIDELITY_KERNELS = ("auto", "fused", "dequant", "pipelined", "pipelined_n", "timed")
 # fidelity path, kernel by rows M (bf16/fp16 activations on CUDA), fidelity_kernel="auto":
 #   M <= FUSED_MAX_M           -> fused W4A16 Triton kernel (reads the 4-bit weight; no bf16 weight is written)
-#   M >= PIPELINE_MIN_M         -> pipelined: weight dequantized chunk by chunk on a side stream while cuBLAS
-#                                  multiplies the previous chunk (None: never chosen by "auto")
+#   M >= PIPELINE_MIN_M         -> the faster of dequant and pipelined (K split in two: the larger part of the
+#                                  weight is dequantized on a side stream while cuBLAS multiplies the first part),
+#                                  timed once per (M bucket, shape) on the device (None: never)
 #   otherwise                   -> dequant (whole weight -> bf16, one cuBLAS call)
 # Measured on H100 (torch 2.11, Triton 3.6, bench_nvfp4 --inner 8, 6 SeedVR2 shapes, 2026-11-22):
 #   M=64:   fused 0.079-0.127 ms, dequant 0.081-0.132 ms (both host-bound: one Triton launch ~40-70 us host)
 #   M=256:  fused won on 2560x6912 / 3072^2 (0.090 vs 0.108, 0.088 vs 0.104 ms), dequant on the 4 others
 #           (e.g. 12288x3072: 0.089 vs 0.151 ms)
-#   M>=1024: dequant fastest everywhere (0.69-0.95x bf16); pipelined 2/4/8 chunks slower at every M
-#           (4096, 3072x12288: 0.58 / 0.80 / 2.0 ms vs dequant 0.49 ms): each chunk costs a Triton launch
-#           (host) and the bias pre-fill of the output slice (2 B/output, the size of the dequant it hides).
+#   M>=1024: dequant fastest everywhere (0.69-0.95x bf16); the N-split pipeline (_fidelity_pipelined_n, 2/4/8
+#           chunks) slower at every M (4096, 3072x12288: 0.58 / 0.80 / 2.0 ms vs dequant 0.49 ms): each chunk
+#           cost a Triton launch (host) and the bias pre-fill of its output slice (2 B/output, as much traffic
+#           as the dequant it hides). Hence the K split (one extra launch, bias in the cuBLASLt epilogue).
 FUSED_MAX_M = 64
-PIPELINE_MIN_M = None
-PIPELINE_CHUNKS = 4          # N chunks of the pipelined path (each a multiple of PIPELINE_ALIGN rows)
-PIPELINE_ALIGN = 128         # chunk boundaries on 128-row multiples: the swizzled scales slice per chunk
+PIPELINE_MIN_M = 1024       # from here "auto" times pipelined (K split, below) against dequant once per shape
+PIPELINE_CHUNKS = 4          # pipelined: first K part = Kp / PIPELINE_CHUNKS (exposed); N split: N chunks
+PIPELINE_ALIGN = 128         # N split: chunk boundaries on 128-row multiples (the swizzled scales slice per chunk)
 SMALL_M = FUSED_MAX_M        # kept for older callers
 _FIDELITY_CHOICE: dict = {}  # (m bucket, N, K, device) -> kernel name, decided by timing once ("timed")
 
@@ -376,8 +378,8 @@ class NVFP4Linear(_QuantLinearBase):
             return out
         return w
 
-    def _fidelity_pipelined(self, x2, chunks: int | None = None):
-        """dequant + cuBLAS with the dequantization hidden behind the GEMM: the weight is split along N into
+    def _fidelity_pipelined_n(self, x2, chunks: int | None = None):
+        """(Opt-in, measured slower: see the note at the top.) The weight is split along N into
         ``chunks`` row ranges; chunk i+1 is dequantized on a (high-priority) side stream into one of two
         scratch buffers while the current stream multiplies chunk i straight into its column slice of the
         output (cuBLAS takes the slice as a strided C, ldc = N; no copy). Bias: the side stream fills the
@@ -425,6 +427,54 @@ class NVFP4Linear(_QuantLinearBase):
             done[i % 2] = d
         return out
 
+    def _dequant_cols(self, c0: int, c1: int, dtype, out=None) -> torch.Tensor:
+        """Columns [c0, c1) of the dequantized, K-padded weight ([out_features, c1-c0]); c0 a multiple of 16."""
+        n = self.out_features
+        if K.triton_usable(self.weight) and self.weight.is_cuda:
+            return K.dequantize_nvfp4_triton(self.weight, self.weight_scale, self.weight_scale_2, (n, c1 - c0),
+                                             dtype=dtype, out=out, col0=c0)
+        w = fmt.dequantize_nvfp4(self.weight, self.weight_scale, self.weight_scale_2, dtype=dtype)[:n, c0:c1]
+        if out is not None:
+            out.copy_(w)
+            return out
+        return w
+
+    def _fidelity_pipelined(self, x2, chunks: int | None = None):
+        """dequant + cuBLAS with most of the dequantization hidden behind the GEMM, split along K in two:
+        columns [0, k1) (k1 = Kp / chunks) are dequantized first (exposed), then on a high-priority side stream
+        columns [k1, Kp) are dequantized while cuBLAS computes ``out = x[:, :k1] @ W0^T + bias`` (contiguous
+        output, bias in the cuBLASLt epilogue); finally ``out += x[:, k1:] @ W1^T`` (beta = 1). Both parts
+        land in one scratch buffer per device/dtype (the size of the largest bf16 weight, shared by all
+        layers). Cost vs dequant: 1/chunks of the dequant exposed, one extra read of the output (beta = 1),
+        and one bf16 rounding of the first partial sum."""
+        dtype = x2.dtype if x2.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        xp = self._padded_input(x2.to(dtype))
+        m, kp = xp.shape
+        n = self.out_features
+        chunks = max(1, int(chunks or getattr(self, "pipeline_chunks", None) or PIPELINE_CHUNKS))
+        k1 = min(kp, fmt.roundup(-(-kp // chunks), 64))
+        bias = self.bias.to(dtype) if self.bias is not None else None
+        if not xp.is_cuda:
+            out = F.linear(xp[:, :k1], self._dequant_cols(0, k1, dtype), bias)
+            if k1 < kp:
+                out.addmm_(xp[:, k1:], self._dequant_cols(k1, kp, dtype).t())
+            return out
+        main = torch.cuda.current_stream(xp.device)
+        buf = _scratch(xp.device, dtype, n * kp)[0]
+        w0 = self._dequant_cols(0, k1, dtype, out=buf[: n * k1].view(n, k1))
+        if k1 == kp:
+            return F.linear(xp, w0, bias)
+        side = _side_stream(xp.device)
+        side.wait_stream(main)       # W0 written; earlier readers of the scratch (previous layers) finished
+        with torch.cuda.stream(side):
+            w1 = self._dequant_cols(k1, kp, dtype, out=buf[n * k1: n * kp].view(n, kp - k1))
+            ready = torch.cuda.Event()
+            ready.record(side)
+        out = F.linear(xp[:, :k1], w0, bias)
+        main.wait_event(ready)
+        out.addmm_(xp[:, k1:], w1.t())
+        return out
+
     def _fidelity_kernel_for(self, x2) -> str:
         m = x2.shape[0]
         kern = self.fidelity_kernel
@@ -432,11 +482,11 @@ class NVFP4Linear(_QuantLinearBase):
                     and not _FUSED_BROKEN)
         if kern == "fused":
             return "fused" if fused_ok else "dequant"
-        if kern in ("dequant", "pipelined"):
+        if kern in ("dequant", "pipelined", "pipelined_n"):
             return kern
         if not x2.is_cuda:
             return "dequant"
-        pipe_ok = self.out_features >= 2 * PIPELINE_ALIGN
+        pipe_ok = self.weight.shape[1] * 2 >= 256
         if kern == "timed":
             key = (K._m_bucket(m), self.out_features, self.in_features, str(x2.device))
             choice = _FIDELITY_CHOICE.get(key)
@@ -452,7 +502,14 @@ class NVFP4Linear(_QuantLinearBase):
         if fused_ok and m <= FUSED_MAX_M:
             return "fused"
         if pipe_ok and PIPELINE_MIN_M is not None and m >= PIPELINE_MIN_M:
-            return "pipelined"
+            # large M: pipelined vs dequant timed once per (M bucket, shape) on this device (see the note)
+            key = ("auto", K._m_bucket(m), self.out_features, self.in_features, str(x2.device))
+            choice = _FIDELITY_CHOICE.get(key)
+            if choice is None:
+                choice = _FIDELITY_CHOICE[key] = _time_choice(
+                    {"pipelined": lambda: self._fidelity_pipelined(x2), "dequant": lambda: self._fidelity_dequant(x2)},
+                    reps=10)
+            return choice
         return "dequant"
 
     def _forward_fidelity(self, x2):
@@ -467,6 +524,8 @@ class NVFP4Linear(_QuantLinearBase):
                 return self._fidelity_dequant(x2)
         if kern == "pipelined":
             return self._fidelity_pipelined(x2).to(x2.dtype)
+        if kern == "pipelined_n":
+            return self._fidelity_pipelined_n(x2).to(x2.dtype)
         return self._fidelity_dequant(x2)
 
     def _fp8_weight(self, device):

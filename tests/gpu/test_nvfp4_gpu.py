@@ -81,6 +81,19 @@ def test_dequant_kernel_bit_exact(n, k, dtype):
     assert torch.equal(got.cpu(), want)
 
 
+@cuda
+@needs_triton
+@pytest.mark.parametrize("n,k,c0,c1", [(70, 96, 16, 96), (3072, 2560, 640, 2560), (300, 1008, 0, 512),
+                                       (300, 1008, 512, 1008)])
+def test_dequant_kernel_column_range_bit_exact(n, k, c0, c1):
+    t = fmt.quantize_nvfp4(torch.randn(n, k), return_tensor=True)
+    want = t.dequantize(torch.bfloat16)
+    want = torch.nn.functional.pad(want, (0, t.packed.shape[1] * 2 - k))[:, c0:c1]
+    got = K.dequantize_nvfp4_triton(t.packed.to(DEV), t.block_scale.to(DEV), t.global_scale.to(DEV), (n, c1 - c0),
+                                    torch.bfloat16, col0=c0)
+    assert torch.equal(got.cpu(), want)
+
+
 def _layer(n, k, path, bias=True, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
@@ -106,7 +119,7 @@ def test_paths_match_their_cpu_emulation(path, tol, m, n, k):
 
 @cuda
 @needs_triton
-@pytest.mark.parametrize("kernel", ["fused", "dequant", "auto", "pipelined", "timed"])
+@pytest.mark.parametrize("kernel", ["fused", "dequant", "auto", "pipelined", "pipelined_n", "timed"])
 @pytest.mark.parametrize("m,n,k", [(1, 96, 160), (64, 512, 2560), (200, 80, 72), (256, 3072, 3072),
                                    (1100, 1000, 160)])
 def test_fidelity_small_m_kernels(kernel, m, n, k):
@@ -140,9 +153,10 @@ def test_w4a16_swab_kernel_all_configs(m, n, k, bias, dtype):
 
 @cuda
 @needs_triton
+@pytest.mark.parametrize("split", ["k", "n"])
 @pytest.mark.parametrize("chunks", [1, 2, 3, 8])
-@pytest.mark.parametrize("n,k,bias", [(1000, 160, True), (3072, 512, False), (257, 48, True)])
-def test_pipelined_matches_expected_and_is_stream_safe(chunks, n, k, bias):
+@pytest.mark.parametrize("n,k,bias", [(1000, 160, True), (3072, 512, False), (257, 1000, True)])
+def test_pipelined_matches_expected_and_is_stream_safe(split, chunks, n, k, bias):
     """Chunked dequant on the side stream + GEMMs into column slices: equals the CPU emulation; two layers
     back to back (sharing the scratch buffers) on a non-default stream."""
     a = _layer(n, k, "fidelity", bias=bias, seed=chunks).to(DEV)
@@ -153,8 +167,10 @@ def test_pipelined_matches_expected_and_is_stream_safe(chunks, n, k, bias):
     with torch.cuda.stream(s):
         xd = x.to(DEV)
         for _ in range(3):
-            ya = a._fidelity_pipelined(xd, chunks=chunks)
-            yb = b._fidelity_pipelined(ya, chunks=chunks)
+            fa = a._fidelity_pipelined if split == "k" else a._fidelity_pipelined_n
+            fb = b._fidelity_pipelined if split == "k" else b._fidelity_pipelined_n
+            ya = fa(xd, chunks=chunks)
+            yb = fb(ya, chunks=chunks)
     torch.cuda.synchronize()
     want_b = expected_output(b, ya.cpu(), "fidelity")
     for got, want in ((ya, want_a), (yb, want_b)):
