@@ -264,6 +264,7 @@ def main(argv=None):
     summary["weight_rel_err_mean"] = sum(r["weight_rel_err"] for r in acc) / max(len(acc), 1)
     from seedvr2bw.optimization.nvfp4.linear import _FUSED_BROKEN
     summary["fused_w4a16_unavailable"] = _FUSED_BROKEN[0] if _FUSED_BROKEN else None
+    summary["fast_launch"] = K._FAST_LAUNCH[0]
     print(json.dumps(summary))
     print("\n| K | N | M | " + " | ".join(f"{p} ms" for p in paths) + " | " +
           " | ".join(f"{p}/bf16" for p in paths if p != "bf16") + " | fid/ck | fid kernel |")

@@ -154,7 +154,7 @@ def test_w4a16_swab_kernel_all_configs(m, n, k, bias, dtype):
 @cuda
 @needs_triton
 @pytest.mark.parametrize("split", ["k", "n"])
-@pytest.mark.parametrize("chunks", [1, 2, 3, 8])
+@pytest.mark.parametrize("chunks", [1, 3])
 @pytest.mark.parametrize("n,k,bias", [(1000, 160, True), (3072, 512, False), (257, 1000, True)])
 def test_pipelined_matches_expected_and_is_stream_safe(split, chunks, n, k, bias):
     """Chunked dequant on the side stream + GEMMs into column slices: equals the CPU emulation; two layers
