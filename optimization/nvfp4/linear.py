@@ -83,15 +83,15 @@ def _side_stream(device):
     return st
 
 
-def _scratch(device, dtype, numel: int):
+def _scratch(device, dtype, numel: int, count: int = 2):
     """Two flat buffers (double buffering), one pair per device/dtype shared by every layer, grown on demand.
     Growing frees the old pair on the current stream; every earlier side-stream write to it was waited for
     by the current stream (each chunk's GEMM waits for its dequant), so the allocator may reuse it."""
-    key = (str(device), dtype)
+    key = (str(device), dtype, count)
     bufs = _SCRATCH.get(key)
     if bufs is None or bufs[0].numel() < numel:
         _SCRATCH.pop(key, None)
-        bufs = _SCRATCH[key] = [torch.empty(numel, dtype=dtype, device=device) for _ in range(2)]
+        bufs = _SCRATCH[key] = [torch.empty(numel, dtype=dtype, device=device) for _ in range(count)]
     return bufs
 
 
@@ -460,7 +460,7 @@ class NVFP4Linear(_QuantLinearBase):
                 out.addmm_(xp[:, k1:], self._dequant_cols(k1, kp, dtype).t())
             return out
         main = torch.cuda.current_stream(xp.device)
-        buf = _scratch(xp.device, dtype, n * kp)[0]
+        buf = _scratch(xp.device, dtype, n * kp, count=1)[0]
         w0 = self._dequant_cols(0, k1, dtype, out=buf[: n * k1].view(n, k1))
         if k1 == kp:
             return F.linear(xp, w0, bias)
