@@ -231,7 +231,12 @@ def bench_fused_ops(n=21600, d=3072, heads=24, hidden=12288):
     w = torch.ones(128, device=dev, dtype=bf)
     table = make_rope_table(torch.rand(n, 60) * 6, dev)
     perm = torch.randperm(n, device=dev)
-    q, k, v = (torch.empty(n, heads, 128, device=dev, dtype=bf) for _ in range(3))
+    qkv_out = torch.empty(3, n, heads, 128, device=dev, dtype=bf)
+
+    def fused_qkv(variant):
+        os.environ["SEEDVR2_QKV_KERNEL"] = variant
+        fused.qkv_norm_rope_pack(qkv, heads, 128, w, w, 1e-5, table.cos_pair, table.sin_pair, perm, qkv_out)
+
     lin_w = torch.randn(hidden, d, device=dev, dtype=bf) * d ** -0.5
     lin_b = torch.randn(hidden, device=dev, dtype=bf)
     sa, sb = torch.randn(n, 6912, device=dev, dtype=bf), torch.randn(n, 6912, device=dev, dtype=bf)
@@ -251,8 +256,8 @@ def bench_fused_ops(n=21600, d=3072, heads=24, hidden=12288):
         "residual_norm_modulate": (4, lambda: M.modulate_in(rms_norm(M.gated_residual(x, o, e, p, [n]), None, 1e-5), e, p, p, [n]),
                                    lambda: fused.residual_norm_modulate(x, o, M._vec(e, 2, p), M._vec(e, 1, p), M._vec(e, 0, p), 1e-5, [n])),
         "gated_residual": (3, lambda: M.gated_residual(x, o, e, p, [n]), lambda: fused.gated_residual(x, o, M._vec(e, 2, p), [n])),
-        "qkv_norm_rope_pack": (6, torch_qkv,
-                               lambda: fused.qkv_norm_rope_pack(qkv, heads, 128, w, w, 1e-5, table.cos_pair, table.sin_pair, perm, q, k, v)),
+        "qkv_norm_rope_pack v1": (6, torch_qkv, lambda: fused_qkv("v1")),
+        "qkv_norm_rope_pack v2": (6, torch_qkv, lambda: fused_qkv("v2")),
         "silu_mul(N x 6912)": (3 * 6912 / d, lambda: torch.nn.functional.silu(sa) * sb, lambda: fused.silu_mul(sa, sb)),
         "linear+gelu(N x 4D)": (0, lambda: torch.nn.functional.gelu(torch.nn.functional.linear(x, lin_w, lin_b), approximate="tanh"),
                                 lambda: fused.linear_gelu(x, lin_w, lin_b)),
@@ -263,6 +268,7 @@ def bench_fused_ops(n=21600, d=3072, heads=24, hidden=12288):
         t_ref, _ = cuda_time(ref_fn, 3, 10)
         t_fz = cuda_time(fz_fn, 3, 10)[0] if fz_fn is not None else float("nan")
         res[name] = {"torch_us": t_ref * 1e6, "fused_us": t_fz * 1e6, "predicted_us": passes * unit * 1e6}
+        os.environ.pop("SEEDVR2_QKV_KERNEL", None)
         print(f"#   {name:>24}: torch {t_ref * 1e6:8.0f} us   fused {t_fz * 1e6:8.0f} us   bytes floor {passes * unit * 1e6:6.0f} us",
               flush=True)
     return res

@@ -12,7 +12,9 @@ one N x D pass = 133 MB = 44 us at 3 TB/s):
 * ``norm_modulate``: read x, write y: 2 passes (torch path: ~5) -> ~90 us.
 * ``residual_norm_modulate``: read res, o; write x, y: 4 passes (torch: gated add 3 + norm/mod 5).
 * ``gated_residual``: read res, x; write out: 3 passes (torch addcmul is already one pass).
-* ``qkv_norm_rope_pack``: read qkv (3 passes), write q, k, v packed (3 passes) = 6 passes ~270 us; the torch
+* ``qkv_norm_rope_pack``: read qkv (3 passes), write q, k, v packed (3 passes) = 6 passes ~270 us (v1, one
+  program per token with stride-2 pair loads/stores, measured 3.9 ms on H100; v2 = default, contiguous
+  rows + partner re-read); the torch
   path runs the q/k norms (~4 passes each), RoPE in fp32 complex (~4 each), the packing scatter (6)
   and the attention backend's ``.contiguous()`` copies of the strided q/k/v.
 * ``silu_mul`` (3B SwiGLU): read a, b; write out (torch: 5 passes of the hidden size).
@@ -122,11 +124,16 @@ def _run_selftest(k, device, tol) -> Tuple[bool, str]:
     ang = torch.rand(m, r2, generator=g) * 6
     cos, sin = ang.cos().to(device), ang.sin().to(device)
     dst = torch.randperm(m + 4, generator=g)[:m].to(device)
-    outs = [torch.full((m + 4, h, hd), float("nan"), device=device, dtype=dt) for _ in range(6)]
-    k.qkv_norm_rope_pack(qkv, h, hd, wq, wk, 1e-5, cos, sin, dst, *outs[:3])
-    reference.qkv_norm_rope_pack(qkv, h, hd, wq, wk, 1e-5, cos, sin, dst, *outs[3:])
-    for name, a, b in zip("qkv", outs[:3], outs[3:]):
-        errs["qkv_" + name] = _rel(a[dst], b[dst])
+    want = torch.full((3, m + 4, h, hd), float("nan"), device=device, dtype=dt)
+    reference.qkv_norm_rope_pack(qkv, h, hd, wq, wk, 1e-5, cos, sin, dst, *want)
+    for variant in ("v1", "v2"):
+        got = torch.full((3, m + 4, h, hd), float("nan"), device=device, dtype=dt)
+        if variant == "v1":
+            k.qkv_norm_rope_pack(qkv, h, hd, wq, wk, 1e-5, cos, sin, dst, *got)
+        else:
+            k.qkv_norm_rope_pack_v2(qkv, h, hd, wq, wk, 1e-5, cos, sin, dst, got)
+        for j, name in enumerate("qkv"):
+            errs[f"qkv_{variant}_{name}"] = _rel(got[j][dst], want[j][dst])
     w, bias = rnd(96, d, scale=d ** -0.5), rnd(96, scale=0.1)
     xl = x[:, :d]
     ref = torch.nn.functional.gelu(torch.nn.functional.linear(xl.float(), w.float(), bias.float()), approximate="tanh")
@@ -175,10 +182,16 @@ def gated_residual(res: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, lens:
 
 def qkv_norm_rope_pack(qkv: torch.Tensor, heads: int, head_dim: int, wq: torch.Tensor, wk: torch.Tensor, eps: float,
                        cos: Optional[torch.Tensor], sin: Optional[torch.Tensor], dst: torch.Tensor,
-                       q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, src: Optional[torch.Tensor] = None) -> None:
-    """Rows of qkv (N, 3*H*D) -> rows ``dst`` of q, k, v (N_all, H, D), q/k normalised and rotated."""
-    _load().qkv_norm_rope_pack(qkv.contiguous(), heads, head_dim, wq.contiguous(), wk.contiguous(), eps,
-                               cos, sin, dst, q, k, v, src)
+                       out: torch.Tensor, src: Optional[torch.Tensor] = None) -> None:
+    """Rows of qkv (N, 3*H*D) -> rows ``dst`` of out (3, N_all, H, D) (q, k, v), q/k RMS-normalised per
+    head (weights wq/wk) and rotated by cos/sin[src] ((N, R/2) fp32 per pair; None: no RoPE); v copied.
+    ``src`` (default: row i) picks the input row of output row i (the text copies)."""
+    k = _load()
+    args = (qkv.contiguous(), heads, head_dim, wq.contiguous(), wk.contiguous(), eps, cos, sin, dst)
+    if os.environ.get("SEEDVR2_QKV_KERNEL", "v2") == "v1":  # one program per token, strided pair access
+        k.qkv_norm_rope_pack(*args, out[0], out[1], out[2], src)
+    else:
+        k.qkv_norm_rope_pack_v2(*args, out, src)
 
 
 def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -149,6 +149,66 @@ def qkv_norm_rope_pack(qkv, heads, head_dim, wq, wk, eps, cos, sin, dst, q, k, v
     )
 
 
+@triton.jit
+def _qkv_pack_kernel_v2(QKV, SRC, DST, WQ, WK, COS, SIN, OUT, N_ALL, H, R2, eps,
+                        D: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_SRC: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
+    """Grid (rows, 3): slot 0/1 = q/k (norm + RoPE), slot 2 = v (copy). Contiguous (16-byte) loads and
+    stores of whole head rows; the pair partner is re-read through the cache with the index d^1 (the
+    flash-attn Triton rotary does the same), so no strided 2-byte global accesses."""
+    i = tl.program_id(0).to(tl.int64)
+    slot = tl.program_id(1)
+    src = i
+    if HAS_SRC:
+        src = tl.load(SRC + i).to(tl.int64)
+    dst = tl.load(DST + i).to(tl.int64)
+    hs = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    hmask = (hs < H)[:, None]
+    inp = QKV + src * (3 * H * D) + slot * (H * D)
+    off = hs[:, None] * D + d[None, :]
+    out = OUT + slot.to(tl.int64) * N_ALL * H * D + dst * (H * D) + off
+    x = tl.load(inp + off, mask=hmask, other=0.0)
+    if slot == 2:
+        tl.store(out, x, mask=hmask)
+    else:
+        dp = d ^ 1  # the other element of each rotated pair
+        xp = tl.load(inp + hs[:, None] * D + dp[None, :], mask=hmask, other=0.0).to(tl.float32)
+        xf = x.to(tl.float32)
+        if slot == 0:
+            w = tl.load(WQ + d).to(tl.float32)
+            wp = tl.load(WQ + dp).to(tl.float32)
+        else:
+            w = tl.load(WK + d).to(tl.float32)
+            wp = tl.load(WK + dp).to(tl.float32)
+        r = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]
+        # the torch path stores the normalised (weighted) head in the stream dtype before RoPE
+        y = (xf * r * w[None, :]).to(x.dtype).to(tl.float32)
+        if HAS_ROPE:
+            yp = (xp * r * wp[None, :]).to(x.dtype).to(tl.float32)
+            pm = (d // 2) < R2
+            c = tl.load(COS + src * R2 + d // 2, mask=pm, other=1.0)
+            s = tl.load(SIN + src * R2 + d // 2, mask=pm, other=0.0)
+            s = tl.where(d % 2 == 0, -s, s)
+            y = y * c[None, :] + yp * s[None, :]
+        tl.store(out, y.to(x.dtype), mask=hmask)
+
+
+def qkv_norm_rope_pack_v2(qkv, heads, head_dim, wq, wk, eps, cos, sin, dst, out, src=None):
+    """As :func:`qkv_norm_rope_pack`, into ``out`` (3, N_all, H, D) (q, k, v = out[0], out[1], out[2])."""
+    n = dst.shape[0]
+    if n == 0:
+        return
+    has_rope = cos is not None
+    _qkv_pack_kernel_v2[(n, 3)](
+        qkv, src if src is not None else dst, dst, wq, wk,
+        cos if has_rope else wq, sin if has_rope else wq, out, out.shape[1],
+        heads, cos.shape[1] if has_rope else 0, float(eps),
+        D=head_dim, HAS_ROPE=has_rope, HAS_SRC=src is not None,
+        BLOCK_H=triton.next_power_of_2(heads), num_warps=4,
+    )
+
+
 # --------------------------------------------------------------------------------------------------
 # SwiGLU gate: silu(a) * b
 # --------------------------------------------------------------------------------------------------

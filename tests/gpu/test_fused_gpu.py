@@ -35,8 +35,10 @@ def test_norm_modulate_and_residual(d, lens):
     assert rel(fused.gated_residual(x, o, gt, lens), reference.gated_residual(x, o, gt, sid)) < 1e-2
 
 
+@pytest.mark.parametrize("variant", ["v1", "v2"])
 @pytest.mark.parametrize("heads,r2", [(24, 30), (20, 63), (3, 0)])
-def test_qkv_norm_rope_pack(heads, r2):
+def test_qkv_norm_rope_pack(heads, r2, variant, monkeypatch):
+    monkeypatch.setenv("SEEDVR2_QKV_KERNEL", variant)
     g = torch.Generator(device="cuda").manual_seed(heads)
     m, hd = 513, 128
     qkv = torch.randn(m, 3 * heads * hd, device="cuda", generator=g).bfloat16()
@@ -47,10 +49,10 @@ def test_qkv_norm_rope_pack(heads, r2):
     else:
         cos = sin = None
     dst = torch.randperm(m + 50, device="cuda", generator=g)[:m]
-    outs = [torch.full((m + 50, heads, hd), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(6)]
-    fused.qkv_norm_rope_pack(qkv, heads, hd, wq, wk, 1e-5, cos, sin, dst, *outs[:3])
-    reference.qkv_norm_rope_pack(qkv, heads, hd, wq, wk, 1e-5, cos, sin, dst, *outs[3:])
-    for a, b in zip(outs[:3], outs[3:]):
+    got, want = (torch.full((3, m + 50, heads, hd), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    fused.qkv_norm_rope_pack(qkv, heads, hd, wq, wk, 1e-5, cos, sin, dst, got)
+    reference.qkv_norm_rope_pack(qkv, heads, hd, wq, wk, 1e-5, cos, sin, dst, *want)
+    for a, b in zip(got, want):
         assert not a[dst].isnan().any()
         assert rel(a[dst], b[dst]) < 1e-2
 

@@ -62,15 +62,15 @@ class NaSwinAttention(nn.Module):
         """One Triton pass per stream: qkv projection output -> q/k norm -> RoPE -> packed, contiguous
         q, k, v (N_all, H, D) (the layout every attention backend takes without copies)."""
         lay = ctx.layout
-        q, k, v = (vid.new_empty((lay.total, self.heads, self.head_dim)) for _ in range(3))
+        out = vid.new_empty((3, lay.total, self.heads, self.head_dim))
         for stream, x, rope, dst, src in (("vid", vid, ctx.vid_rope, lay.vid_pos, None),
                                           ("txt", txt, ctx.txt_rope, lay.txt_slots, lay.txt_src)):
             pick = (lambda p: p.for_vid()) if stream == "vid" else (lambda p: p.for_txt())
             nq, nk = pick(self.norm_q), pick(self.norm_k)
             fused.qkv_norm_rope_pack(pick(self.proj_qkv)(x), self.heads, self.head_dim, nq.weight, nk.weight, nq.eps,
                                      rope.cos_pair if rope is not None else None,
-                                     rope.sin_pair if rope is not None else None, dst, q, k, v, src=src)
-        return q, k, v
+                                     rope.sin_pair if rope is not None else None, dst, out, src=src)
+        return out.unbind(0)
 
     def _fused_ok(self, vid: torch.Tensor, ctx: AttentionContext) -> bool:
         ropes = [r for r in (ctx.vid_rope, ctx.txt_rope) if r is not None]
