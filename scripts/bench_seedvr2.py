@@ -258,6 +258,7 @@ def bench_fused_ops(n=21600, d=3072, heads=24, hidden=12288):
         "gated_residual": (3, lambda: M.gated_residual(x, o, e, p, [n]), lambda: fused.gated_residual(x, o, M._vec(e, 2, p), [n])),
         "qkv_norm_rope_pack v1": (6, torch_qkv, lambda: fused_qkv("v1")),
         "qkv_norm_rope_pack v2": (6, torch_qkv, lambda: fused_qkv("v2")),
+        "qkv_norm_rope_pack v3": (6, torch_qkv, lambda: fused_qkv("v3")),
         "silu_mul(N x 6912)": (3 * 6912 / d, lambda: torch.nn.functional.silu(sa) * sb, lambda: fused.silu_mul(sa, sb)),
         "linear+gelu(N x 4D)": (0, lambda: torch.nn.functional.gelu(torch.nn.functional.linear(x, lin_w, lin_b), approximate="tanh"),
                                 lambda: fused.linear_gelu(x, lin_w, lin_b)),

@@ -90,10 +90,10 @@ def test_qkv_pack_kernel_interpreted(rope):
         for a, b in zip(outs[:3], outs[3:]):
             assert rel(a[dst2], b[dst2]) < 8e-3
         # v2 (grid rows x 3, one (3, N_all, H, D) output)
-        for d_, s_ in ((dst, None), (dst2, src)):
+        for (d_, s_), split in [(a, b) for a in ((dst, None), (dst2, src)) for b in (False, True)]:
             got = torch.full((3, 9, h, hd), float("nan"), dtype=torch.bfloat16)
             want = torch.full((3, 9, h, hd), float("nan"), dtype=torch.bfloat16)
-            k.qkv_norm_rope_pack_v2(qkv, h, hd, wq, wk, 1e-5, cos, sin, d_, got, src=s_)
+            k.qkv_norm_rope_pack_v2(qkv, h, hd, wq, wk, 1e-5, cos, sin, d_, got, src=s_, split=split)
             ref.qkv_norm_rope_pack(qkv, h, hd, wq, wk, 1e-5, cos, sin, d_, *want, src=s_)
             for a, b in zip(got, want):
                 assert rel(a[d_], b[d_]) < 8e-3, rel(a[d_], b[d_])

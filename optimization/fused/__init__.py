@@ -154,15 +154,16 @@ def _run_selftest(k, device, tol) -> Tuple[bool, str]:
     return True, "max rel err {:.1e}; {}".format(max(errs.values()), "; ".join(notes))
 
 
-QKV_VARIANTS = ("v2", "v1")  # preference order when they cannot be timed (not CUDA)
+QKV_VARIANTS = ("v2", "v3", "v1")  # preference order when they cannot be timed (not CUDA)
 _qkv_variant: Dict[str, str] = {}
 
 
 def _qkv_call(k, variant, qkv, heads, head_dim, wq, wk, eps, cos, sin, dst, out, src):
     if variant == "v1":  # one program per token, stride-2 pair loads/stores
         k.qkv_norm_rope_pack(qkv, heads, head_dim, wq, wk, eps, cos, sin, dst, out[0], out[1], out[2], src)
-    else:  # programs (token, q|k|v), contiguous head rows, pair partner re-read through the cache
-        k.qkv_norm_rope_pack_v2(qkv, heads, head_dim, wq, wk, eps, cos, sin, dst, out, src)
+    else:  # programs (token, q|k|v), contiguous head rows; v2: pair partner re-read through the cache,
+        # v3: pairs split / joined in registers
+        k.qkv_norm_rope_pack_v2(qkv, heads, head_dim, wq, wk, eps, cos, sin, dst, out, src, split=variant == "v3")
 
 
 def _pick_qkv_variant(k, passing: List[str], device) -> str:

@@ -152,10 +152,11 @@ def qkv_norm_rope_pack(qkv, heads, head_dim, wq, wk, eps, cos, sin, dst, q, k, v
 @triton.jit
 def _qkv_pack_kernel_v2(QKV, SRC, DST, WQ, WK, COS, SIN, OUT, N_ALL, H, R2, eps,
                         D: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_SRC: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
+                        BLOCK_H: tl.constexpr, SPLIT: tl.constexpr):
     """Grid (rows, 3): slot 0/1 = q/k (norm + RoPE), slot 2 = v (copy). Contiguous (16-byte) loads and
     stores of whole head rows; the pair partner is re-read through the cache with the index d^1 (the
-    flash-attn Triton rotary does the same), so no strided 2-byte global accesses."""
+    flash-attn Triton rotary does the same), so no strided 2-byte global accesses. SPLIT ("v3"): the pairs
+    are separated in registers (reshape + split / join) instead of re-read."""
     i = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1)
     src = i
@@ -171,6 +172,21 @@ def _qkv_pack_kernel_v2(QKV, SRC, DST, WQ, WK, COS, SIN, OUT, N_ALL, H, R2, eps,
     x = tl.load(inp + off, mask=hmask, other=0.0)
     if slot == 2:
         tl.store(out, x, mask=hmask)
+    elif SPLIT:
+        xf = x.to(tl.float32)
+        if slot == 0:
+            w = tl.load(WQ + d).to(tl.float32)
+        else:
+            w = tl.load(WK + d).to(tl.float32)
+        r = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]
+        y = (xf * r * w[None, :]).to(x.dtype).to(tl.float32)
+        if HAS_ROPE:
+            e, o = tl.split(tl.reshape(y, (BLOCK_H, D // 2, 2)))
+            j = tl.arange(0, D // 2)
+            c = tl.load(COS + src * R2 + j, mask=j < R2, other=1.0)[None, :]
+            s = tl.load(SIN + src * R2 + j, mask=j < R2, other=0.0)[None, :]
+            y = tl.reshape(tl.join(e * c - o * s, o * c + e * s), (BLOCK_H, D))
+        tl.store(out, y.to(x.dtype), mask=hmask)
     else:
         dp = d ^ 1  # the other element of each rotated pair
         xp = tl.load(inp + hs[:, None] * D + dp[None, :], mask=hmask, other=0.0).to(tl.float32)
@@ -194,7 +210,7 @@ def _qkv_pack_kernel_v2(QKV, SRC, DST, WQ, WK, COS, SIN, OUT, N_ALL, H, R2, eps,
         tl.store(out, y.to(x.dtype), mask=hmask)
 
 
-def qkv_norm_rope_pack_v2(qkv, heads, head_dim, wq, wk, eps, cos, sin, dst, out, src=None):
+def qkv_norm_rope_pack_v2(qkv, heads, head_dim, wq, wk, eps, cos, sin, dst, out, src=None, split=False):
     """As :func:`qkv_norm_rope_pack`, into ``out`` (3, N_all, H, D) (q, k, v = out[0], out[1], out[2])."""
     n = dst.shape[0]
     if n == 0:
@@ -205,7 +221,7 @@ def qkv_norm_rope_pack_v2(qkv, heads, head_dim, wq, wk, eps, cos, sin, dst, out,
         cos if has_rope else wq, sin if has_rope else wq, out, out.shape[1],
         heads, cos.shape[1] if has_rope else 0, float(eps),
         D=head_dim, HAS_ROPE=has_rope, HAS_SRC=src is not None,
-        BLOCK_H=triton.next_power_of_2(heads), num_warps=4,
+        BLOCK_H=triton.next_power_of_2(heads), SPLIT=split, num_warps=4,
     )
 
 

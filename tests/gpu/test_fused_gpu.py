@@ -35,7 +35,7 @@ def test_norm_modulate_and_residual(d, lens):
     assert rel(fused.gated_residual(x, o, gt, lens), reference.gated_residual(x, o, gt, sid)) < 1e-2
 
 
-@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("variant", ["v1", "v2", "v3"])
 @pytest.mark.parametrize("heads,r2", [(24, 30), (20, 63), (3, 0)])
 def test_qkv_norm_rope_pack(heads, r2, variant, monkeypatch):
     monkeypatch.setenv("SEEDVR2_QKV_KERNEL", variant)
