@@ -6,8 +6,10 @@
 * ``quantize_act_fp8_rowwise``: per-token FP8 E4M3 quantization (amax, scale, cast) in one kernel.
   Bit-exact with ``format.quantize_act_fp8_rowwise_reference``. Used by the sm_89/sm_90 speed path.
 * ``dequantize_nvfp4_triton``: NVFP4 -> bf16/fp16/fp32 weight, bit-exact with ``format.dequantize_nvfp4``.
-* ``w4a16_linear``: fused NVFP4-weight x bf16-activation GEMM (weights decoded in registers; fp32
-  accumulation; global scale and bias in the epilogue). Used by the fidelity path for small M.
+* ``w4a16_linear``: fused NVFP4-weight x bf16-activation GEMM, "swap AB" (the decoded weight tile is the wide
+  MMA operand, so BLOCK_M can be 16), tiles from ``W4A16_CONFIGS`` by M, split-K into fp32 partials + one
+  reduce kernel (no atomics, no zero fill); global scale and bias in the epilogue. Fidelity path, small M.
+* ``_launch``: relaunches a compiled kernel through its launcher (skips Triton's binder / autotuner per call).
 
 All divisions use ``div_rn`` (IEEE round-to-nearest) so results match the CPU reference bit for bit.
 None of these kernels uses FP4 instructions, so they run (and are tested) on any GPU Triton supports.

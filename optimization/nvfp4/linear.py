@@ -8,9 +8,11 @@
   scales applied after; bias added after. The weight is stored swizzled once at load.
 * ``fp8_speed`` (sm_89 / sm_90): the NVFP4 weight converted once (per device) to FP8 E4M3 with per-output-
   channel scales; activations quantized per token by a Triton kernel; ``torch._scaled_mm`` row-wise.
-* ``fidelity``: NVFP4 -> bf16 and a bf16 GEMM (Triton dequant kernel + cuBLAS). A fused Triton W4A16 kernel
-  (weights decoded in registers, split-K) exists for small M (``fidelity_kernel="fused"`` or ``"auto"``); it is
-  correct but was slower than dequant + cuBLAS on H100/H200, so it is not the default.
+* ``fidelity``: bf16 activations x NVFP4 weight, by rows M (``fidelity_kernel="auto"``, thresholds below):
+  M <= FUSED_MAX_M: a fused swap-AB W4A16 Triton kernel (reads the packed 4-bit weight, decodes in registers,
+  fp32 accumulation, split-K when the grid is small); larger M: Triton dequant to bf16 + one cuBLAS call.
+  Opt-in: ``"pipelined"`` (dequant of most of the weight on a side stream, overlapped with a first K-part
+  GEMM), ``"pipelined_n"`` (N chunks), ``"timed"`` (time the candidates once per shape).
 * ``reference``: exact dequantize (fp32) + fp32 matmul. The oracle for every test, and the CPU path.
 
 ``path="auto"`` asks the hardware policy (``optimization.hardware.get_policy(device).nvfp4_gemm``) once per
@@ -41,16 +43,21 @@ FIDELITY_KERNELS = ("auto", "fused", "dequant", "pipelined", "pipelined_n", "tim
 #                                  weight is dequantized on a side stream while cuBLAS multiplies the first part),
 #                                  timed once per (M bucket, shape) on the device (None: never)
 #   otherwise                   -> dequant (whole weight -> bf16, one cuBLAS call)
-# Measured on H100 (torch 2.11, Triton 3.6, bench_nvfp4 --inner 8, 6 SeedVR2 shapes, 2026-11-22):
-#   M=64:   fused 0.079-0.127 ms, dequant 0.081-0.132 ms (both host-bound: one Triton launch ~40-70 us host)
-#   M=256:  fused won on 2560x6912 / 3072^2 (0.090 vs 0.108, 0.088 vs 0.104 ms), dequant on the 4 others
-#           (e.g. 12288x3072: 0.089 vs 0.151 ms)
-#   M>=1024: dequant fastest everywhere (0.69-0.95x bf16); the N-split pipeline (_fidelity_pipelined_n, 2/4/8
-#           chunks) slower at every M (4096, 3072x12288: 0.58 / 0.80 / 2.0 ms vs dequant 0.49 ms): each chunk
-#           cost a Triton launch (host) and the bias pre-fill of its output slice (2 B/output, as much traffic
-#           as the dequant it hides). Hence the K split (one extra launch, bias in the cuBLASLt epilogue).
-FUSED_MAX_M = 64
-PIPELINE_MIN_M = 1024       # from here "auto" times pipelined (K split, below) against dequant once per shape
+# Measured on H100 (torch 2.11, Triton 3.6, scripts/bench_nvfp4.py --inner 8 --variants, 6 SeedVR2 shapes,
+# 2026-11-22, two runs; ms per call, medians):
+#   run 1 (old W4A16 tiles, N-split pipeline): M>=1024 dequant fastest everywhere (0.69-0.95x bf16); N-split
+#     pipeline 2/4/8 chunks slower at every M (M=4096, 3072x12288: 0.58 / 0.80 / 2.0 vs dequant 0.49): each
+#     chunk costs a Triton launch and the bias pre-fill of its output slice (as much traffic as it hides).
+#   run 2 (current tiles, K-split pipeline, cached launcher):
+#     M=256:  fused beat dequant on 5 of 6 shapes (e.g. 3072x9216 0.128 vs 0.209, 3072x12288 0.081 vs 0.115;
+#             lost 2560x6912 0.122 vs 0.102)  -> FUSED_MAX_M = 256
+#     M=1024: dequant beat fused on 4 of 6 (3072x12288 0.158 vs 0.245, 12288x3072 0.155 vs 0.310)
+#     M=4096: dequant 0.83-0.98x bf16; K-split pipeline (2/4/8) 0.77-0.91x on the big shapes, never faster than
+#             dequant beyond noise; M=16384: all ~1.0x  -> PIPELINE_MIN_M = None (opt-in only)
+#   At M<=256 every path here (and comfy-kitchen) is host-bound on that machine (0.08-0.2 ms for 10-50 us of GPU
+#   work) and varied up to 2x between runs, so the small-M numbers decide only coarse choices.
+FUSED_MAX_M = 256
+PIPELINE_MIN_M = None        # set (e.g. 1024) to let "auto" time pipelined against dequant once per shape
 PIPELINE_CHUNKS = 4          # pipelined: first K part = Kp / PIPELINE_CHUNKS (exposed); N split: N chunks
 PIPELINE_ALIGN = 128         # N split: chunk boundaries on 128-row multiples (the swizzled scales slice per chunk)
 SMALL_M = FUSED_MAX_M        # kept for older callers
