@@ -1,46 +1,45 @@
 """Low-precision frozen base for LoRA training: fp8 (e4m3) and NVFP4 storage.
 
 The frozen block Linears of the FLUX model get a quantized copy of their weight, and their ``forward`` is
-replaced (per instance, undone by ``restore``) by an autograd function that never computes a weight gradient:
+replaced (per instance, undone by ``restore``) by an autograd function that computes the input gradient but
+never a weight gradient. Only that is training-specific; the formats come from the pack:
 
-* ``fp8``: weight e4m3 with a per-tensor scale. On CUDA sm_89+ the forward (x quantized per tensor to e4m3)
-  and the input gradient (grad quantized per tensor to e5m2) run on FP8 tensor cores through
-  ``torch._scaled_mm``; elsewhere the weight is dequantized to the compute dtype.
-* ``nvfp4``: weight as FP4 e2m1 values with e4m3 scales per 16 inputs and one fp32 global scale; the
-  weight is dequantized per call (forward and input gradient) and the GEMM runs in the compute dtype.
+* ``fp8``: weight e4m3 with one per-tensor scale, ``optimization.nvfp4.format.quantize_fp8_per_tensor``
+  (per-tensor, not per-row, because the input gradient ``g @ W`` contracts over the rows of ``W``: a row scale
+  would sit inside the sum, where ``torch._scaled_mm`` cannot apply it). Whether FP8 tensor cores are used is
+  ``optimization.hardware.get_policy(device).fp8_gemm`` (self-tested on the device, overridable with
+  ``SEEDVR2BW_FP8_GEMM``). With it, the forward (x quantized per tensor to e4m3) and the input gradient (grad
+  quantized per tensor to e5m2) run through ``torch._scaled_mm``; without it the weight is dequantized to the
+  compute dtype.
+* ``nvfp4``: weight quantized by ``optimization.nvfp4.format.quantize_nvfp4`` (the pack's one NVFP4 quantizer,
+  comfy-kitchen recipe, internal layout: hi_first nibbles, swizzled e4m3 block scales, fp32 global scale) and
+  dequantized per call (forward and input gradient) by the Triton kernel ``kernels.dequantize_nvfp4_triton``
+  where Triton runs, else by the exact ``format.dequantize_nvfp4`` (bit-identical results); the GEMM runs in
+  the compute dtype.
 
 The high-precision weight is moved to the CPU while training (so the GPU holds the quantized copy only)
-and put back by ``restore``. If ``optimization.nvfp4.linear`` (FP8Linear/NVFP4Linear) is present it is not
-needed here: this module is self-contained so training does not depend on its state.
+and put back by ``restore``.
 """
 from __future__ import annotations
 
+import logging
 import types
 
 import torch
 
+from ..optimization.hardware import get_policy
+from ..optimization.nvfp4 import format as fmt
+from ..optimization.nvfp4 import kernels as nvfp4_kernels
+from ..optimization.nvfp4.format import NVFP4Tensor
+
+log = logging.getLogger(__name__)
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-FP8_MAX = 448.0
+E4M3_MAX = fmt.F8_E4M3_MAX      # 448
 E5M2_MAX = 57344.0
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def fp8_tensorcores(device) -> bool:
-    if not (isinstance(device, torch.device) and device.type == "cuda") or not hasattr(torch, "_scaled_mm"):
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 # ---------------- fp8 ----------------
-def quantize_fp8(w: torch.Tensor):
-    amax = w.detach().abs().amax().float().clamp(min=1e-12)
-    scale = (amax / FP8_MAX).reshape(())
-    q = (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(E4M3) if w.numel() < (1 << 26) else \
-        (w / scale.to(w.dtype)).clamp(-FP8_MAX, FP8_MAX).to(E4M3)
-    return q, scale
-
-
 def _quant_act_eager(x2, fp8_dtype: torch.dtype, maxval: float):
     amax = torch.linalg.vector_norm(x2, ord=float("inf"), dtype=torch.float32).clamp(min=1e-12)
     s = amax / maxval
@@ -51,7 +50,8 @@ _quant_fast = None
 
 
 def _quant_act(x2, fp8_dtype, maxval):
-    """Per-tensor dynamic quantization; on CUDA compiled (fuses the scale/clamp/cast passes)."""
+    """Per-tensor dynamic quantization of an activation / gradient; on CUDA compiled (fuses the scale/clamp/cast
+    passes)."""
     global _quant_fast
     if x2.device.type != "cuda":
         return _quant_act_eager(x2, fp8_dtype, maxval)
@@ -76,12 +76,11 @@ class _FP8LinearFn(torch.autograd.Function):
         ctx.save_for_backward(wq, wscale)
         ctx.tensorcores = tensorcores
         ctx.x_dtype = x.dtype
-        K = x.shape[-1]
-        x2 = x.reshape(-1, K)
+        x2 = x.reshape(-1, x.shape[-1])
         M = x2.shape[0]
         if tensorcores and (M % 16 == 0 or M < 256):
             xp, M0 = _pad16(x2)
-            xq, xs = _quant_act(xp, E4M3, FP8_MAX)
+            xq, xs = _quant_act(xp, E4M3, E4M3_MAX)
             y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=wscale,
                                  bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)[:M0]
         else:
@@ -111,51 +110,41 @@ def _fp8_forward(self, x):
 
 
 # ---------------- NVFP4 ----------------
-def quantize_nvfp4(w: torch.Tensor):
-    N, K = w.shape
-    if K % 16:
-        raise ValueError("NVFP4 needs in_features divisible by 16")
-    wf = w.float()
-    gscale = (wf.abs().amax().clamp(min=1e-12) / (6.0 * FP8_MAX)).reshape(())
-    blocks = wf.view(N, K // 16, 16)
-    bs = (blocks.abs().amax(-1) / 6.0 / gscale).clamp(max=FP8_MAX).to(E4M3)
-    denom = (bs.float() * gscale).clamp(min=1e-30).unsqueeze(-1)
-    scaled = (blocks / denom).clamp(-6, 6)
-    vals = torch.tensor(FP4_VALUES, device=w.device)
-    mids = (vals[1:] + vals[:-1]) / 2
-    idx = torch.bucketize(scaled.abs(), mids).to(torch.uint8)
-    codes = idx | ((scaled < 0).to(torch.uint8) << 3)
-    codes = codes.view(N, K)
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
-    return packed, bs, gscale
+_TRITON_BROKEN: list = []  # why the Triton dequant failed here (then the torch reference is used from then on)
 
 
-def dequantize_nvfp4(packed, bs, gscale, dtype):
-    N = packed.shape[0]
-    lut = torch.tensor(FP4_VALUES + tuple(-v for v in FP4_VALUES), device=packed.device, dtype=torch.float32)
-    lo = (packed & 0x0F).long()
-    hi = (packed >> 4).long()
-    codes = torch.stack((lo, hi), dim=-1).view(N, -1)
-    v = lut[codes].view(N, -1, 16) * (bs.float() * gscale).unsqueeze(-1)
-    return v.view(N, -1).to(dtype)
+def dequantize_weight(t: NVFP4Tensor, dtype) -> torch.Tensor:
+    """The pack's NVFP4 dequantization: Triton kernel where Triton runs (CUDA), else the exact torch reference;
+    both give the same bits."""
+    if not _TRITON_BROKEN and nvfp4_kernels.triton_usable(t.packed):
+        try:
+            return nvfp4_kernels.dequantize_nvfp4_triton(t.packed, t.block_scale, t.global_scale, t.shape,
+                                                         dtype=dtype)
+        except Exception as exc:  # noqa: BLE001 - e.g. a Triton build failure on this GPU / version
+            _TRITON_BROKEN.append(f"{type(exc).__name__}: {exc}")
+            log.warning("[FluxLoraTrain] NVFP4 Triton dequant unavailable (%s); using the torch reference",
+                        _TRITON_BROKEN[0].splitlines()[0])
+    return t.dequantize(dtype)
 
 
 class _NVFP4LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, packed, bs, gscale, bias):
-        ctx.save_for_backward(packed, bs, gscale)
-        w = dequantize_nvfp4(packed, bs, gscale, x.dtype)
+    def forward(ctx, x, packed, block_scale, global_scale, shape, bias):
+        ctx.save_for_backward(packed, block_scale, global_scale)
+        ctx.shape = shape
+        w = dequantize_weight(NVFP4Tensor(packed, block_scale, global_scale, shape), x.dtype)
         return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
 
     @staticmethod
     def backward(ctx, g):
-        packed, bs, gscale = ctx.saved_tensors
-        w = dequantize_nvfp4(packed, bs, gscale, g.dtype)
-        return g @ w, None, None, None, None
+        packed, block_scale, global_scale = ctx.saved_tensors
+        w = dequantize_weight(NVFP4Tensor(packed, block_scale, global_scale, ctx.shape), g.dtype)
+        return g @ w, None, None, None, None, None
 
 
 def _nvfp4_forward(self, x):
-    return _NVFP4LinearFn.apply(x, self._q_packed, self._q_bs, self._q_gscale, self.bias)
+    t = self._q_nvfp4
+    return _NVFP4LinearFn.apply(x, t.packed, t.block_scale, t.global_scale, t.shape, self.bias)
 
 
 # ---------------- apply / restore ----------------
@@ -167,6 +156,9 @@ def block_linears(dm):
                     yield f"{kind}.{i}.{name}", mod
 
 
+_Q_ATTRS = ("_q_weight", "_q_scale", "_q_tensorcores", "_q_nvfp4", "forward")
+
+
 class QuantizedBase:
     """Quantizes the frozen block Linears of ``dm`` in place; ``restore()`` undoes it exactly."""
 
@@ -175,11 +167,12 @@ class QuantizedBase:
             raise ValueError(f"unknown base precision {mode!r}")
         self.mode = mode
         self.saved = []
+        fp8_gemm = {}  # device -> get_policy(device).fp8_gemm, asked once per device
         for name, lin in block_linears(dm):
             w = lin.weight
             dev = w.device
             if mode == "nvfp4" and w.shape[1] % 16:
-                continue
+                continue  # kept in high precision, like the pack's keep rule for K % 16 != 0
             with torch.no_grad():
                 if mode == "fp8":
                     if w.dtype == E4M3:  # ComfyUI loaded it in fp8 already: use it as stored
@@ -187,15 +180,17 @@ class QuantizedBase:
                         q, s = w.data, (sw.float().reshape(()) if sw is not None else torch.ones((), device=dev))
                         moved = None
                     else:
-                        q, s = quantize_fp8(w.data)
+                        q, s = fmt.quantize_fp8_per_tensor(w.data)
                         moved = w.data.to(offload_device)
-                    lin._q_weight, lin._q_scale = q, s.to(dev)
-                    lin._q_tensorcores = fp8_tensorcores(dev)
+                    if dev not in fp8_gemm:
+                        fp8_gemm[dev] = dev.type == "cuda" and get_policy(dev).fp8_gemm
+                    lin._q_weight, lin._q_scale = q, s.reshape(()).to(dev)
+                    lin._q_tensorcores = fp8_gemm[dev] and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
                     lin.forward = types.MethodType(_fp8_forward, lin)
                 else:
                     src = w.data if w.dtype not in (E4M3, E5M2) else w.data.float() * (
                         getattr(lin, "scale_weight", torch.ones(())).float().to(dev))
-                    lin._q_packed, lin._q_bs, lin._q_gscale = quantize_nvfp4(src)
+                    lin._q_nvfp4 = fmt.quantize_nvfp4(src, return_tensor=True)
                     moved = w.data.to(offload_device)
                     lin.forward = types.MethodType(_nvfp4_forward, lin)
                 if moved is not None:
@@ -206,7 +201,7 @@ class QuantizedBase:
         for lin, moved, dev in self.saved:
             if moved is not None:
                 lin.weight.data = moved.to(dev)
-            for a in ("_q_weight", "_q_scale", "_q_tensorcores", "_q_packed", "_q_bs", "_q_gscale", "forward"):
+            for a in _Q_ATTRS:
                 if a in lin.__dict__:
                     del lin.__dict__[a]
         self.saved = []
