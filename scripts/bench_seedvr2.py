@@ -118,7 +118,7 @@ def bench_dit(name, cfg, cases, args, peak):
     model = random_dit(cfg, args.backends[0])
     weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 30
     for backend, (res, frames), fz in [(b, c, f) for b in args.backends for c in cases for f in args.fused_modes]:
-        os.environ["SEEDVR2_FUSED"] = "1" if fz == "on" else "0"
+        os.environ["SEEDVR2BW_FUSED"] = "1" if fz == "on" else "0"
         model.attention_backend = backend
         h, w = RESOLUTIONS[res]
         padded, latent = latent_grid(h, w, frames)
@@ -234,7 +234,7 @@ def bench_fused_ops(n=21600, d=3072, heads=24, hidden=12288):
     qkv_out = torch.empty(3, n, heads, 128, device=dev, dtype=bf)
 
     def fused_qkv(variant):
-        os.environ["SEEDVR2_QKV_KERNEL"] = variant
+        os.environ["SEEDVR2BW_QKV_KERNEL"] = variant
         fused.qkv_norm_rope_pack(qkv, heads, 128, w, w, 1e-5, table.cos_pair, table.sin_pair, perm, qkv_out)
 
     lin_w = torch.randn(hidden, d, device=dev, dtype=bf) * d ** -0.5
@@ -269,7 +269,7 @@ def bench_fused_ops(n=21600, d=3072, heads=24, hidden=12288):
         t_ref, _ = cuda_time(ref_fn, 3, 10)
         t_fz = cuda_time(fz_fn, 3, 10)[0] if fz_fn is not None else float("nan")
         res[name] = {"torch_us": t_ref * 1e6, "fused_us": t_fz * 1e6, "predicted_us": passes * unit * 1e6}
-        os.environ.pop("SEEDVR2_QKV_KERNEL", None)
+        os.environ.pop("SEEDVR2BW_QKV_KERNEL", None)
         print(f"#   {name:>24}: torch {t_ref * 1e6:8.0f} us   fused {t_fz * 1e6:8.0f} us   bytes floor {passes * unit * 1e6:6.0f} us",
               flush=True)
     return res

@@ -136,9 +136,9 @@ def test_dispatch_off_on_cpu_and_fp32():
 
 
 def test_dispatch_env_switch(monkeypatch):
-    monkeypatch.setenv("SEEDVR2_FUSED", "0")
+    monkeypatch.setenv("SEEDVR2BW_FUSED", "0")
     assert not fused._env_enabled()
-    monkeypatch.setenv("SEEDVR2_FUSED", "1")
+    monkeypatch.setenv("SEEDVR2BW_FUSED", "1")
     assert fused._env_enabled()
 
 

@@ -2,7 +2,7 @@
 
 The model calls the wrappers in ``models/seedvr2/dit`` (``norm_modulate_in`` ...); they ask
 :func:`enabled` whether the fused path may run for their tensors and otherwise keep their exact torch
-code. ``enabled`` is true only for CUDA tensors in bf16/fp16 when Triton imports, ``SEEDVR2_FUSED`` is
+code. ``enabled`` is true only for CUDA tensors in bf16/fp16 when Triton imports, ``SEEDVR2BW_FUSED`` is
 not ``0`` and a one-time self-test on that device (each kernel against :mod:`.reference` on small
 random inputs) passed. CPU and fp32 never take the fused path.
 
@@ -55,7 +55,7 @@ def triton_available() -> bool:
 
 
 def _env_enabled() -> bool:
-    return os.environ.get("SEEDVR2_FUSED", "1").strip().lower() not in ("0", "false", "off", "no")
+    return os.environ.get("SEEDVR2BW_FUSED", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def enabled(*tensors: torch.Tensor) -> bool:
@@ -168,8 +168,8 @@ def _qkv_call(k, variant, qkv, heads, head_dim, wq, wk, eps, cos, sin, dst, out,
 
 def _pick_qkv_variant(k, passing: List[str], device) -> str:
     """The faster of the passing qkv kernels, timed once on this device at a 7B-like shape (4096 tokens,
-    24 heads x 128, 30 rotated pairs; a few ms in all). ``SEEDVR2_QKV_KERNEL`` forces one."""
-    forced = os.environ.get("SEEDVR2_QKV_KERNEL")
+    24 heads x 128, 30 rotated pairs; a few ms in all). ``SEEDVR2BW_QKV_KERNEL`` forces one."""
+    forced = os.environ.get("SEEDVR2BW_QKV_KERNEL")
     if forced in passing:
         return forced
     if len(passing) == 1 or device.type != "cuda":
@@ -241,7 +241,7 @@ def qkv_norm_rope_pack(qkv: torch.Tensor, heads: int, head_dim: int, wq: torch.T
     head (weights wq/wk) and rotated by cos/sin[src] ((N, R/2) fp32 per pair; None: no RoPE); v copied.
     ``src`` (default: row i) picks the input row of output row i (the text copies)."""
     dev = str(out.device)
-    variant = os.environ.get("SEEDVR2_QKV_KERNEL") or _qkv_variant.get(dev, QKV_VARIANTS[0])
+    variant = os.environ.get("SEEDVR2BW_QKV_KERNEL") or _qkv_variant.get(dev, QKV_VARIANTS[0])
     _qkv_call(_load(), variant, qkv.contiguous(), heads, head_dim, wq.contiguous(), wk.contiguous(), eps,
               cos, sin, dst, out, src)
 
@@ -253,8 +253,8 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(x @ W^T + b) with the GELU in the cuBLASLt epilogue on CUDA (cuBLASLt's GELU is the tanh
     form; should torch take its non-Lt path it applies GELU after the GEMM; either is within bf16 rounding
-    of gelu_tanh, the self-test checks it). Elsewhere, or with SEEDVR2_FUSED_GELU=0: linear + gelu_tanh."""
-    if not x.is_cuda or os.environ.get("SEEDVR2_FUSED_GELU", "1") == "0":
+    of gelu_tanh, the self-test checks it). Elsewhere, or with SEEDVR2BW_FUSED_GELU=0: linear + gelu_tanh."""
+    if not x.is_cuda or os.environ.get("SEEDVR2BW_FUSED_GELU", "1") == "0":
         return torch.nn.functional.gelu(torch.nn.functional.linear(x, weight, bias), approximate="tanh")
     shp = x.shape
     out = torch._addmm_activation(bias, x.reshape(-1, shp[-1]), weight.t(), use_gelu=True)

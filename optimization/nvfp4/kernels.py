@@ -234,9 +234,9 @@ if HAS_TRITON:
 # (bench_nvfp4 --inner 8: every path with one Triton launch sat at ~0.08 ms whatever the shape). The first call
 # per specialization goes through Triton (compile / autotune) and returns the CompiledKernel; later calls with
 # the same specialization key (dtypes, 16-byte pointer alignment, int == 1 / % 16 / int32 range, constexprs)
-# call its launcher directly. SEEDVR2_NVFP4_FAST_LAUNCH=0 turns it off; any launcher error turns it off too.
+# call its launcher directly. SEEDVR2BW_NVFP4_FAST_LAUNCH=0 turns it off; any launcher error turns it off too.
 # ----------------------------------------------------------------------------------------------------------
-_FAST_LAUNCH = [os.environ.get("SEEDVR2_NVFP4_FAST_LAUNCH", "1") == "1" and not _INTERPRET]
+_FAST_LAUNCH = [os.environ.get("SEEDVR2BW_NVFP4_FAST_LAUNCH", "1") == "1" and not _INTERPRET]
 _FAST_CACHE: dict = {}
 
 

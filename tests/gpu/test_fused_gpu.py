@@ -38,7 +38,7 @@ def test_norm_modulate_and_residual(d, lens):
 @pytest.mark.parametrize("variant", ["v1", "v2", "v3"])
 @pytest.mark.parametrize("heads,r2", [(24, 30), (20, 63), (3, 0)])
 def test_qkv_norm_rope_pack(heads, r2, variant, monkeypatch):
-    monkeypatch.setenv("SEEDVR2_QKV_KERNEL", variant)
+    monkeypatch.setenv("SEEDVR2BW_QKV_KERNEL", variant)
     g = torch.Generator(device="cuda").manual_seed(heads)
     m, hd = 513, 128
     qkv = torch.randn(m, 3 * heads * hd, device="cuda", generator=g).bfloat16()
@@ -87,9 +87,9 @@ def test_model_fused_vs_torch_path(monkeypatch):
         args = (inp["vid"].reshape(-1, C).cuda(), inp["txt"].cuda(), inp["vid_shape"].cuda(), inp["txt_shape"].cuda(),
                 inp["timestep"].cuda())
         with torch.no_grad():
-            monkeypatch.setenv("SEEDVR2_FUSED", "0")
+            monkeypatch.setenv("SEEDVR2BW_FUSED", "0")
             base = model(*args)
-            monkeypatch.setenv("SEEDVR2_FUSED", "1")
+            monkeypatch.setenv("SEEDVR2BW_FUSED", "1")
             got = model(*args)
         err = rel(got, base)
         print(f"{variant}: fused vs torch path rel-L2 {err:.2e}")
