@@ -6,6 +6,7 @@ tests with `FakeBackend`. `CudaBackend` is the real one: one dedicated copy stre
 """
 from __future__ import annotations
 
+import abc
 import ctypes
 import ctypes.util
 import itertools
@@ -22,26 +23,40 @@ _log = logging.getLogger(__name__)
 CUDA_HOST_REGISTER_PORTABLE = 1
 
 
-class Backend:
-    """Interface (documentation only; both backends implement every method)."""
+class Backend(abc.ABC):
+    """What the runner needs from a device; `CudaBackend` and `FakeBackend` implement every method."""
 
     device: torch.device
     is_fake: bool = False
 
-    def new_stream(self): raise NotImplementedError
-    def current_stream(self): raise NotImplementedError
-    def stream(self, stream): raise NotImplementedError          # context manager
-    def new_event(self, timing: bool = False): raise NotImplementedError
-    def record(self, event, stream): raise NotImplementedError
-    def wait(self, stream, event): raise NotImplementedError     # device-side: `stream` waits for `event`
-    def copy_async(self, dst, src, stream, tag=None): raise NotImplementedError
-    def alloc(self, nbytes: int) -> torch.Tensor: raise NotImplementedError
-    def pin(self, t: torch.Tensor) -> bool: raise NotImplementedError
-    def unpin(self, t: torch.Tensor) -> None: raise NotImplementedError
-    def is_pinned(self, t: torch.Tensor) -> bool: raise NotImplementedError
-    def synchronize(self, stream=None) -> None: raise NotImplementedError
-    def elapsed_ms(self, start, end) -> float: raise NotImplementedError
-    def mem_get_info(self) -> tuple[int, int]: raise NotImplementedError
+    @abc.abstractmethod
+    def new_stream(self): ...
+    @abc.abstractmethod
+    def current_stream(self): ...
+    @abc.abstractmethod
+    def stream(self, stream): ...          # context manager
+    @abc.abstractmethod
+    def new_event(self, timing: bool = False): ...
+    @abc.abstractmethod
+    def record(self, event, stream): ...
+    @abc.abstractmethod
+    def wait(self, stream, event): ...     # device-side: `stream` waits for `event`
+    @abc.abstractmethod
+    def copy_async(self, dst, src, stream, tag=None): ...
+    @abc.abstractmethod
+    def alloc(self, nbytes: int) -> torch.Tensor: ...
+    @abc.abstractmethod
+    def pin(self, t: torch.Tensor) -> bool: ...
+    @abc.abstractmethod
+    def unpin(self, t: torch.Tensor) -> None: ...
+    @abc.abstractmethod
+    def is_pinned(self, t: torch.Tensor) -> bool: ...
+    @abc.abstractmethod
+    def synchronize(self, stream=None) -> None: ...
+    @abc.abstractmethod
+    def elapsed_ms(self, start, end) -> float: ...
+    @abc.abstractmethod
+    def mem_get_info(self) -> tuple[int, int]: ...
     def in_backward(self) -> bool:
         try:
             return torch._C._current_graph_task_id() != -1
