@@ -247,7 +247,8 @@ class FluxLoraTrainer:
         return atomic_torch_save(self.state_dict(), path or self.state_path())
 
     def load_state(self, path=None):
-        self.load_state_dict(torch.load(path or self.state_path(), map_location="cpu", weights_only=False))
+        # weights_only: a resume file from elsewhere must not be able to run code on load
+        self.load_state_dict(torch.load(path or self.state_path(), map_location="cpu", weights_only=True))
 
     def save_checkpoint(self, dataset_info=None):
         p = self.save_lora(self._out(f"-step{self.step:08d}.safetensors"), dataset_info)
