@@ -9,9 +9,6 @@ import logging
 _log = logging.getLogger(__name__)
 __version__ = "0.1.0"
 
-# Served to the frontend (a V3 pack may still ship web extensions).
-WEB_DIRECTORY = "./web"
-
 
 async def comfy_entrypoint():
     """ComfyUI V3 entry point. A failure to import the nodes is logged with the reason and the fix,

@@ -15,16 +15,13 @@ Measured (median of --repeats after --warmup):
     python scripts/bench_blockswap.py --json out.json
     python scripts/bench_blockswap.py --tiny --cpu          # CPU smoke run of the whole script (FakeBackend)
 """
-import _pack  # noqa: F401
+import _pack
 
 import argparse
 import gc
 import json
 import math
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -33,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from seedvr2bw.optimization.blockswap import (BlockSwapConfig, CudaBackend, FakeBackend, PinnedPool, ResidentRunner,
-                                               attach_blockswap, detach, spread_indices)
+                                               attach_blockswap, detach)
 
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
@@ -349,7 +346,7 @@ def main():
     ap.add_argument("--dtype-cases", default="720p1,1080p1")
     ap.add_argument("--dtypes", default="fp8,nvfp4,nvfp4_module",
                     help="nvfp4 = emulated layout (uint8 + e4m3 scales + fp32), nvfp4_module = the pack's NVFP4Linear")
-    ap.add_argument("--commit", default=os.environ.get("BENCH_COMMIT", ""))
+    ap.add_argument("--commit", default="")
     ap.add_argument("--json", default=None)
     ap.add_argument("--tiny", action="store_true", help="small dims (smoke test)")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU with FakeBackend (smoke test only)")
@@ -360,12 +357,7 @@ def main():
     cases_all = TINY_CASES if (args.tiny or env.cpu) else CASES
     cases = [c for c in args.cases.split(",") if c]
     swaps = [min(int(s), dims.blocks) for s in args.swaps.split(",") if s]
-    if not args.commit:
-        try:
-            args.commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                         text=True).stdout.strip()
-        except Exception:  # noqa: BLE001
-            args.commit = "?"
+    args.commit = args.commit or _pack.git_commit()
     R = {"device": "cpu (FakeBackend)" if env.cpu else torch.cuda.get_device_name(),
          "torch": torch.__version__, "cuda": torch.version.cuda, "commit": args.commit,
          "args": vars(args), "cases": {}, "ours": {}, "sync": {}, "dtypes": {}, "checks": {}}

@@ -21,7 +21,7 @@ import sys
 import time
 import types
 
-import _pack  # noqa: F401  (registers the pack as `seedvr2bw`)
+import _pack  # registers the pack as `seedvr2bw`
 import torch
 
 FULL = dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=4096,
@@ -236,7 +236,7 @@ def main():
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     info = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-            "dims": "tiny" if a.tiny else "FLUX.1 full", "commit": os.environ.get("BENCH_COMMIT") or os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip()}
+            "dims": "tiny" if a.tiny else "FLUX.1 full", "commit": _pack.git_commit()}
     print("[bench]", info, flush=True)
     t0 = time.time()
     mp = build_model(dims, dev, dtype)

@@ -22,11 +22,10 @@ import argparse
 import json
 import math
 import platform
-import subprocess
 import sys
 import time
 
-import _pack  # noqa: F401
+import _pack
 import torch
 import torch.nn.functional as F
 
@@ -51,12 +50,6 @@ def _ck_setup():
     except Exception as exc:  # noqa: BLE001
         return None, f"comfy-kitchen unavailable: {type(exc).__name__}: {exc}"
 
-
-def _git_commit():
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 SWEEP_CONFIGS = {   # (BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages); SPLIT_K as w4a16_config picks it
@@ -127,7 +120,7 @@ def main(argv=None):
         print(ck_info)
         paths.remove("ck")
     info = {"device": torch.cuda.get_device_name(dev), "capability": list(torch.cuda.get_device_capability(dev)),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "commit": _git_commit(),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "commit": _pack.git_commit(),
             "python": platform.python_version(), "comfy_kitchen": str(ck_info),
             "triton": __import__("triton").__version__ if K.HAS_TRITON else None, "paths": paths,
             "time": time.strftime("%Y-%m-%d %H:%M:%S"), "inner": args.inner}

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-import _pack  # noqa: F401  (registers the checkout as `seedvr2bw`)
+import _pack  # registers the checkout as `seedvr2bw`
 import torch
 
 from seedvr2bw.models.seedvr2.dit import SEEDVR2_3B, SEEDVR2_7B, NaDiT
@@ -289,13 +289,6 @@ def fmt_row(r):
             f"{r['tflops']:>8.1f} {100 * r['mfu']:>5.1f}% {r['peak_vram_gib']:>8.1f}")
 
 
-def git_commit():
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(__file__),
-                                       stderr=subprocess.DEVNULL).decode().strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -354,7 +347,7 @@ def main():
     args.backends = list(dict.fromkeys(args.backends)) or ["sdpa"]
     backend = ",".join(args.backends)
     peak = bf16_peak_tflops()
-    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit or git_commit(),
+    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit or _pack.git_commit(),
             "attention_backend": backend, "available_backends": available_backends("cuda"),
             "bf16_matmul_peak_tflops": peak, "warmup": args.warmup, "iters": args.iters,
             "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-import _pack  # noqa: F401  (registers the pack as `seedvr2bw`)
+import _pack  # registers the pack as `seedvr2bw`
 import torch
 
 from seedvr2bw.models.seedvr2.vae import SEEDVR2_VAE, VAEConfig, VideoAutoencoder
@@ -52,16 +52,6 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _git_commit() -> str:
-    import os
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[1], timeout=5).stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
 
 def bench_vae(device="cuda", dtype=torch.bfloat16, resolutions=((1280, 720), (1920, 1080)), frames=(1, 21),
               ops=("encode", "decode"), tiled=(False, True), encode_tile=512, encode_overlap=64,
@@ -78,7 +68,7 @@ def bench_vae(device="cuda", dtype=torch.bfloat16, resolutions=((1280, 720), (19
     cuda = device.type == "cuda"
     s, tf = vae.spatial_factor, vae.temporal_factor
     info = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", torch=torch.__version__,
-                commit=_git_commit(), dtype=str(dtype).replace("torch.", ""))
+                commit=_pack.git_commit(), dtype=str(dtype).replace("torch.", ""))
     elem = torch.empty((), dtype=dtype).element_size()
     configs = [(op, w, h, t, til) for t in frames for (w, h) in resolutions for op in ops for til in tiled]
     configs.sort(key=lambda c: c[1] * c[2] * c[3])          # cheapest first, so a time budget keeps the most rows
@@ -175,7 +165,7 @@ def main(argv=None):
     res = [tuple(int(v) for v in r.lower().split("x")) for r in a.resolutions.split(",")]
     frames = [int(f) for f in a.frames.split(",")]
     tiled = {"both": (False, True), "yes": (True,), "no": (False,)}[a.tiled]
-    print(f"device {a.device}, torch {torch.__version__}, dtype {a.dtype}, commit {_git_commit()}", flush=True)
+    print(f"device {a.device}, torch {torch.__version__}, dtype {a.dtype}, commit {_pack.git_commit()}", flush=True)
     rows = bench_vae(a.device, getattr(torch, a.dtype), res, frames, tuple(a.ops.split(",")), tiled,
                      a.encode_tile, a.encode_overlap, a.decode_tile, a.decode_overlap, a.warmup, a.repeats,
                      a.heavy_repeats, time_budget_s=a.budget_s, log=lambda m: print(m, flush=True))

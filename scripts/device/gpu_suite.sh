@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One device call per part, each under the 10-minute limit; results land in $OUT (the device tool brings
+# them back). Run from the repository root on the GPU machine:
+#
+#   bash scripts/device/gpu_suite.sh tests      # every GPU test (tests/gpu), no extra carry
+#   bash scripts/device/gpu_suite.sh dit        # DiT step time / MFU, fused on vs off, bf16 parity
+#   bash scripts/device/gpu_suite.sh blockswap  # BlockSwap acceptance figures
+#   bash scripts/device/gpu_suite.sh nvfp4      # NVFP4 paths vs bf16 and comfy-kitchen   (carry .ck)
+#   bash scripts/device/gpu_suite.sh flux       # FLUX LoRA s/step vs TrainLoraNode        (carry .comfy_src)
+#   bash scripts/device/gpu_suite.sh diag       # the diagnostic, --quick cold then warm, then the full run
+#
+# scripts/device/prepare_carry.sh builds .ck and .comfy_src here first. The device copy has no .git, so the
+# commit is passed in GIT_COMMIT (the device tool sends the working tree of this commit).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+[ -d .ck ] && export PYTHONPATH=$PWD/.ck${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
+
+case "${1:-}" in
+tests)
+    python3 -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+dit)
+    python3 -m pytest tests/gpu/test_dit_bf16.py tests/gpu/test_fused_gpu.py -q 2>&1 | tail -5
+    python3 scripts/bench_seedvr2.py --commit "$GIT_COMMIT" --models 7b,3b --cases 720p:21,1080p:1,720p:1,1080p:21 \
+        --fused both --fused-ops --warmup 2 --iters 5 --vae-res 720p --vae-iters 2 --json "$OUT/dit.json" 2>&1 | tee "$OUT/dit.log" ;;
+blockswap)
+    python3 scripts/bench_blockswap.py --commit "$GIT_COMMIT" --repeats 9 --json "$OUT/blockswap.json" 2>&1 | tee "$OUT/blockswap.log" | tail -40 ;;
+nvfp4)
+    python3 scripts/bench_nvfp4.py --inner 8 --components --json "$OUT/nvfp4.json" 2>&1 | tee "$OUT/nvfp4.log" | tail -60 ;;
+flux)
+    python3 scripts/bench_flux_lora.py --comfy .comfy_src --res 512,1024 --modes bf16,fp8,nvfp4,trainloranode \
+        --json "$OUT/flux.json" 2>&1 | tee "$OUT/flux.log" | tail -30 ;;
+diag)
+    for run in cold warm; do
+        /usr/bin/time -f "wall %e s" python3 scripts/nvfp4_diagnostic.py --quick --brief --json "$OUT/diag_quick_$run.json" \
+            > "$OUT/diag_quick_$run.txt" 2> "$OUT/diag_quick_$run.time"
+        cat "$OUT/diag_quick_$run.time"
+    done
+    python3 scripts/nvfp4_diagnostic.py --json "$OUT/diagnostic_h100.json" | tee "$OUT/diagnostic_h100.txt" | tail -30 ;;
+*)
+    echo "usage: $0 tests|dit|blockswap|nvfp4|flux|diag" >&2; exit 2 ;;
+esac
