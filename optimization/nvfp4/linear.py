@@ -137,19 +137,9 @@ def _time_choice(fns: dict, reps: int = 5) -> str:
 # path resolution
 # ----------------------------------------------------------------------------------------------------------
 def _policy_path(device: torch.device) -> str:
-    try:
-        from ..hardware import get_policy
-        return get_policy(device).nvfp4_gemm
-    except Exception as exc:  # noqa: BLE001 - policy module missing or failing: decide from the capability
-        log.debug("hardware policy unavailable (%s); deciding the NVFP4 path from the device", exc)
-    if device.type != "cuda":
-        return "reference"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major in (10, 12):
-        return "fp4_tensorcore"
-    if (major, minor) >= (8, 9):
-        return "fp8_speed"
-    return "fidelity"
+    """The path the hardware policy chose (self-tested) for this device: the one place that decides."""
+    from ..hardware import get_policy
+    return get_policy(device).nvfp4_gemm
 
 
 def resolve_path(path: str | None, device) -> str:
