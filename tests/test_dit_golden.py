@@ -55,8 +55,9 @@ def test_out_parity(variant, case, backend):
 def test_intermediates(variant, case):
     tiny = MANIFEST["dit"]["tiny_models"][variant]
     keys = tiny["results"][case]["intermediate_keys"]
-    if not keys:
-        pytest.skip(f"the golden {case} case stores no intermediates")
+    if not keys:  # the manifest lists intermediates for the image cases only; then only `out` is compared
+        assert case == "video", f"the golden {case} case should store intermediates"
+        return
     ref = load_file(GOLDEN / tiny["results"][case]["outputs_file"])
     dbg = {}
     _run(_model(variant, "sdpa"), case, debug=dbg)
