@@ -9,6 +9,13 @@ Reports median s/step (after warm-up, CUDA-synchronised per step) and peak VRAM.
 
 ComfyUI's source must be importable: --comfy DIR (default: $COMFYUI_DIR, ./.comfy_src, ./.comfyui).
 `--tiny` runs a small model on CPU to check the script itself.
+
+`--host-ops` (CPU only, no GPU needed): what the host does per training step, independent of GPU speed. FLUX.1's
+block structure (19 double + 38 single blocks, 304 LoRA targets) with tiny widths (hidden 64), bf16 compute, so
+the arithmetic is negligible and the time is dispatch/Python overhead. Per mode (bf16, fp8 as on a GPU without
+FP8 GEMM = dequant, fp8-tc = FP8 tensor-core path forced through CPU `torch._scaled_mm`, nvfp4 = torch reference
+dequant) and checkpointing on/off: aten ops per step (TorchDispatchMode count, forward + backward + optimizer),
+Linear calls per step (incl. checkpoint recompute), ops per Linear call, host µs per step (median, 1 thread).
 """
 from __future__ import annotations
 
@@ -212,6 +219,82 @@ def bench_trainloranode(mp, res, cfgdims, dev, warmup, steps):
             "min_s": min(dts), "peak_gib": peak, "loss_last": loss}
 
 
+HOST_DIMS = dict(TINY, depth=19, depth_single_blocks=38)
+
+
+def host_ops(modes, warmup, steps, outdir, top=0):
+    """Counts aten ops / Linear calls and times the host per training step on the CPU (see module doc)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from seedvr2bw.training.trainer import FluxLoraTrainer, TrainConfig
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.c = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.c[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.set_num_threads(1)
+    dev = torch.device("cpu")
+    rows = []
+    for mode in modes:
+        for ckpt in (True, False):
+            mp = build_model(HOST_DIMS, dev, torch.bfloat16)
+            dm = mp.model.diffusion_model
+            ds = make_dataset(128, HOST_DIMS)  # 16x16 latent -> 64 image tokens (+256 text)
+            base = {"bf16": "auto", "fp8-tc": "fp8"}.get(mode, mode)
+            cfg = TrainConfig(rank=16, alpha=16, steps=10**6, learning_rate=1e-4, optimizer="adamw",
+                              compute_dtype="bf16", base_precision=base, gradient_checkpointing=ckpt,
+                              output_dir=outdir, output_name=f"hostops_{mode}", seed=0)
+            tr = FluxLoraTrainer(dm, cfg, ds, latent_format=mp.model.latent_format, device=dev)
+            try:
+                if mode == "fp8-tc" and tr.quant is not None:
+                    for lin, _, _ in tr.quant.saved:
+                        lin._q_tensorcores = (
+                            lin._q_weight.shape[0] % 16 == 0 and lin._q_weight.shape[1] % 16 == 0)
+                for _ in range(warmup):
+                    tr.train_step()
+                calls = [0]
+
+                def hook(m, a, o):
+                    if isinstance(m, torch.nn.Linear):
+                        calls[0] += 1
+                h = torch.nn.modules.module.register_module_forward_hook(hook)
+                try:
+                    tr.train_step()
+                finally:
+                    h.remove()
+                cm = Count()
+                with cm:
+                    tr.train_step()
+                times = []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    tr.train_step()
+                    times.append(time.perf_counter() - t0)
+            finally:
+                tr.close()
+            n = sum(cm.c.values())
+            r = {"mode": mode, "ckpt": ckpt, "ops_step": n, "linear_calls": calls[0],
+                 "ops_per_linear": n / max(1, calls[0]), "host_us_step": statistics.median(times) * 1e6,
+                 "top_ops": cm.c.most_common(top)}
+            rows.append(r)
+            print("[host-ops]", json.dumps({k: v for k, v in r.items() if k != "top_ops"}), flush=True)
+            if top:
+                print("   ", ", ".join(f"{k}:{v}" for k, v in r["top_ops"]), flush=True)
+    print("\n| mode | ckpt | aten ops/step | Linear calls/step | ops per Linear call | host µs/step |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['mode']} | {'on' if r['ckpt'] else 'off'} | {r['ops_step']} | {r['linear_calls']} | "
+              f"{r['ops_per_linear']:.1f} | {r['host_us_step']:.0f} |")
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--comfy", default=None)
@@ -223,7 +306,19 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--outdir", default="/tmp/bench_flux_lora")
     ap.add_argument("--profile", default=None, help="mode,res of one step to profile, e.g. bf16,1024")
+    ap.add_argument("--host-ops", action="store_true", help="CPU: aten ops, Linear calls and host µs per step")
+    ap.add_argument("--top", type=int, default=0, help="--host-ops: also list the N most frequent aten ops")
     a = ap.parse_args()
+    if a.host_ops:
+        setup_comfy(a.comfy, True)
+        modes = [m for m in a.modes.split(",") if m != "trainloranode"] if a.modes != ap.get_default("modes") \
+            else ["bf16", "fp8", "fp8-tc", "nvfp4"]
+        rows = host_ops(modes, a.warmup, a.steps if a.steps != ap.get_default("steps") else 5, a.outdir, a.top)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"info": {"torch": torch.__version__, "commit": _pack.git_commit()}, "host_ops": rows},
+                          f, indent=1)
+        return
     global PROFILE
     if a.profile:
         m, r = a.profile.split(",")

@@ -1,9 +1,10 @@
 """Activation-side LoRA for ComfyUI's FLUX ``diffusion_model`` (no model copy, no base weight gradients).
 
-Each targeted ``Linear`` gets a forward hook that adds ``up(down(x)) * alpha / rank`` to its output. The base
-weight keeps ``requires_grad=False``, so autograd never computes a full dW for it (ComfyUI's own
-``TrainLoraNode`` rebuilds ``W + s*up@down`` and pays that dW on every step). Removing the hooks gives the
-untouched model back.
+Each targeted ``Linear`` gets a per-instance ``forward`` (``linear_forward``) that adds
+``up(down(x)) * alpha / rank`` to its output (base ``addmm`` + LoRA ``mm`` + ``addmm`` on one 2-D view; a forward
+hook cost a hook dispatch and a reshape/view pair per call). The base weight keeps ``requires_grad=False``, so
+autograd never computes a full dW for it (ComfyUI's own ``TrainLoraNode`` rebuilds ``W + s*up@down`` and pays
+that dW on every step). ``detach`` gives the untouched model back.
 
 Targets are kohya's defaults (``networks/lora_flux.py``): the 10 Linears of every double block and the 3 of
 every single block (19*10 + 38*3 = 304 modules on FLUX.1). Names follow kohya: ``lora_unet_<path with _>``.
@@ -100,12 +101,25 @@ class LoraModule(nn.Module):
         self._cache = None
 
     def compute_weights(self, dtype):
-        """(down, up) in the compute dtype. Within a training step the cast is done once and shared by the
-        forward and the checkpoint recompute (``FluxLoraNetwork.cast_cache``)."""
+        """(down.T, up.T) in the compute dtype, transposed for ``mm``/``addmm``. Within a training step the cast
+        and the transpose are done once and shared by every call, the checkpoint recompute included
+        (``FluxLoraNetwork.cast_cache``)."""
         c = self._cache
         if c is not None and c[0].dtype == dtype:
             return c
-        return self.lora_down.weight.to(dtype), self.lora_up.weight.to(dtype)
+        d, u = self.lora_down.weight, self.lora_up.weight
+        if d.dtype != dtype:
+            d, u = d.to(dtype), u.to(dtype)
+        return d.t(), u.t()
+
+    def add_to(self, x2: torch.Tensor, out2: torch.Tensor) -> torch.Tensor:
+        """``out2 + scale * (x2 @ down.T) @ up.T`` on 2-D views: one ``mm`` and one ``addmm`` (the scale rides on
+        ``alpha``, so no pass over the output and none in the backward when scale == 1)."""
+        dt = out2.dtype
+        down_t, up_t = self.compute_weights(dt)
+        if x2.dtype != dt:
+            x2 = x2.to(dt)
+        return torch.addmm(out2, torch.mm(x2, down_t), up_t, alpha=self.scale)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         dt = x.dtype
@@ -116,18 +130,53 @@ class LoraModule(nn.Module):
         return (self.lora_up.weight.float() @ self.lora_down.weight.float()) * self.scale
 
 
-def _hook(lora: LoraModule):
-    def hook(module, args, output):
-        if not lora.enabled:
-            return output
-        x = args[0]
-        dt = output.dtype
-        down, up = lora.compute_weights(dt)
-        h = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).to(dt), down)
-        # one GEMM-with-accumulate instead of up-GEMM + scale + add over the (large) output
-        out = torch.addmm(output.reshape(-1, output.shape[-1]), h, up.t(), alpha=lora.scale)
-        return out.view(output.shape)
-    return hook
+def _comfy_cast(lin) -> bool:
+    """ComfyUI's Linear casts/patches its weight per call (``comfy_cast_weights``, weight/bias functions): then
+    the base product goes through its own forward."""
+    return bool(getattr(lin, "comfy_cast_weights", False) or getattr(lin, "weight_function", None)
+                or getattr(lin, "bias_function", None))
+
+
+def linear_forward(self, x):
+    """Per-instance ``forward`` of a trained block Linear: base product (bf16: one ``addmm``; fp8/NVFP4: the
+    ``quant`` autograd function set as ``_q_base``) plus the LoRA (``_lora``), both on one 2-D view of ``x``.
+
+    Replaces a forward hook: no hook dispatch in ``Module.__call__``, no reshape/view pair per hook, and the same
+    arithmetic (``F.linear`` on a 2-D input is ``addmm(bias, x, W.T)``; the LoRA is ``mm`` + ``addmm`` as before)."""
+    d = self.__dict__
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    qb = d.get("_q_base")
+    if qb is not None:
+        y = qb(self, x2)
+    elif d.get("_l_comfy_cast"):
+        y = type(self).forward(self, x2)
+    else:
+        w, b = self.weight, self.bias
+        if b is None:
+            y = torch.mm(x2, w.t())
+        else:
+            y = torch.addmm(b, x2, w.t())
+    lora = d.get("_lora")
+    if lora is not None and lora.enabled:
+        y = lora.add_to(x2, y)
+    return y.view(*shape[:-1], y.shape[-1])
+
+
+def install_forward(lin):
+    """Makes ``linear_forward`` the instance's forward (idempotent; shared by the LoRA and the quantized base)."""
+    import types
+    if "forward" not in lin.__dict__:
+        lin._l_comfy_cast = _comfy_cast(lin)
+        lin.forward = types.MethodType(linear_forward, lin)
+
+
+def uninstall_forward(lin):
+    """Gives the instance its class forward back once neither the LoRA nor a quantized base uses it."""
+    d = lin.__dict__
+    if "_lora" not in d and "_q_base" not in d:
+        d.pop("forward", None)
+        d.pop("_l_comfy_cast", None)
 
 
 def is_flux_diffusion_model(dm) -> bool:
@@ -197,32 +246,41 @@ class FluxLoraNetwork(nn.Module):
         if len(self.loras) == 0:
             raise ValueError("the block selection and per-type ranks leave no layer to train. "
                              "Fix: select at least one block and give at least one layer type a rank above 0.")
-        self._handles = []
+        self._attached = False
 
     def attach(self):
-        if self._handles:
+        if self._attached:
             return self
         for name, lin in self.targets.items():
             lin.weight.requires_grad_(False)
             if getattr(lin, "bias", None) is not None:
                 lin.bias.requires_grad_(False)
-            self._handles.append(lin.register_forward_hook(_hook(self.loras[name])))
+            if "forward" in lin.__dict__ and lin.__dict__["forward"].__func__ is not linear_forward:
+                raise RuntimeError(f"{name}: the Linear already has a per-instance forward (another trainer or "
+                                   "patch is active). Fix: close the other trainer first.")
+            lin.__dict__["_lora"] = self.loras[name]  # not a submodule: the Linear's state dict stays as it is
+            install_forward(lin)
+        self._attached = True
         return self
 
     def detach(self):
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        if not self._attached:
+            return
+        for lin in self.targets.values():
+            lin.__dict__.pop("_lora", None)
+            uninstall_forward(lin)
+        self._attached = False
 
     def cast_cache(self, dtype):
-        """Context: cast every LoRA weight to ``dtype`` once (autograd-connected) for one forward/backward."""
+        """Context: cast (if needed) and transpose every LoRA weight once (autograd-connected) for one
+        forward/backward: one cast and one transpose per weight and step instead of one per call."""
         import contextlib
 
         @contextlib.contextmanager
         def ctx():
             for m in self.loras.values():
-                if m.lora_down.weight.dtype != dtype:
-                    m._cache = (m.lora_down.weight.to(dtype), m.lora_up.weight.to(dtype))
+                m._cache = None
+                m._cache = m.compute_weights(dtype)
             try:
                 yield
             finally:

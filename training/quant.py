@@ -23,7 +23,6 @@ and put back by ``restore``.
 from __future__ import annotations
 
 import logging
-import types
 
 import torch
 
@@ -31,6 +30,7 @@ from ..optimization.hardware import get_policy
 from ..optimization.nvfp4 import format as fmt
 from ..optimization.nvfp4 import kernels as nvfp4_kernels
 from ..optimization.nvfp4.format import NVFP4Tensor
+from .lora import install_forward, uninstall_forward
 
 log = logging.getLogger(__name__)
 E4M3 = torch.float8_e4m3fn
@@ -76,33 +76,40 @@ class _FP8LinearFn(torch.autograd.Function):
         ctx.save_for_backward(wq, wscale)
         ctx.tensorcores = tensorcores
         ctx.x_dtype = x.dtype
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         M = x2.shape[0]
         if tensorcores and (M % 16 == 0 or M < 256):
             xp, M0 = _pad16(x2)
             xq, xs = _quant_act(xp, E4M3, E4M3_MAX)
-            y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=wscale,
-                                 bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)[:M0]
+            if bias is not None and bias.dtype != x.dtype:
+                bias = bias.to(x.dtype)
+            y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=wscale, bias=bias, out_dtype=x.dtype)
+            if y.shape[0] != M0:
+                y = y[:M0]
         else:
             w = wq.to(x.dtype) * wscale.to(x.dtype)
             y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x.dtype))
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, g):
         wq, wscale = ctx.saved_tensors
         N = g.shape[-1]
-        g2 = g.reshape(-1, N)
+        g2 = g if g.dim() == 2 else g.reshape(-1, N)
         M = g2.shape[0]
         if ctx.tensorcores and (M % 16 == 0 or M < 256):
             gp, M0 = _pad16(g2)
             gq, gs = _quant_act(gp, E5M2, E5M2_MAX)
             wt = wq.t().contiguous()  # [K, N] row-major -> .t() is column-major [N, K] as _scaled_mm wants
-            dx = torch._scaled_mm(gq, wt.t(), scale_a=gs, scale_b=wscale, out_dtype=g.dtype)[:M0]
+            dx = torch._scaled_mm(gq, wt.t(), scale_a=gs, scale_b=wscale, out_dtype=g.dtype)
+            if dx.shape[0] != M0:
+                dx = dx[:M0]
         else:
             w = wq.to(g.dtype) * wscale.to(g.dtype)
             dx = g2 @ w
-        return dx.reshape(*g.shape[:-1], dx.shape[-1]).to(ctx.x_dtype), None, None, None, None
+        if g.dim() != 2:
+            dx = dx.reshape(*g.shape[:-1], dx.shape[-1])
+        return (dx if dx.dtype == ctx.x_dtype else dx.to(ctx.x_dtype)), None, None, None, None
 
 
 def _fp8_forward(self, x):
@@ -133,7 +140,9 @@ class _NVFP4LinearFn(torch.autograd.Function):
         ctx.save_for_backward(packed, block_scale, global_scale)
         ctx.shape = shape
         w = dequantize_weight(NVFP4Tensor(packed, block_scale, global_scale, shape), x.dtype)
-        return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        return torch.nn.functional.linear(x, w, bias)
 
     @staticmethod
     def backward(ctx, g):
@@ -156,7 +165,7 @@ def block_linears(dm):
                     yield f"{kind}.{i}.{name}", mod
 
 
-_Q_ATTRS = ("_q_weight", "_q_scale", "_q_tensorcores", "_q_nvfp4", "forward")
+_Q_ATTRS = ("_q_weight", "_q_scale", "_q_tensorcores", "_q_nvfp4", "_q_base")
 
 
 class QuantizedBase:
@@ -186,13 +195,15 @@ class QuantizedBase:
                         fp8_gemm[dev] = dev.type == "cuda" and get_policy(dev).fp8_gemm
                     lin._q_weight, lin._q_scale = q, s.reshape(()).to(dev)
                     lin._q_tensorcores = fp8_gemm[dev] and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
-                    lin.forward = types.MethodType(_fp8_forward, lin)
+                    lin._q_base = _fp8_forward
+                    install_forward(lin)
                 else:
                     src = w.data if w.dtype not in (E4M3, E5M2) else w.data.float() * (
                         getattr(lin, "scale_weight", torch.ones(())).float().to(dev))
                     lin._q_nvfp4 = fmt.quantize_nvfp4(src, return_tensor=True)
                     moved = w.data.to(offload_device)
-                    lin.forward = types.MethodType(_nvfp4_forward, lin)
+                    lin._q_base = _nvfp4_forward
+                    install_forward(lin)
                 if moved is not None:
                     w.data = torch.empty(0, dtype=w.dtype, device=dev)
             self.saved.append((lin, moved, dev))
@@ -204,4 +215,5 @@ class QuantizedBase:
             for a in _Q_ATTRS:
                 if a in lin.__dict__:
                     del lin.__dict__[a]
+            uninstall_forward(lin)  # the class forward comes back unless a LoRA still uses the instance forward
         self.saved = []
