@@ -15,7 +15,8 @@ block structure (19 double + 38 single blocks, 304 LoRA targets) with tiny width
 the arithmetic is negligible and the time is dispatch/Python overhead. Per mode (bf16, fp8 as on a GPU without
 FP8 GEMM = dequant, fp8-tc = FP8 tensor-core path forced through CPU `torch._scaled_mm`, nvfp4 = torch reference
 dequant) and checkpointing on/off: aten ops per step (TorchDispatchMode count, forward + backward + optimizer),
-Linear calls per step (incl. checkpoint recompute), ops per Linear call, host µs per step (median, 1 thread).
+Linear calls per step (incl. checkpoint recompute), fwd+bwd ops per Linear call, host µs per step (median,
+1 thread). The optimizer+clip column is CPU's for-loop AdamW (on CUDA AdamW is fused: a handful of kernels).
 """
 from __future__ import annotations
 
@@ -234,9 +235,12 @@ def host_ops(modes, warmup, steps, outdir, top=0):
         def __init__(self):
             super().__init__()
             self.c = Counter()
+            self.opt = 0  # ops in clip_grad_norm_ + optimizer step + zero_grad (CPU: for-loop AdamW, GPU: fused)
+            self.in_opt = False
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.c[str(func.overloadpacket)] += 1
+            self.opt += self.in_opt
             return func(*args, **(kwargs or {}))
 
     torch.set_num_threads(1)
@@ -270,8 +274,22 @@ def host_ops(modes, warmup, steps, outdir, top=0):
                 finally:
                     h.remove()
                 cm = Count()
-                with cm:
-                    tr.train_step()
+                clip, step = torch.nn.utils.clip_grad_norm_, tr.optimizer.step
+
+                def clip_w(*a, **k):
+                    cm.in_opt = True
+                    return clip(*a, **k)
+
+                def step_w(*a, **k):
+                    cm.in_opt = True
+                    return step(*a, **k)
+                torch.nn.utils.clip_grad_norm_, tr.optimizer.step = clip_w, step_w
+                try:
+                    with cm:
+                        tr.train_step()
+                finally:
+                    torch.nn.utils.clip_grad_norm_ = clip
+                    del tr.optimizer.step
                 times = []
                 for _ in range(steps):
                     t0 = time.perf_counter()
@@ -280,18 +298,19 @@ def host_ops(modes, warmup, steps, outdir, top=0):
             finally:
                 tr.close()
             n = sum(cm.c.values())
-            r = {"mode": mode, "ckpt": ckpt, "ops_step": n, "linear_calls": calls[0],
-                 "ops_per_linear": n / max(1, calls[0]), "host_us_step": statistics.median(times) * 1e6,
+            r = {"mode": mode, "ckpt": ckpt, "ops_step": n, "ops_fwd_bwd": n - cm.opt, "ops_optim": cm.opt,
+                 "linear_calls": calls[0], "ops_per_linear": (n - cm.opt) / max(1, calls[0]), "host_us_step": statistics.median(times) * 1e6,
                  "top_ops": cm.c.most_common(top)}
             rows.append(r)
             print("[host-ops]", json.dumps({k: v for k, v in r.items() if k != "top_ops"}), flush=True)
             if top:
                 print("   ", ", ".join(f"{k}:{v}" for k, v in r["top_ops"]), flush=True)
-    print("\n| mode | ckpt | aten ops/step | Linear calls/step | ops per Linear call | host µs/step |")
-    print("|---|---|---|---|---|---|")
+    print("\n| mode | ckpt | aten ops/step | of which fwd+bwd | optimizer+clip | Linear calls/step "
+          "| fwd+bwd ops per Linear call | host µs/step |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {'on' if r['ckpt'] else 'off'} | {r['ops_step']} | {r['linear_calls']} | "
-              f"{r['ops_per_linear']:.1f} | {r['host_us_step']:.0f} |")
+        print(f"| {r['mode']} | {'on' if r['ckpt'] else 'off'} | {r['ops_step']} | {r['ops_fwd_bwd']} | "
+              f"{r['ops_optim']} | {r['linear_calls']} | {r['ops_per_linear']:.1f} | {r['host_us_step']:.0f} |")
     return rows
 
 

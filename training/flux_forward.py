@@ -146,6 +146,60 @@ def _single_method(self, x, vec, pe, attn_mask=None, transformer_options={}, **k
     return single_block_forward(self, x, vec, pe, attn_mask, transformer_options)
 
 
+class _BlockCheckpoint(torch.autograd.Function):
+    """Per-block checkpoint with little host work: the forward runs under ``no_grad`` (no autograd graph, no
+    saved-tensor pack hooks), the backward recomputes the block with grad and differentiates it with one
+    ``torch.autograd.grad`` call. The block's LoRA weights (the per-step cast/transposed tensors, or the master
+    weights' views outside ``cast_cache``) are explicit inputs, so their gradients flow back through this node
+    even where no block input requires grad (the first block: FLUX's embedders are frozen). Same arithmetic as
+    ``torch.utils.checkpoint`` (non-reentrant), which saves and detaches every tensor the block's autograd graph
+    would keep, once in the forward and again in the recompute.
+
+    Used when the block's closed-over inputs (``vec``, ``pe``, mask) need no gradient and no BlockSwap runner is
+    attached (its prefetch order looks at ``torch.is_grad_enabled()``); otherwise ``torch.utils.checkpoint``."""
+
+    @staticmethod
+    def forward(ctx, run, loras, n_in, *args):
+        ctx.run, ctx.loras, ctx.n_in = run, loras, n_in
+        ctx.save_for_backward(*args)
+        with torch.no_grad():
+            out = run(*args[:n_in])
+        return out
+
+    @staticmethod
+    def backward(ctx, *gs):
+        saved = ctx.saved_tensors
+        n = ctx.n_in
+        ins = [t.detach().requires_grad_(t.requires_grad) for t in saved[:n]]
+        ws = [t.detach().requires_grad_(t.requires_grad) for t in saved[n:]]
+        loras = ctx.loras
+        old = [m._cache for m in loras]
+        for i, m in enumerate(loras):
+            m._cache = (ws[2 * i], ws[2 * i + 1])
+        try:
+            with torch.enable_grad():
+                out = ctx.run(*ins)
+        finally:
+            for m, c in zip(loras, old):
+                m._cache = c
+        outs = out if isinstance(out, tuple) else (out,)
+        o_g = [(o, g) for o, g in zip(outs, gs) if g is not None and o.requires_grad]
+        need = [t for t in ins + ws if t.requires_grad]
+        grads = iter(torch.autograd.grad([o for o, _ in o_g], need, [g for _, g in o_g], allow_unused=True)
+                     if o_g and need else [None] * len(need))
+        return (None, None, None) + tuple(next(grads) if t.requires_grad else None for t in ins + ws)
+
+
+def _block_loras(block):
+    """The LoRA modules on ``block``'s Linears (``lora.linear_forward``'s ``_lora``), in module order."""
+    out = []
+    for m in block.modules():
+        lo = m.__dict__.get("_lora")
+        if lo is not None:
+            out.append(lo)
+    return out
+
+
 class FluxTrainForward:
     """Runs ``dm(x_t, sigma, context, y, guidance)`` with per-block checkpointing.
 
@@ -161,6 +215,7 @@ class FluxTrainForward:
         self.block_runner = block_runner
         self.attn_override = _attention_override()
         self._patched = []
+        self._loras = {}  # id(block) -> its LoRA modules (read at the first checkpointed call)
         for b in dm.double_blocks:
             if _flux1_double(b) and "forward" not in b.__dict__:
                 b.forward = types.MethodType(_double_method, b)
@@ -175,8 +230,16 @@ class FluxTrainForward:
             b.__dict__.pop("forward", None)
         self._patched = []
 
-    def _ckpt(self, fn, *tensors):
+    def _ckpt(self, fn, *tensors, block=None, closed=()):
         if self.gradient_checkpointing and torch.is_grad_enabled():
+            if block is not None and self.block_runner is None and \
+                    not any(t is not None and t.requires_grad for t in closed):
+                loras = self._loras.get(id(block))
+                if loras is None:
+                    loras = self._loras[id(block)] = _block_loras(block)
+                dt = tensors[0].dtype
+                ws = [w for m in loras for w in m.compute_weights(dt)]
+                return _BlockCheckpoint.apply(fn, loras, len(tensors), *tensors, *ws)
             return checkpoint(fn, *tensors, use_reentrant=False, preserve_rng_state=False)
         return fn(*tensors)
 
@@ -195,7 +258,7 @@ class FluxTrainForward:
                     img, txt = img.clone(), txt.clone()
                 return block(img=img, txt=txt, vec=vec, pe=pe, attn_mask=mask, transformer_options=topts)
 
-            img, txt = self._ckpt(run, args["img"], args["txt"])
+            img, txt = self._ckpt(run, args["img"], args["txt"], block=block, closed=(vec, pe, mask))
             return {"img": img, "txt": txt}
         return replace
 
@@ -210,7 +273,7 @@ class FluxTrainForward:
             def run(img):
                 return block(img.clone() if copy else img, vec=vec, pe=pe, attn_mask=mask, transformer_options=topts)
 
-            return {"img": self._ckpt(run, args["img"])}
+            return {"img": self._ckpt(run, args["img"], block=block, closed=(vec, pe, mask))}
         return replace
 
     def transformer_options(self) -> dict:
