@@ -37,8 +37,23 @@ import os
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # lets the CPU run the kernels (tests only)
 
 
+def on_cuda(t: torch.Tensor) -> bool:
+    """``t.is_cuda``. A seam: ``scripts/bench_nvfp4_host.py`` replaces it to time the host side on a CPU."""
+    return t.is_cuda
+
+
+def device_is_cuda(device: torch.device) -> bool:
+    """``device.type == "cuda"`` (same seam as ``on_cuda``)."""
+    return device.type == "cuda"
+
+
+def raw_stream(index):
+    """The current CUDA stream's handle for device ``index`` (same seam as ``on_cuda``)."""
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
 def triton_usable(t: torch.Tensor) -> bool:
-    return HAS_TRITON and (t.is_cuda or _INTERPRET)
+    return HAS_TRITON and (on_cuda(t) or _INTERPRET)
 
 
 if HAS_TRITON:
@@ -254,10 +269,18 @@ def _spec_key(args) -> tuple:
     return tuple(key)
 
 
+def _hook_active(h) -> bool:
+    """A launch hook is installed: not None, and (newer Triton: a ``HookChain``) with at least one call."""
+    if h is None:
+        return False
+    calls = getattr(h, "calls", None)
+    return bool(calls) if isinstance(calls, list) else True
+
+
 def _hooks_set() -> bool:
     try:
         from triton import knobs
-        return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+        return _hook_active(knobs.runtime.launch_enter_hook) or _hook_active(knobs.runtime.launch_exit_hook)
     except Exception:  # noqa: BLE001 - older Triton: no knobs module, never use the fast path
         return True
 
@@ -265,13 +288,22 @@ def _hooks_set() -> bool:
 def _relaunch(entry, grid, args, consts, device) -> bool:
     k = entry
     try:
-        k.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device.index), k.function,
+        k.run(grid[0], grid[1], grid[2], raw_stream(device.index), k.function,
               k.packed_metadata, None, None, None, *args, *consts)
         return True
     except Exception:  # noqa: BLE001 - launcher API differs in this Triton: use the normal launch from now on
         _FAST_LAUNCH[0] = False
         _FAST_CACHE.clear()
         return False
+
+
+def cached_kernel(fn, args, consts: dict, num_warps: int, num_stages: int):
+    """The compiled kernel ``_launch`` cached for exactly these arguments' specialization (None if it has not
+    launched them yet, or fast launch is off). Used to build per-layer launch plans."""
+    if not _FAST_LAUNCH[0]:
+        return None
+    return _FAST_CACHE.get((id(fn), args[0].device.index, _spec_key(args), tuple(consts.values()), num_warps,
+                            num_stages))
 
 
 def _launch(fn, grid, args, consts: dict, num_warps: int, num_stages: int):
@@ -310,7 +342,7 @@ def byte_lut(device) -> torch.Tensor:
 def _check_triton(t: torch.Tensor):
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed")
-    if not (t.is_cuda or _INTERPRET):
+    if not (on_cuda(t) or _INTERPRET):
         raise RuntimeError("Triton kernels need a CUDA tensor")
 
 
@@ -351,10 +383,22 @@ def quantize_act_fp8_rowwise(x: torch.Tensor):
     s = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M == 0:
         return q, s
-    BLOCK_K = triton.next_power_of_2(K)
-    warps = max(4, min(16, BLOCK_K // 512))
-    _act_fp8_row_kernel[(M,)](x, q, s, K, x.stride(0), BLOCK_K=BLOCK_K, num_warps=warps)
+    BLOCK_K, warps = act_fp8_config(K)
+    if _INTERPRET:
+        _act_fp8_row_kernel[(M,)](x, q, s, K, x.stride(0), BLOCK_K=BLOCK_K, num_warps=warps)
+    else:
+        _launch(_act_fp8_row_kernel, (M, 1, 1), (x, q, s, K, x.stride(0)), dict(BLOCK_K=BLOCK_K), warps,
+                ACT_FP8_STAGES)
     return q, s
+
+
+ACT_FP8_STAGES = 3   # Triton's default num_stages on NVIDIA (the kernel has no loop: no effect on the code)
+
+
+def act_fp8_config(K: int) -> tuple[int, int]:
+    """(BLOCK_K, num_warps) of the per-token FP8 kernel for rows of K elements."""
+    block_k = 1 << max(0, (K - 1).bit_length())     # triton.next_power_of_2
+    return block_k, max(4, min(16, block_k // 512))
 
 
 def dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype=torch.bfloat16, out=None,
@@ -462,20 +506,97 @@ def w4a16_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bia
     if M == 0:
         return y
     g = global_scale.to(device=x.device, dtype=torch.float32).reshape(1)
-    sc = block_scale.shape[1]
     bn, bm, bk, sk, w, st = config or w4a16_config(M, n, K, x.device)
+    ws = torch.empty((sk, M, n), dtype=torch.float32, device=x.device) if sk > 1 else y
+    for fn, grid, args, consts, nw, ns in _w4a16_launches(x, packed, block_scale, g, bias, y, ws, M, n, K,
+                                                          (bn, bm, bk, sk, w, st)):
+        _launch(fn, grid, args, consts, nw, ns)
+    return y
+
+
+def _w4a16_launches(x, packed, block_scale, g, bias, y, ws, M, n, K, config):
+    """The (kernel, grid, args, constexprs, num_warps, num_stages) launches of one ``w4a16_linear`` call."""
+    bn, bm, bk, sk, w, st = config
     has_bias = bias is not None
     b = bias if has_bias else g
-    k_tiles = triton.cdiv(K, bk)
+    k_tiles = -(-K // bk)
     if k_tiles % sk:
         raise ValueError(f"SPLIT_K={sk} does not divide the {k_tiles} K tiles")
-    ws = torch.empty((sk, M, n), dtype=torch.float32, device=x.device) if sk > 1 else y
-    grid = (triton.cdiv(n, bn), triton.cdiv(M, bm), sk)
-    _launch(_w4a16_swab_kernel, grid, (x, packed, block_scale, g, b, y, ws, M, n, K, x.stride(0), sc // 4,
-                                       k_tiles // sk),
-            dict(HAS_BIAS=has_bias, EVEN_K=(K % bk == 0), BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, SPLIT_K=sk), w, st)
+    grid = (-(-n // bn), -(-M // bm), sk)
+    out = [(_w4a16_swab_kernel, grid, (x, packed, block_scale, g, b, y, ws, M, n, K, x.stride(0),
+                                       block_scale.shape[1] // 4, k_tiles // sk),
+            dict(HAS_BIAS=has_bias, EVEN_K=(K % bk == 0), BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, SPLIT_K=sk), w, st)]
     if sk > 1:
         mn = M * n
-        _launch(_splitk_reduce_kernel, (triton.cdiv(mn, 1024), 1, 1), (ws, g, b, y, mn, n),
-                dict(HAS_BIAS=has_bias, SPLIT_K=sk, BLOCK=1024), 4, 3)
-    return y
+        out.append((_splitk_reduce_kernel, (-(-mn // 1024), 1, 1), (ws, g, b, y, mn, n),
+                    dict(HAS_BIAS=has_bias, SPLIT_K=sk, BLOCK=1024), 4, 3))
+    return out
+
+
+def w4a16_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
+    """A launcher for later ``w4a16_linear(x', packed, block_scale, global_scale, n, bias)`` calls with x' of
+    x's shape, dtype and device (contiguous), after this exact call has run once through ``w4a16_linear`` (so
+    the compiled kernels are cached). Everything that does not depend on x' is decided here, once: config,
+    grids, the kernels' argument tuples, the compiled kernels' handles. ``plan(x')`` allocates the output
+    (``out_shape``, same memory layout as [M, n]) and the split-K partials, launches, returns the output;
+    it returns None when a pointer is not 16-byte aligned (the caller then takes the normal path).
+    The plan holds the layer's tensor objects, not their storage: ``t.data = ...`` (block swap) is seen.
+    Returns None when no plan can be made (fast launch off, global scale not fp32 on x's device, ...)."""
+    if not _FAST_LAUNCH[0] or _INTERPRET or not x.is_contiguous():
+        return None
+    M, K = x.shape
+    dev = x.device
+    if (M == 0 or packed.shape[1] * 2 != K or x.dtype not in (torch.bfloat16, torch.float16)
+            or global_scale.dtype != torch.float32 or global_scale.numel() != 1 or global_scale.device != dev
+            or (bias is not None and bias.dtype != x.dtype)):
+        return None
+    cfg = w4a16_config(M, n, K, dev)
+    sk = cfg[3]
+    y = torch.empty((M, n), dtype=x.dtype, device=dev)
+    ws = torch.empty((sk, M, n), dtype=torch.float32, device=dev) if sk > 1 else y
+    g = global_scale.reshape(1)
+    launches = _w4a16_launches(x, packed, block_scale, g, bias, y, ws, M, n, K, cfg)
+    kerns = [cached_kernel(fn, args, consts, nw, ns) for fn, grid, args, consts, nw, ns in launches]
+    if any(k is None for k in kerns):
+        return None
+    b = bias if bias is not None else global_scale
+    k1 = kerns[0]
+    _, (ga, gb, gc), args1, consts1, _, _ = launches[0]
+    run1, f1, md1 = k1.run, k1.function, k1.packed_metadata
+    tail1 = tuple(args1[7:]) + tuple(consts1.values())     # M, n, K, stride, NCB4, TILES_PER, constexprs
+    out_shape = tuple(out_shape)
+    dtype, index = x.dtype, dev.index
+    empty = torch.empty
+    if sk == 1:
+        del y, ws, launches, args1
+
+        def plan(xc):
+            if (xc.data_ptr() | packed.data_ptr() | block_scale.data_ptr() | global_scale.data_ptr()
+                    | b.data_ptr()) & 15:
+                return None
+            out = empty(out_shape, dtype=dtype, device=dev)
+            run1(ga, gb, gc, raw_stream(index), f1, md1, None, None, None, xc, packed, block_scale, global_scale,
+                 b, out, out, *tail1)
+            return out
+        return plan
+
+    k2 = kerns[1]
+    _, (ha, hb, hc), args2, consts2, _, _ = launches[1]
+    run2, f2, md2 = k2.run, k2.function, k2.packed_metadata
+    tail2 = tuple(args2[4:]) + tuple(consts2.values())     # MN, N, constexprs
+    ws_shape = (sk, M, n)
+    f32 = torch.float32
+    del y, ws, launches, args1, args2
+
+    def plan_split(xc):
+        if (xc.data_ptr() | packed.data_ptr() | block_scale.data_ptr() | global_scale.data_ptr()
+                | b.data_ptr()) & 15:
+            return None
+        out = empty(out_shape, dtype=dtype, device=dev)
+        part = empty(ws_shape, dtype=f32, device=dev)
+        stream = raw_stream(index)
+        run1(ga, gb, gc, stream, f1, md1, None, None, None, xc, packed, block_scale, global_scale, b, out, part,
+             *tail1)
+        run2(ha, hb, hc, stream, f2, md2, None, None, None, part, global_scale, b, out, *tail2)
+        return out
+    return plan_split

@@ -64,6 +64,10 @@ SMALL_M = FUSED_MAX_M        # kept for older callers
 _FIDELITY_CHOICE: dict = {}  # (m bucket, N, K, device) -> kernel name, decided by timing once ("timed")
 
 
+MAX_PLANS = 64               # launch plans kept per layer (input shapes); more: start over
+_PLAN_INPUTS = frozenset({"weight", "weight_scale", "weight_scale_2", "bias", "input_scale", "pre_quant_scale", "path",
+                          "fidelity_kernel", "pipeline_chunks", "fp8_fast_accum", "in_features", "out_features"})
+_WEIGHT_NAMES = frozenset({"weight", "weight_scale", "weight_scale_2"})
 _FUSED_BROKEN: list = []   # reason the fused W4A16 kernel failed to build/run here (then never tried again)
 
 
@@ -148,7 +152,7 @@ def resolve_path(path: str | None, device) -> str:
         path = _policy_path(device)
     if path not in PATHS:
         raise ValueError(f"NVFP4 path must be one of {PATHS} or 'auto', got {path!r}")
-    if device.type != "cuda" and path != "reference":
+    if not K.device_is_cuda(device) and path != "reference":
         return "reference"
     return path
 
@@ -251,6 +255,25 @@ class NVFP4Linear(_QuantLinearBase):
         self.fidelity_kernel = "auto"
         self.pipeline_chunks = None      # None: PIPELINE_CHUNKS
         self._derived: dict = {}
+        # launch plans: (x.shape, x.dtype, x.get_device()) -> callable(x) -> y (or None: no plan for that input).
+        # Built after the first call per input shape (see ``_make_plan``); cleared whenever anything they were
+        # built from changes (buffers / attributes assigned, ``.to()``, ``load_state_dict``).
+        self._plans: dict = {}
+
+    def __setattr__(self, name, value):
+        if name in _PLAN_INPUTS:
+            plans = self.__dict__.get("_plans")
+            if plans:
+                plans.clear()
+            if name in _WEIGHT_NAMES and self.__dict__.get("_derived"):
+                self._derived.clear()       # e.g. the FP8 copy of the weight
+        super().__setattr__(name, value)
+
+    def register_buffer(self, name, tensor, persistent=True):
+        plans = self.__dict__.get("_plans")
+        if plans:
+            plans.clear()
+        super().register_buffer(name, tensor, persistent)
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -305,11 +328,13 @@ class NVFP4Linear(_QuantLinearBase):
                     v = state_dict[prefix + name] = v.float().reshape(())
                 self.register_buffer(name, torch.empty_like(v, device=self.weight.device))
         self._derived.clear()
+        self._plans.clear()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
     def _apply(self, fn, recurse=True):
         self._derived.clear()
+        self._plans.clear()
         return super()._apply(fn, recurse)
 
     # -- forward --------------------------------------------------------------------------------------------
@@ -335,13 +360,92 @@ class NVFP4Linear(_QuantLinearBase):
         return x2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plans = self._plans
+        if plans:
+            plan = plans.get((x.shape, x.dtype, x.get_device()))
+            if plan is not None and x.is_contiguous():
+                try:
+                    y = plan(x)
+                except Exception:  # noqa: BLE001 - launcher API differs in this Triton: normal launches from now on
+                    K._FAST_LAUNCH[0] = False
+                    K._FAST_CACHE.clear()
+                    plans.clear()
+                    y = None
+                if y is not None:
+                    return y
+        return self._forward_full(x)
+
+    def _forward_full(self, x: torch.Tensor) -> torch.Tensor:
+        """The complete forward (every check, every path). After it, a launch plan is made for x's shape."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.pre_quant_scale is not None:
             x2 = x2 * self.pre_quant_scale.to(x2.dtype)
         path = self.effective_path(x.device)
         y = getattr(self, "_forward_" + path)(x2)
-        return y.reshape(*shape[:-1], self.out_features)
+        y = y.reshape(*shape[:-1], self.out_features)
+        if path in ("fidelity", "fp8_speed"):
+            key = (shape, x.dtype, x.get_device())
+            if key not in self._plans:
+                if len(self._plans) >= MAX_PLANS:
+                    self._plans.clear()
+                self._plans[key] = self._make_plan(x, x2, path)
+        return y
+
+    def _make_plan(self, x, x2, path):
+        """A callable doing what ``_forward_full`` just did for inputs like ``x`` (same shape, dtype, device,
+        contiguous), with everything that does not depend on the input's values decided now: the path, the
+        fidelity kernel for this M, the kernel config, the compiled kernels and their argument tuples, the
+        weight-side tensors. Per call it is left with: checking pointer alignment, allocating the output
+        (and split-K partials / the FP8 activation), the launch(es) - bias is in the kernel epilogue / the
+        cuBLASLt call. None when the call is not of that kind (reference / dequant / pipelined kernels,
+        pre_quant_scale, K padding, non-contiguous input, fast launch off, ...): then every call is full."""
+        if (self.pre_quant_scale is not None or not x.is_contiguous() or not K._FAST_LAUNCH[0]
+                or not K.on_cuda(x) or self.weight.shape[1] * 2 != self.in_features or x2.shape[0] == 0):
+            return None
+        out_shape = tuple(x.shape[:-1]) + (self.out_features,)
+        try:
+            if path == "fidelity":
+                if self._fidelity_kernel_for(x2) != "fused":
+                    return None
+                return K.w4a16_plan(x2, self.weight, self.weight_scale, self.weight_scale_2, self.out_features,
+                                    self.bias, out_shape)
+            return self._fp8_plan(x2, out_shape)
+        except Exception as exc:  # noqa: BLE001 - no plan: the full forward keeps working
+            log.debug("NVFP4 launch plan not made: %s: %s", type(exc).__name__, exc)
+            return None
+
+    def _fp8_plan(self, x2, out_shape):
+        if x2.dtype != torch.bfloat16 or (self.bias is not None and self.bias.dtype != torch.bfloat16):
+            return None
+        dev = x2.device
+        m, k = x2.shape
+        block_k, warps = K.act_fp8_config(k)
+        q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=dev)
+        s = torch.empty((m, 1), dtype=torch.float32, device=dev)
+        kern = K.cached_kernel(K._act_fp8_row_kernel, (x2, q, s, k, x2.stride(0)), dict(BLOCK_K=block_k), warps,
+                               K.ACT_FP8_STAGES)
+        if kern is None:
+            return None
+        w8, sw = self._fp8_weight(dev)
+        w8t, swr = w8.t(), sw.reshape(1, -1)
+        b, fast_accum = self.bias, self.fp8_fast_accum
+        run, f, md = kern.run, kern.function, kern.packed_metadata
+        tail = (k, x2.stride(0), block_k)
+        q_shape, s_shape, index = (m, k), (m, 1), dev.index
+        fp8, f32, bf16, empty = torch.float8_e4m3fn, torch.float32, torch.bfloat16, torch.empty
+        del q, s
+
+        def plan(xc):
+            if xc.data_ptr() & 15:
+                return None
+            xq = empty(q_shape, dtype=fp8, device=dev)
+            sx = empty(s_shape, dtype=f32, device=dev)
+            run(m, 1, 1, K.raw_stream(index), f, md, None, None, None, xc, xq, sx, *tail)
+            y = torch._scaled_mm(xq, w8t, scale_a=sx, scale_b=swr, out_dtype=bf16, bias=b,
+                                 use_fast_accum=fast_accum)
+            return y.view(out_shape)
+        return plan
 
     def _forward_reference(self, x2):
         w = self.nvfp4.dequantize(torch.float32)
@@ -475,13 +579,13 @@ class NVFP4Linear(_QuantLinearBase):
     def _fidelity_kernel_for(self, x2) -> str:
         m = x2.shape[0]
         kern = self.fidelity_kernel
-        fused_ok = (K.triton_usable(x2) and x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16)
+        fused_ok = (K.triton_usable(x2) and K.on_cuda(x2) and x2.dtype in (torch.bfloat16, torch.float16)
                     and not _FUSED_BROKEN)
         if kern == "fused":
             return "fused" if fused_ok else "dequant"
         if kern in ("dequant", "pipelined", "pipelined_n"):
             return kern
-        if not x2.is_cuda:
+        if not K.on_cuda(x2):
             return "dequant"
         pipe_ok = self.weight.shape[1] * 2 >= 256
         if kern == "timed":
