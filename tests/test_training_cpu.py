@@ -425,3 +425,57 @@ def test_bf16_cast_cache_gradients_match(comfy, tmp_path):
         grads.append(torch.cat([p.grad.flatten() for p in tr.network.parameters()]))
     tr.close()
     assert torch.allclose(grads[0], grads[1], rtol=1e-6, atol=1e-9)
+
+
+def test_block_checkpoint_function_matches_torch_checkpoint(comfy, tmp_path):
+    """The per-block checkpoint Function (no_grad forward, recompute + autograd.grad) gives exactly the gradients
+    of torch.utils.checkpoint (and of no checkpointing), the first block's LoRA included (its inputs need no grad)."""
+    T = _tr()
+    ds = _dataset(tmp_path)
+    mp = tiny_flux_patcher()
+    dm = mp.model.diffusion_model
+    tr = T.FluxLoraTrainer(dm, _cfg(tmp_path), ds, latent_format=mp.model.latent_format, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in tr.network.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    x0 = tr._process_in(ds.latents[0][None])
+    cap = ds.items[0].caption
+    grads = {}
+    for name, ckpt, fast in (("none", False, True), ("torch", True, False), ("fast", True, True)):
+        tr.forward.gradient_checkpointing, tr.forward.fast_checkpoint = ckpt, fast
+        tr.network.zero_grad(set_to_none=True)
+        with tr.network.cast_cache(torch.float32):
+            pred = tr.forward(x0 * 0.5, torch.tensor([0.5]), ds.conds[cap][None], ds.pooled[cap][None], 1.0)
+            pred.square().mean().backward()
+        grads[name] = {k: p.grad.clone() for k, p in tr.network.named_parameters()}
+    tr.close()
+    first = "loras.lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"
+    assert grads["fast"][first].abs().sum() > 0
+    for k in grads["none"]:
+        assert torch.equal(grads["fast"][k], grads["torch"][k]), k
+        assert torch.allclose(grads["fast"][k], grads["none"][k], rtol=1e-5, atol=1e-7), k
+
+
+@pytest.mark.parametrize("mode", ["auto", "fp8"])
+def test_lora_forward_installed_and_removed(comfy, tmp_path, mode):
+    """LoRA (and the quantized base) run as one per-instance Linear forward; close() leaves no instance attribute,
+    no extra submodule/state-dict key and no hook behind."""
+    T = _tr()
+    from seedvr2bw.training.lora import linear_forward
+    ds = _dataset(tmp_path)
+    mp = tiny_flux_patcher()
+    dm = mp.model.diffusion_model
+    keys = list(dm.state_dict().keys())
+    before = _model_out(dm)
+    tr = T.FluxLoraTrainer(dm, _cfg(tmp_path, base_precision=mode), ds, latent_format=mp.model.latent_format,
+                           device="cpu")
+    assert list(dm.state_dict().keys()) == keys  # the LoRA is not registered as a submodule of the Linear
+    for lin in tr.network.targets.values():
+        assert lin.forward.__func__ is linear_forward and not lin._forward_hooks
+    tr.train_step()
+    tr.close()
+    for lin in tr.network.targets.values():
+        assert not {"forward", "_lora", "_q_base", "_l_comfy_cast"} & set(lin.__dict__)
+    if mode == "auto":
+        assert torch.equal(_model_out(dm), before)

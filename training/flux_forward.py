@@ -214,6 +214,7 @@ class FluxTrainForward:
         self.gradient_checkpointing = gradient_checkpointing
         self.block_runner = block_runner
         self.attn_override = _attention_override()
+        self.fast_checkpoint = True  # _BlockCheckpoint where it applies; False: torch.utils.checkpoint everywhere
         self._patched = []
         self._loras = {}  # id(block) -> its LoRA modules (read at the first checkpointed call)
         for b in dm.double_blocks:
@@ -232,7 +233,7 @@ class FluxTrainForward:
 
     def _ckpt(self, fn, *tensors, block=None, closed=()):
         if self.gradient_checkpointing and torch.is_grad_enabled():
-            if block is not None and self.block_runner is None and \
+            if block is not None and self.fast_checkpoint and self.block_runner is None and \
                     not any(t is not None and t.requires_grad for t in closed):
                 loras = self._loras.get(id(block))
                 if loras is None:

@@ -326,7 +326,7 @@ class FluxLoraTrainer:
         return path
 
     def close(self):
-        """Removes the LoRA hooks and restores the base model exactly as it was."""
+        """Removes the LoRA (per-instance Linear forwards) and restores the base model exactly as it was."""
         if self._closed:
             return
         self.network.detach()
