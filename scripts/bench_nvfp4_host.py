@@ -103,7 +103,7 @@ def make_layer(k, n, path):
     return layer
 
 
-def time_calls(fn, calls, reps=7):
+def time_calls(fn, calls, reps=15):
     for _ in range(min(200, calls)):
         fn()
     per = []
@@ -124,17 +124,21 @@ def main():
     ap.add_argument("--m", default="1,16,64,256")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--paths", default="fidelity,fp8_speed")
-    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--calls", type=int, default=400, help="calls per timed batch (15 batches, median)")
+    ap.add_argument("--full", action="store_true", help="no launch plans: time the full forward every call")
     ap.add_argument("--profile", default="3072x3072:256", help="KxN:M of the case to break down ('' = none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
     fakes, hooks = install_fakes()
+    if args.full and hasattr(NVFP4Linear, "_make_plan"):
+        NVFP4Linear._make_plan = lambda self, *a: None
     ms = [int(v) for v in args.m.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     paths = args.paths.split(",")
     print(f"commit {_pack.git_commit()}  torch {torch.__version__}  fast launch {K._FAST_LAUNCH[0]}  "
-          f"(Triton hooks reported set: {hooks}{' -> treated as unset' if hooks else ''})")
+          f"(Triton hooks reported set: {hooks}{' -> treated as unset' if hooks else ''})"
+          f"{'  launch plans off (--full)' if args.full else ''}")
     rows = []
     for path in paths:
         print(f"\npath {path}: median host us per forward call (GPU work removed)")

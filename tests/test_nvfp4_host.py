@@ -234,3 +234,20 @@ def test_plan_gives_the_same_bits_as_the_full_forward_on_cuda(path, m, n, k):
         assert callable(layer._plans[(x.shape, x.dtype, x.get_device())])
     for y in planned:
         assert y.shape == full.shape == first.shape and torch.equal(y, full) and torch.equal(y, first)
+
+
+def test_a_deep_copy_launches_with_its_own_tensors(fake_gpu):
+    import copy
+    log, _ = fake_gpu
+    layer = _layer(256, 512)
+    x = torch.randn(4, 512).to(torch.bfloat16)
+    layer(x)
+    layer(x)
+    twin = copy.deepcopy(layer)
+    assert not twin._plans and layer._plans
+    for _ in range(2):
+        mark = len(log)
+        twin(x)
+    (run,) = _runs(log, mark)
+    assert run[2][9 + 1].data_ptr() == twin.weight.data_ptr() != layer.weight.data_ptr()
+    assert callable(twin._plans[(x.shape, x.dtype, x.get_device())])

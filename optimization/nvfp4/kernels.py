@@ -565,8 +565,7 @@ def w4a16_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
     run1, f1, md1 = k1.run, k1.function, k1.packed_metadata
     tail1 = tuple(args1[7:]) + tuple(consts1.values())     # M, n, K, stride, NCB4, TILES_PER, constexprs
     out_shape = tuple(out_shape)
-    dtype, index = x.dtype, dev.index
-    empty = torch.empty
+    index = dev.index
     if sk == 1:
         del y, ws, launches, args1
 
@@ -574,7 +573,7 @@ def w4a16_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
             if (xc.data_ptr() | packed.data_ptr() | block_scale.data_ptr() | global_scale.data_ptr()
                     | b.data_ptr()) & 15:
                 return None
-            out = empty(out_shape, dtype=dtype, device=dev)
+            out = xc.new_empty(out_shape)          # x's dtype and device (cheaper than torch.empty(...))
             run1(ga, gb, gc, raw_stream(index), f1, md1, None, None, None, xc, packed, block_scale, global_scale,
                  b, out, out, *tail1)
             return out
@@ -592,8 +591,8 @@ def w4a16_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
         if (xc.data_ptr() | packed.data_ptr() | block_scale.data_ptr() | global_scale.data_ptr()
                 | b.data_ptr()) & 15:
             return None
-        out = empty(out_shape, dtype=dtype, device=dev)
-        part = empty(ws_shape, dtype=f32, device=dev)
+        out = xc.new_empty(out_shape)
+        part = xc.new_empty(ws_shape, dtype=f32)
         stream = raw_stream(index)
         run1(ga, gb, gc, stream, f1, md1, None, None, None, xc, packed, block_scale, global_scale, b, out, part,
              *tail1)

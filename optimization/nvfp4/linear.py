@@ -269,6 +269,17 @@ class NVFP4Linear(_QuantLinearBase):
                 self._derived.clear()       # e.g. the FP8 copy of the weight
         super().__setattr__(name, value)
 
+    def __getstate__(self):
+        # copy.deepcopy / pickle: the plans' closures hold this layer's tensors; a copy makes its own
+        state = super().__getstate__()
+        state = dict(state)
+        state["_plans"] = {}
+        return state
+
+    def __setstate__(self, state):
+        state.setdefault("_plans", {})     # pickled before launch plans existed
+        super().__setstate__(state)
+
     def register_buffer(self, name, tensor, persistent=True):
         plans = self.__dict__.get("_plans")
         if plans:
@@ -433,18 +444,19 @@ class NVFP4Linear(_QuantLinearBase):
         run, f, md = kern.run, kern.function, kern.packed_metadata
         tail = (k, x2.stride(0), block_k)
         q_shape, s_shape, index = (m, k), (m, 1), dev.index
-        fp8, f32, bf16, empty = torch.float8_e4m3fn, torch.float32, torch.bfloat16, torch.empty
+        fp8, f32, bf16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
+        flat = len(out_shape) == 2
         del q, s
 
         def plan(xc):
             if xc.data_ptr() & 15:
                 return None
-            xq = empty(q_shape, dtype=fp8, device=dev)
-            sx = empty(s_shape, dtype=f32, device=dev)
+            xq = xc.new_empty(q_shape, dtype=fp8)
+            sx = xc.new_empty(s_shape, dtype=f32)
             run(m, 1, 1, K.raw_stream(index), f, md, None, None, None, xc, xq, sx, *tail)
             y = torch._scaled_mm(xq, w8t, scale_a=sx, scale_b=swr, out_dtype=bf16, bias=b,
                                  use_fast_accum=fast_accum)
-            return y.view(out_shape)
+            return y if flat else y.view(out_shape)
         return plan
 
     def _forward_reference(self, x2):
