@@ -479,3 +479,39 @@ def test_lora_forward_installed_and_removed(comfy, tmp_path, mode):
         assert not {"forward", "_lora", "_q_base", "_l_comfy_cast"} & set(lin.__dict__)
     if mode == "auto":
         assert torch.equal(_model_out(dm), before)
+
+
+def test_recompute_keeps_dequantized_weight_for_backward(comfy, tmp_path, monkeypatch):
+    """With checkpointing, an NVFP4 Linear is dequantized in the forward and the recompute only (the backward
+    reuses the recompute's weight): 2 per call pair instead of 3, same gradients as dequantizing again."""
+    T = _tr()
+    import seedvr2bw.training.quant as Q
+    ds = _dataset(tmp_path)
+    results = {}
+    for keep in (False, True):
+        mp = tiny_flux_patcher()
+        tr = T.FluxLoraTrainer(mp.model.diffusion_model, _cfg(tmp_path, base_precision="nvfp4"), ds,
+                               latent_format=mp.model.latent_format, device="cpu")
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in tr.network.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        calls = [0]
+        real = Q.dequantize_weight
+
+        def counting(t, dtype):
+            calls[0] += 1
+            return real(t, dtype)
+        monkeypatch.setattr(Q, "dequantize_weight", counting)
+        if not keep:
+            monkeypatch.setattr(Q, "RECOMPUTE", [0])  # the quant functions never see a recompute
+        x0 = tr._process_in(ds.latents[0][None])
+        cap = ds.items[0].caption
+        with tr.network.cast_cache(torch.float32):
+            pred = tr.forward(x0 * 0.5, torch.tensor([0.5]), ds.conds[cap][None], ds.pooled[cap][None], 1.0)
+            pred.square().mean().backward()
+        results[keep] = (calls[0], torch.cat([p.grad.flatten() for p in tr.network.parameters()]))
+        monkeypatch.undo()
+        tr.close()
+    assert results[True][0] < results[False][0]
+    assert torch.equal(results[True][1], results[False][1])

@@ -146,6 +146,13 @@ def _single_method(self, x, vec, pe, attn_mask=None, transformer_options={}, **k
     return single_block_forward(self, x, vec, pe, attn_mask, transformer_options)
 
 
+# > 0 while _BlockCheckpoint recomputes a block for its backward, which follows right away: the fp8-dequant /
+# NVFP4 autograd functions of quant.py then keep the weight they dequantized for that backward (one
+# dequantization instead of two per Linear and step; the extra memory is one block's weights, freed with its
+# backward). Never set in a plain forward, so the model is never held dequantized as a whole.
+RECOMPUTE = [0]
+
+
 class _BlockCheckpoint(torch.autograd.Function):
     """Per-block checkpoint with little host work: the forward runs under ``no_grad`` (no autograd graph, no
     saved-tensor pack hooks), the backward recomputes the block with grad and differentiates it with one
@@ -176,10 +183,12 @@ class _BlockCheckpoint(torch.autograd.Function):
         old = [m._cache for m in loras]
         for i, m in enumerate(loras):
             m._cache = (ws[2 * i], ws[2 * i + 1])
+        RECOMPUTE[0] += 1
         try:
             with torch.enable_grad():
                 out = ctx.run(*ins)
         finally:
+            RECOMPUTE[0] -= 1
             for m, c in zip(loras, old):
                 m._cache = c
         outs = out if isinstance(out, tuple) else (out,)

@@ -30,6 +30,7 @@ from ..optimization.hardware import get_policy
 from ..optimization.nvfp4 import format as fmt
 from ..optimization.nvfp4 import kernels as nvfp4_kernels
 from ..optimization.nvfp4.format import NVFP4Tensor
+from .flux_forward import RECOMPUTE
 from .lora import install_forward, uninstall_forward
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wq, wscale, bias, tensorcores):
         ctx.save_for_backward(wq, wscale)
+        ctx.kept = None
         ctx.tensorcores = tensorcores
         ctx.x_dtype = x.dtype
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -88,6 +90,8 @@ class _FP8LinearFn(torch.autograd.Function):
                 y = y[:M0]
         else:
             w = wq.to(x.dtype) * wscale.to(x.dtype)
+            if RECOMPUTE[0] and ctx.needs_input_grad[0]:
+                ctx.kept = w  # checkpoint recompute: the backward right after reuses it (flux_forward.RECOMPUTE)
             y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x.dtype))
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -105,7 +109,10 @@ class _FP8LinearFn(torch.autograd.Function):
             if dx.shape[0] != M0:
                 dx = dx[:M0]
         else:
-            w = wq.to(g.dtype) * wscale.to(g.dtype)
+            w = ctx.kept
+            if w is None or w.dtype != g.dtype:
+                w = wq.to(g.dtype) * wscale.to(g.dtype)
+            ctx.kept = None
             dx = g2 @ w
         if g.dim() != 2:
             dx = dx.reshape(*g.shape[:-1], dx.shape[-1])
@@ -137,17 +144,21 @@ def dequantize_weight(t: NVFP4Tensor, dtype) -> torch.Tensor:
 class _NVFP4LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, packed, block_scale, global_scale, shape, bias):
-        ctx.save_for_backward(packed, block_scale, global_scale)
         ctx.shape = shape
         w = dequantize_weight(NVFP4Tensor(packed, block_scale, global_scale, shape), x.dtype)
+        ctx.save_for_backward(packed, block_scale, global_scale)
+        # checkpoint recompute: the backward follows right away, keep this weight for it (see flux_forward.RECOMPUTE)
+        ctx.kept = w if RECOMPUTE[0] and ctx.needs_input_grad[0] else None
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         return torch.nn.functional.linear(x, w, bias)
 
     @staticmethod
     def backward(ctx, g):
-        packed, block_scale, global_scale = ctx.saved_tensors
-        w = dequantize_weight(NVFP4Tensor(packed, block_scale, global_scale, ctx.shape), g.dtype)
+        w, ctx.kept = ctx.kept, None
+        if w is None or w.dtype != g.dtype:
+            packed, block_scale, global_scale = ctx.saved_tensors
+            w = dequantize_weight(NVFP4Tensor(packed, block_scale, global_scale, ctx.shape), g.dtype)
         return g @ w, None, None, None, None, None
 
 
