@@ -10,6 +10,10 @@
   MMA operand, so BLOCK_M can be 16), tiles from ``W4A16_CONFIGS`` by M, split-K into fp32 partials + one
   reduce kernel (no atomics, no zero fill); global scale and bias in the epilogue. Fidelity path, small M.
 * ``_launch``: relaunches a compiled kernel through its launcher (skips Triton's binder / autotuner per call).
+* ``w4a16_plan`` / ``cached_kernel``: per-shape launch plans for ``NVFP4Linear`` (everything but the
+  allocation and the launch decided once).
+* ``on_cuda`` / ``device_is_cuda`` / ``raw_stream``: seams that ``scripts/bench_nvfp4_host.py`` replaces to time
+  the host side on a CPU.
 
 All divisions use ``div_rn`` (IEEE round-to-nearest) so results match the CPU reference bit for bit.
 None of these kernels uses FP4 instructions, so they run (and are tested) on any GPU Triton supports.

@@ -15,6 +15,12 @@
   GEMM), ``"pipelined_n"`` (N chunks), ``"timed"`` (time the candidates once per shape).
 * ``reference``: exact dequantize (fp32) + fp32 matmul. The oracle for every test, and the CPU path.
 
+Per-call host cost: the first call per input shape runs the full forward (every check, every path), then
+records a launch plan for that shape (``NVFP4Linear._make_plan``; fused W4A16 fidelity kernel and fp8_speed
+only): later calls are a dict lookup, a pointer-alignment check, the output allocation and the raw Triton
+launch(es) (+ ``torch._scaled_mm`` for fp8_speed), with exactly the arguments the full forward passes.
+``scripts/bench_nvfp4_host.py`` measures it on a CPU (GPU work stubbed): ~50-70 us -> ~5-10 us per call there.
+
 ``path="auto"`` asks the hardware policy (``optimization.hardware.get_policy(device).nvfp4_gemm``) once per
 device; any explicit path overrides it. ``expected_output`` computes on the CPU, exactly, what a path should
 return (same quantizers, exact arithmetic) so that each path can be checked against its own emulation.
