@@ -35,7 +35,6 @@ import _pack
 import torch
 
 from seedvr2bw.optimization.nvfp4 import kernels as K
-from seedvr2bw.optimization.nvfp4 import linear as L
 from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear
 
 DEFAULT_SHAPES = "2560x6912,6912x2560,3072x12288,12288x3072,3072x9216,3072x3072"
