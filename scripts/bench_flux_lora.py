@@ -14,9 +14,10 @@ ComfyUI's source must be importable: --comfy DIR (default: $COMFYUI_DIR, ./.comf
 block structure (19 double + 38 single blocks, 304 LoRA targets) with tiny widths (hidden 64), bf16 compute, so
 the arithmetic is negligible and the time is dispatch/Python overhead. Per mode (bf16, fp8 as on a GPU without
 FP8 GEMM = dequant, fp8-tc = FP8 tensor-core path forced through CPU `torch._scaled_mm`, nvfp4 = torch reference
-dequant) and checkpointing on/off: aten ops per step (TorchDispatchMode count, forward + backward + optimizer),
-Linear calls per step (incl. checkpoint recompute), fwd+bwd ops per Linear call, host µs per step (median,
-1 thread). The optimizer+clip column is CPU's for-loop AdamW (on CUDA AdamW is fused: a handful of kernels).
+dequant) and checkpointing on/off: aten ops per step (TorchDispatchMode count, forward + backward + optimizer;
+bf16 compute, 64 image + 256 text tokens), Linear calls per step (incl. checkpoint recompute), fwd+bwd ops per
+Linear call, host µs per step (median, 1 thread; timed in fp32 with 16 image + 16 text tokens, because CPU bf16
+GEMMs are slow enough to hide the host work; the fp32 run has no LoRA casts, 2 x 608 ops fewer). The optimizer+clip column is CPU's for-loop AdamW (on CUDA AdamW is fused: a handful of kernels).
 """
 from __future__ import annotations
 
@@ -246,23 +247,31 @@ def host_ops(modes, warmup, steps, outdir, top=0):
     torch.set_num_threads(1)
     dev = torch.device("cpu")
     rows = []
+
+    def trainer(mode, ckpt, dtype, res, tokens):
+        from seedvr2bw.training.data import EncodedDataset, Item
+        mp = build_model(HOST_DIMS, dev, dtype)
+        g = torch.Generator().manual_seed(1)
+        cap = "a photo of sks"
+        ds = EncodedDataset([Item("x", cap, (res, res), "0", None)], [torch.randn(16, res // 8, res // 8, generator=g)],
+                            {cap: torch.randn(tokens, HOST_DIMS["context_in_dim"], generator=g)},
+                            {cap: torch.randn(HOST_DIMS["vec_in_dim"], generator=g)})
+        cfg = TrainConfig(rank=16, alpha=16, steps=10**6, learning_rate=1e-4, optimizer="adamw",
+                          compute_dtype="bf16" if dtype == torch.bfloat16 else "fp32",
+                          base_precision={"bf16": "auto", "fp8-tc": "fp8"}.get(mode, mode),
+                          gradient_checkpointing=ckpt, output_dir=outdir, output_name=f"hostops_{mode}", seed=0)
+        tr = FluxLoraTrainer(mp.model.diffusion_model, cfg, ds, latent_format=mp.model.latent_format, device=dev)
+        if mode == "fp8-tc" and tr.quant is not None:
+            for lin, _, _ in tr.quant.saved:
+                lin._q_tensorcores = lin._q_weight.shape[0] % 16 == 0 and lin._q_weight.shape[1] % 16 == 0
+        return tr
+
     for mode in modes:
         for ckpt in (True, False):
-            mp = build_model(HOST_DIMS, dev, torch.bfloat16)
-            dm = mp.model.diffusion_model
-            ds = make_dataset(128, HOST_DIMS)  # 16x16 latent -> 64 image tokens (+256 text)
-            base = {"bf16": "auto", "fp8-tc": "fp8"}.get(mode, mode)
-            cfg = TrainConfig(rank=16, alpha=16, steps=10**6, learning_rate=1e-4, optimizer="adamw",
-                              compute_dtype="bf16", base_precision=base, gradient_checkpointing=ckpt,
-                              output_dir=outdir, output_name=f"hostops_{mode}", seed=0)
-            tr = FluxLoraTrainer(dm, cfg, ds, latent_format=mp.model.latent_format, device=dev)
+            # ops: bf16 compute as on the GPU (the per-step LoRA casts included), 64 image + 256 text tokens
+            tr = trainer(mode, ckpt, torch.bfloat16, 128, 256)
             try:
-                if mode == "fp8-tc" and tr.quant is not None:
-                    for lin, _, _ in tr.quant.saved:
-                        lin._q_tensorcores = (
-                            lin._q_weight.shape[0] % 16 == 0 and lin._q_weight.shape[1] % 16 == 0)
-                for _ in range(warmup):
-                    tr.train_step()
+                tr.train_step()
                 calls = [0]
 
                 def hook(m, a, o):
@@ -290,6 +299,13 @@ def host_ops(modes, warmup, steps, outdir, top=0):
                 finally:
                     torch.nn.utils.clip_grad_norm_ = clip
                     del tr.optimizer.step
+            finally:
+                tr.close()
+            # time: fp32 (CPU bf16 GEMMs are slow and would dominate), 16 image + 16 text tokens: host work only
+            tr = trainer(mode, ckpt, torch.float32, 64, 16)
+            try:
+                for _ in range(warmup):
+                    tr.train_step()
                 times = []
                 for _ in range(steps):
                     t0 = time.perf_counter()

@@ -476,7 +476,7 @@ def test_lora_forward_installed_and_removed(comfy, tmp_path, mode):
     tr.train_step()
     tr.close()
     for lin in tr.network.targets.values():
-        assert not {"forward", "_lora", "_q_base", "_l_comfy_cast"} & set(lin.__dict__)
+        assert not {"forward", "_lora", "_q_base", "_l_comfy_op"} & set(lin.__dict__)
     if mode == "auto":
         assert torch.equal(_model_out(dm), before)
 

@@ -169,7 +169,7 @@ class _BlockCheckpoint(torch.autograd.Function):
     def forward(ctx, run, loras, n_in, *args):
         ctx.run, ctx.loras, ctx.n_in = run, loras, n_in
         ctx.save_for_backward(*args)
-        with torch.no_grad():
+        with torch.no_grad(), _pinned(loras, args[n_in:]):
             out = run(*args[:n_in])
         return out
 
@@ -179,24 +179,36 @@ class _BlockCheckpoint(torch.autograd.Function):
         n = ctx.n_in
         ins = [t.detach().requires_grad_(t.requires_grad) for t in saved[:n]]
         ws = [t.detach().requires_grad_(t.requires_grad) for t in saved[n:]]
-        loras = ctx.loras
-        old = [m._cache for m in loras]
-        for i, m in enumerate(loras):
-            m._cache = (ws[2 * i], ws[2 * i + 1])
         RECOMPUTE[0] += 1
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), _pinned(ctx.loras, ws):
                 out = ctx.run(*ins)
         finally:
             RECOMPUTE[0] -= 1
-            for m, c in zip(loras, old):
-                m._cache = c
         outs = out if isinstance(out, tuple) else (out,)
         o_g = [(o, g) for o, g in zip(outs, gs) if g is not None and o.requires_grad]
         need = [t for t in ins + ws if t.requires_grad]
         grads = iter(torch.autograd.grad([o for o, _ in o_g], need, [g for _, g in o_g], allow_unused=True)
                      if o_g and need else [None] * len(need))
         return (None, None, None) + tuple(next(grads) if t.requires_grad else None for t in ins + ws)
+
+
+class _pinned:
+    """The block's LoRA modules use exactly the given (down.T, up.T) tensors (the Function's inputs) inside."""
+
+    def __init__(self, loras, ws):
+        self.loras, self.ws = loras, ws
+
+    def __enter__(self):
+        ds = [m.__dict__ for m in self.loras]  # plain attributes: skip Module.__setattr__
+        self.old = [(d["_cache"], d["_pinned"]) for d in ds]
+        ws = self.ws
+        for i, d in enumerate(ds):
+            d["_cache"], d["_pinned"] = (ws[2 * i], ws[2 * i + 1]), True
+
+    def __exit__(self, *exc):
+        for m, (c, p) in zip(self.loras, self.old):
+            m.__dict__["_cache"], m.__dict__["_pinned"] = c, p
 
 
 def _block_loras(block):
@@ -243,7 +255,7 @@ class FluxTrainForward:
     def _ckpt(self, fn, *tensors, block=None, closed=()):
         if self.gradient_checkpointing and torch.is_grad_enabled():
             if block is not None and self.fast_checkpoint and self.block_runner is None and \
-                    not any(t is not None and t.requires_grad for t in closed):
+                    not any(getattr(t, "requires_grad", False) for t in closed):
                 loras = self._loras.get(id(block))
                 if loras is None:
                     loras = self._loras[id(block)] = _block_loras(block)

@@ -99,14 +99,18 @@ class LoraModule(nn.Module):
         nn.init.zeros_(self.lora_up.weight)
         self.enabled = True
         self._cache = None
+        self._pinned = False  # _cache holds flux_forward._BlockCheckpoint's inputs for this block call
 
     def compute_weights(self, dtype):
         """(down.T, up.T) in the compute dtype, transposed for ``mm``/``addmm``. Within a training step the cast
         and the transpose are done once and shared by every call, the checkpoint recompute included
         (``FluxLoraNetwork.cast_cache``)."""
         c = self._cache
-        if c is not None and c[0].dtype == dtype:
-            return c
+        if c is not None:
+            if c[0].dtype == dtype:
+                return c
+            if self._pinned:  # a checkpointed block's explicit inputs: stay connected to them in any dtype
+                return c[0].to(dtype), c[1].to(dtype)
         d, u = self.lora_down.weight, self.lora_up.weight
         if d.dtype != dtype:
             d, u = d.to(dtype), u.to(dtype)
@@ -149,10 +153,11 @@ def linear_forward(self, x):
     qb = d.get("_q_base")
     if qb is not None:
         y = qb(self, x2)
-    elif d.get("_l_comfy_cast"):
+    elif d.get("_l_comfy_op") and _comfy_cast(self):  # read per call: ComfyUI toggles it (lowvram, patches)
         y = type(self).forward(self, x2)
     else:
-        w, b = self.weight, self.bias
+        p = self._parameters  # skips Module.__getattr__ (two lookups per call)
+        w, b = p["weight"], p.get("bias")
         if b is None:
             y = torch.mm(x2, w.t())
         else:
@@ -167,7 +172,7 @@ def install_forward(lin):
     """Makes ``linear_forward`` the instance's forward (idempotent; shared by the LoRA and the quantized base)."""
     import types
     if "forward" not in lin.__dict__:
-        lin._l_comfy_cast = _comfy_cast(lin)
+        lin._l_comfy_op = hasattr(lin, "comfy_cast_weights")
         lin.forward = types.MethodType(linear_forward, lin)
 
 
@@ -176,7 +181,7 @@ def uninstall_forward(lin):
     d = lin.__dict__
     if "_lora" not in d and "_q_base" not in d:
         d.pop("forward", None)
-        d.pop("_l_comfy_cast", None)
+        d.pop("_l_comfy_op", None)
 
 
 def is_flux_diffusion_model(dm) -> bool:
@@ -278,14 +283,15 @@ class FluxLoraNetwork(nn.Module):
 
         @contextlib.contextmanager
         def ctx():
-            for m in self.loras.values():
-                m._cache = None
-                m._cache = m.compute_weights(dtype)
+            mods = list(self.loras.values())
+            for m in mods:  # plain attributes: __dict__ directly (Module.__setattr__ is slow)
+                m.__dict__["_cache"] = None
+                m.__dict__["_cache"] = m.compute_weights(dtype)
             try:
                 yield
             finally:
-                for m in self.loras.values():
-                    m._cache = None
+                for m in mods:
+                    m.__dict__["_cache"] = None
         return ctx()
 
     def set_enabled(self, flag: bool):
