@@ -79,9 +79,17 @@ class _Rope(torch.autograd.Function):
         return _rot_impl(g)(g.contiguous(), cos, -sin), None, None
 
 
+_CS = [None, -1, None]  # (pe, pe._version, (cos, sin)) of the last call: every block of a step shares one pe
+
+
 def _cos_sin(pe):
     # ComfyUI's pe: [..., L, D/2, 2, 2] = [[cos, -sin], [sin, cos]]
-    return pe[..., 0, 0].contiguous(), pe[..., 1, 0].contiguous()
+    c = _CS
+    if c[0] is pe and c[1] == pe._version:
+        return c[2]
+    cs = pe[..., 0, 0].contiguous(), pe[..., 1, 0].contiguous()
+    c[0], c[1], c[2] = pe, pe._version, cs
+    return cs
 
 
 def _attention(q, k, v, pe, attn_mask, topts):
@@ -248,6 +256,7 @@ class FluxTrainForward:
                 self._patched.append(b)
 
     def close(self):
+        _CS[0], _CS[1], _CS[2] = None, -1, None
         for b in self._patched:
             b.__dict__.pop("forward", None)
         self._patched = []
