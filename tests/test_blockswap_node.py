@@ -1,30 +1,11 @@
 """BlockSwap node: schema and config output (needs a ComfyUI tree for comfy_api; skipped otherwise)."""
-import os
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _comfy_dir():
-    cand = Path(os.environ.get("COMFYUI_DIR") or REPO / ".comfyui")
-    return cand if (cand / "comfy_api").is_dir() else None
+from comfy_env import import_node_module
 
 
 @pytest.fixture
-def node_module(monkeypatch):
-    comfy = _comfy_dir()
-    if comfy is None:
-        pytest.skip("no ComfyUI tree (COMFYUI_DIR or .comfyui) for the comfy_api import")
-    monkeypatch.syspath_prepend(str(comfy))
-    try:
-        from comfy_api.latest import io  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"comfy_api not importable here: {exc}")
-    import importlib
-    return importlib.import_module("seedvr2bw.nodes.blockswap")
+def node_module():
+    return import_node_module("blockswap")
 
 
 def test_schema_and_execute(node_module):

@@ -222,22 +222,9 @@ def test_comfyui_version_found_from_a_comfyui_tree(tmp_path, monkeypatch):
     assert checks_system.check_comfyui(ctx).status == "WARN"
 
 
-def _comfy_dir():
-    cand = Path(os.environ.get("COMFYUI_DIR") or REPO / ".comfyui")
-    return cand if (cand / "comfy_api").is_dir() else None
-
-
 def test_node_schema_and_execute(monkeypatch):
-    comfy = _comfy_dir()
-    if comfy is None:
-        pytest.skip("no ComfyUI tree (COMFYUI_DIR or .comfyui) for the comfy_api import")
-    monkeypatch.syspath_prepend(str(comfy))
-    try:
-        from comfy_api.latest import io  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"comfy_api not importable here: {exc}")
-    import importlib
-    mod = importlib.import_module("seedvr2bw.nodes.diagnostic")
+    from comfy_env import import_node_module
+    mod = import_node_module("diagnostic")
     assert mod.NODES == [mod.Diagnostic]
     schema = mod.Diagnostic.define_schema()
     assert schema.node_id == "SeedVR2BW_Diagnostic" and schema.is_output_node

@@ -21,27 +21,9 @@ from seedvr2bw.optimization.nvfp4 import checkpoint as ckpt
 from seedvr2bw.optimization.nvfp4 import format as fmt
 from seedvr2bw.optimization.nvfp4.convert import convert_file
 from seedvr2bw.optimization.nvfp4.linear import FP8Linear, NVFP4Linear, replace_linears
+from nvfp4_refs import NVFP4QTensor, QuantizedTensor, TensorCoreNVFP4Layout, comfy_kitchen, needs_ck, needs_mo
 
 ROOT = Path(__file__).resolve().parents[1]
-
-try:
-    import comfy_kitchen  # noqa: F401
-    from comfy_kitchen.backends.eager import quantization as ck_q
-    from comfy_kitchen.tensor import QuantizedTensor, TensorCoreNVFP4Layout
-except Exception as exc:  # noqa: BLE001
-    ck_q = None
-    CK_WHY = f"comfy-kitchen not importable ({exc}); pip install comfy-kitchen"
-else:
-    CK_WHY = ""
-try:
-    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
-except Exception as exc:  # noqa: BLE001
-    NVFP4QTensor = None
-    MO_WHY = f"nvidia-modelopt not importable ({exc}); pip install nvidia-modelopt"
-else:
-    MO_WHY = ""
-needs_ck = pytest.mark.skipif(ck_q is None, reason=CK_WHY)
-needs_mo = pytest.mark.skipif(NVFP4QTensor is None, reason=MO_WHY)
 
 
 def _u8(t):

@@ -9,25 +9,7 @@ import torch
 
 from seedvr2bw.optimization.nvfp4 import format as fmt
 
-try:
-    from comfy_kitchen import float_utils as ck_fu
-    from comfy_kitchen.backends.eager import quantization as ck_q
-except Exception as exc:  # noqa: BLE001
-    ck_q = None
-    CK_WHY = f"comfy-kitchen not importable ({type(exc).__name__}: {exc}); pip install comfy-kitchen"
-else:
-    CK_WHY = ""
-
-try:
-    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
-except Exception as exc:  # noqa: BLE001
-    NVFP4QTensor = None
-    MO_WHY = f"nvidia-modelopt not importable ({type(exc).__name__}: {exc}); pip install nvidia-modelopt"
-else:
-    MO_WHY = ""
-
-needs_ck = pytest.mark.skipif(ck_q is None, reason=CK_WHY)
-needs_mo = pytest.mark.skipif(NVFP4QTensor is None, reason=MO_WHY)
+from nvfp4_refs import NVFP4QTensor, ck_fu, ck_q, needs_ck, needs_mo
 
 
 def _u8(t):

@@ -1,28 +1,9 @@
 """Shared helpers for the FLUX LoRA training tests (tiny FLUX from ComfyUI's own class, fake encoders)."""
-import os
-import sys
 from pathlib import Path
 
-import pytest
 import torch
 
-COMFY_DIR = Path(os.environ.get("COMFYUI_DIR", Path(__file__).resolve().parents[1] / ".comfyui"))
-
-
-def require_comfy():
-    """Puts ComfyUI on sys.path (CPU mode). Skips when absent locally; fails under CI=true."""
-    if not (COMFY_DIR / "comfy" / "ldm" / "flux" / "model.py").is_file():
-        msg = f"ComfyUI not found at {COMFY_DIR} (set COMFYUI_DIR or run the rig's setup_comfyui.sh)"
-        if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
-            pytest.fail(msg)
-        pytest.skip(msg)
-    if str(COMFY_DIR) not in sys.path:
-        sys.path.insert(0, str(COMFY_DIR))
-    from comfy.cli_args import args
-    if "comfy.model_management" not in sys.modules:
-        args.cpu = True
-    import comfy.model_management  # noqa: F401
-    return COMFY_DIR
+from comfy_env import require_comfy  # noqa: E402,F401  (re-exported for the training tests)
 
 
 TINY = dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=32, context_in_dim=48, hidden_size=64,

@@ -18,30 +18,10 @@ TESTS = REPO / "tests"
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
+from comfy_env import SETUP_CMD, find_comfy_dir, need  # noqa: E402
 from rig.server import ComfyServer, make_pack_folder  # noqa: E402
 
-SETUP_CMD = "bash tests/rig/setup_comfyui.sh   (or: bash scripts/run_tests.sh, which runs it when needed)"
 UI_OUT = REPO / "test-output" / "ui"
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-
-
-def need(condition: bool, reason: str) -> None:
-    """Skip locally, fail in CI."""
-    if condition:
-        return
-    if in_ci():
-        pytest.fail(f"[CI] {reason}", pytrace=False)
-    pytest.skip(reason)
-
-
-def find_comfy_dir() -> Path | None:
-    cand = Path(os.environ.get("COMFYUI_DIR") or REPO / ".comfyui").expanduser()
-    if all((cand / p).exists() for p in ("main.py", "nodes.py", "comfy", "comfyui_version.py")):
-        return cand.resolve()
-    return None
 
 
 @pytest.fixture(scope="session")
