@@ -337,6 +337,7 @@ def main():
     ap.add_argument("--swaps", default="9,18,36", help="numbers of swapped blocks (ours)")
     ap.add_argument("--prefetch", type=int, default=1)
     ap.add_argument("--buffers", type=int, default=2)
+    ap.add_argument("--no-refill", action="store_true", help="BlockSwapConfig(refill_on_release=False) (A/B)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sync-n", type=int, default=9, help="blocks swapped by the synchronous .to() baseline")
@@ -399,7 +400,7 @@ def main():
     # 3. ours, N swapped (evenly spread)
     pool = PinnedPool(cap_bytes=100 << 30)
     for N in swaps:
-        cfg = BlockSwapConfig(blocks_to_swap=N, prefetch=args.prefetch, buffers=max(args.buffers, args.prefetch + 1),
+        cfg = BlockSwapConfig(blocks_to_swap=N, prefetch=args.prefetch, refill_on_release=not args.no_refill, buffers=max(args.buffers, args.prefetch + 1),
                               debug_timing=True)
         rss0 = rss_bytes()
         t0 = time.perf_counter()
@@ -630,6 +631,14 @@ def main():
                                             default=None)
     acc["copy_bound_max_ms_over_bytes_peak"] = max((r["ms"] / r["bytes_over_peak_ms"] for _, _, r in all_cases
                                                     if r["copy_bound"]), default=None)
+    # the issue's own split, per block: compute per block (resident time / depth) vs copy time per block at the peak
+    blk_copy_ms = R["bf16_block_bytes"] / (peak * GB) * 1e3 if peak else 0.0
+    per_block_compute = {c: R["cases"][c]["resident_ms"] / dims.blocks >= blk_copy_ms for c in R["cases"]}
+    acc["per_block_compute_bound_cases"] = sorted(c for c, v in per_block_compute.items() if v)
+    acc["per_block_compute_bound_max_slowdown"] = max((r["slowdown"] for _, c, r in all_cases
+                                                       if per_block_compute[c]), default=None)
+    acc["per_block_copy_bound_max_ms_over_bound"] = max((r["ms_over_bound"] for _, c, r in all_cases
+                                                         if not per_block_compute[c]), default=None)
     acc["all_bit_identical"] = all(r["bit_identical"] for _, _, r in all_cases)
     acc["max_extra_vram_over_largest_block"] = max((r["extra_vram_over_largest_block"] for _, _, r in all_cases),
                                                    default=None)

@@ -349,7 +349,7 @@ class BlockSwapRunner:
             # 4.3 ms per block, the 2-block window left 0.4 ms of slack and +5 % slowdown).
             # Not while grad is enabled: a block's backward still reads its weights after the forward releases it.
             d = self._dir
-            if refill and self._wrap_ok(d):
+            if refill and self.config.refill_on_release and self._wrap_ok(d):
                 self._prefetch_after(unit.pos, d, wrap=True, depth=min(self.config.prefetch + 1, len(self.slots)))
 
     def _prefetch_after(self, pos: int, d: int, wrap: bool, depth: Optional[int] = None) -> None:
