@@ -337,7 +337,6 @@ def main():
     ap.add_argument("--swaps", default="9,18,36", help="numbers of swapped blocks (ours)")
     ap.add_argument("--prefetch", type=int, default=1)
     ap.add_argument("--buffers", type=int, default=2)
-    ap.add_argument("--no-refill", action="store_true", help="BlockSwapConfig(refill_on_release=False) (A/B)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sync-n", type=int, default=9, help="blocks swapped by the synchronous .to() baseline")
@@ -400,7 +399,7 @@ def main():
     # 3. ours, N swapped (evenly spread)
     pool = PinnedPool(cap_bytes=100 << 30)
     for N in swaps:
-        cfg = BlockSwapConfig(blocks_to_swap=N, prefetch=args.prefetch, refill_on_release=not args.no_refill, buffers=max(args.buffers, args.prefetch + 1),
+        cfg = BlockSwapConfig(blocks_to_swap=N, prefetch=args.prefetch, buffers=max(args.buffers, args.prefetch + 1),
                               debug_timing=True)
         rss0 = rss_bytes()
         t0 = time.perf_counter()

@@ -22,8 +22,6 @@ class BlockSwapConfig:
     prefetch: how many swapped blocks ahead are copied while the current one computes (needs buffers > prefetch).
     buffers: GPU ring slots, each the size of the largest swapped block (default 2 = double buffering).
     swap_io_components: also stream the non-block components (embeddings, patch in/out).
-    refill_on_release: inference only: refill a slot with the next-but-one swapped block as soon as its block has
-        been enqueued, instead of when the next swapped block starts (the copy gets one more block to land).
     pinned_cap_bytes: hard cap on pinned host bytes for this model (None: the platform default / hardware policy).
     reserve_bytes: VRAM left free for activations when blocks_to_swap="auto" (None: max(2 GiB, 10 % of VRAM)).
     """
@@ -32,7 +30,6 @@ class BlockSwapConfig:
     prefetch: int = 1
     buffers: int = 2
     swap_io_components: bool = False
-    refill_on_release: bool = True
     pinned_cap_bytes: Optional[int] = None
     reserve_bytes: Optional[int] = None
     debug_timing: bool = False  # per-copy CUDA events (bench / diagnostics); off on the hot path by default

@@ -184,7 +184,7 @@ class BlockSwapRunner:
                 self._release(unit)
         finally:
             if current is not None:
-                self._release(current, refill=False)
+                self._release(current)
 
     def close(self, restore_device=None) -> None:
         """Release everything: wait for in-flight copies, unpin every arena, free the ring, remove the hooks.
@@ -293,10 +293,10 @@ class BlockSwapRunner:
         # inference only: while grad is enabled a backward (reverse order) may follow, which needs the last blocks
         return d > 0 and not torch.is_grad_enabled()
 
-    def _upcoming(self, pos: int, d: int, wrap: bool, depth: Optional[int] = None) -> list[_Unit]:
+    def _upcoming(self, pos: int, d: int, wrap: bool) -> list[_Unit]:
         m = len(self.units)
         out = []
-        for k in range(1, (self.config.prefetch if depth is None else depth) + 1):
+        for k in range(1, self.config.prefetch + 1):
             p = pos + d * k
             if 0 <= p < m:
                 out.append(self.units[p])
@@ -336,24 +336,15 @@ class BlockSwapRunner:
         unit.uses = 1
         self._prefetch_after(unit.pos, d, wrap=self._wrap_ok(d))
 
-    def _release(self, unit: _Unit, refill: bool = True) -> None:
+    def _release(self, unit: _Unit) -> None:
         if unit.uses <= 0:
             return
         unit.uses -= 1
         if unit.uses == 0 and unit.slot is not None:
             unit.slot.last_release = self._next_tick()
-            # Inference: the slot just released is free once the kernels enqueued so far finish, so the copy of
-            # the block after the next one can start now instead of when the next swapped block is acquired.
-            # With 2 slots and blocks alternating swapped/resident that gives a copy 3 blocks of compute to land
-            # instead of 2 (measured on H100, 7B 1080p x 1 frame, 18 of 36 swapped: copy 8.2 ms vs compute
-            # 4.3 ms per block, the 2-block window left 0.4 ms of slack and +5 % slowdown).
-            # Not while grad is enabled: a block's backward still reads its weights after the forward releases it.
-            d = self._dir
-            if refill and self.config.refill_on_release and self._wrap_ok(d):
-                self._prefetch_after(unit.pos, d, wrap=True, depth=min(self.config.prefetch + 1, len(self.slots)))
 
-    def _prefetch_after(self, pos: int, d: int, wrap: bool, depth: Optional[int] = None) -> None:
-        upcoming = self._upcoming(pos, d, wrap, depth)
+    def _prefetch_after(self, pos: int, d: int, wrap: bool) -> None:
+        upcoming = self._upcoming(pos, d, wrap)
         protected = {u for u in self.units if u.uses > 0} | set(upcoming)
         for u in upcoming:
             if u.slot is not None:
