@@ -35,11 +35,23 @@ flux)
     python3 scripts/bench_flux_lora.py --comfy .comfy_src --res 512,1024 --modes bf16,fp8,nvfp4,trainloranode \
         --json "$OUT/flux.json" 2>&1 | tee "$OUT/flux.log" | tail -30 ;;
 diag)
+    # "cold" = the first run after installing: Python bytecode cached (pip writes .pyc at install; this image's
+    # torch ships without them, so an import-only run writes them under a prefix first), Triton's kernel cache
+    # empty, no earlier CUDA work in any process. "warm" = the second run.
+    export PYTHONPYCACHEPREFIX=/tmp/pyc TRITON_CACHE_DIR=/tmp/triton_cold_$$
+    rm -rf "$TRITON_CACHE_DIR"
+    python3 -c 'import torch, triton, safetensors, numpy; import pack_import' >/dev/null 2>&1 || true
+    python3 -m compileall -q -x '/(tests|\.ck|\.comfy_src|\.comfyui)/' . >/dev/null 2>&1 || true
     for run in cold warm; do
-        /usr/bin/time -f "wall %e s" python3 scripts/nvfp4_diagnostic.py --quick --brief --json "$OUT/diag_quick_$run.json" \
-            > "$OUT/diag_quick_$run.txt" 2> "$OUT/diag_quick_$run.time"
-        cat "$OUT/diag_quick_$run.time"
+        /usr/bin/time -f "wall %e s" python3 -m cProfile -o "$OUT/diag_quick_$run.prof" scripts/nvfp4_diagnostic.py \
+            --quick --brief --json "$OUT/diag_quick_$run.json" > "$OUT/diag_quick_$run.txt" 2> "$OUT/diag_quick_$run.time"
+        echo "$run: $(tail -1 "$OUT/diag_quick_$run.time")"
+        python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(45)" \
+            "$OUT/diag_quick_$run.prof" > "$OUT/diag_quick_$run.prof.txt" 2>&1
     done
+    rm -rf "$TRITON_CACHE_DIR"
+    for run in cold warm; do /usr/bin/time -f "wall %e s (no profiler)" python3 scripts/nvfp4_diagnostic.py --quick --brief \
+        > /dev/null 2> "$OUT/t.txt"; echo "$run-noprof $(tail -1 "$OUT/t.txt")"; done
     python3 scripts/nvfp4_diagnostic.py --json "$OUT/diagnostic_h100.json" | tee "$OUT/diagnostic_h100.txt" | tail -30 ;;
 *)
     echo "usage: $0 tests|dit|blockswap|nvfp4|flux|diag" >&2; exit 2 ;;
