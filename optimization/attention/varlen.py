@@ -21,6 +21,7 @@ times (every DiT block) builds a :class:`VarlenPlan` once with :func:`make_varle
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -260,7 +261,13 @@ def _import_error(name: str) -> Optional[str]:
         return None
     if name not in _IMPORT_ERRORS:
         try:
-            importlib.import_module(mod)
+            if name == "torch_varlen":
+                # part of torch itself, so present means usable; importing it costs ~2 s (it pulls in sympy and
+                # torch._dynamo), paid at the first call instead of whenever availability is asked
+                if importlib.util.find_spec(mod) is None:
+                    raise ModuleNotFoundError(f"No module named {mod!r} (needs torch >= 2.10)")
+            else:
+                importlib.import_module(mod)
             _IMPORT_ERRORS[name] = None
         except Exception as exc:  # noqa: BLE001 - a broken install is "unavailable", with the reason
             _IMPORT_ERRORS[name] = f"`import {mod}` failed: {type(exc).__name__}: {exc}"

@@ -8,8 +8,14 @@ from typing import Callable
 import torch
 
 
-def cuda_ms(fn: Callable[[], object], reps: int = 5, warmup: int = 1, stream=None) -> float:
-    """Median GPU time of ``fn()`` in ms, measured with events on ``stream`` (default: the current one)."""
+GEMM_INNER = 4   # GEMM timings: calls per sample, as a model runs them (bench_nvfp4.py uses --inner 8)
+
+
+def cuda_ms(fn: Callable[[], object], reps: int = 5, warmup: int = 1, stream=None, inner: int = 1) -> float:
+    """Median GPU time of ``fn()`` in ms, measured with events on ``stream`` (default: the current one).
+
+    ``inner`` calls per sample (the result divided by it): back-to-back calls as in a model's forward, so the host
+    launch latency of one call hides behind the previous call's GPU work, as it does in ``bench_nvfp4.py``."""
     stream = stream or torch.cuda.current_stream()
     with torch.cuda.stream(stream):
         for _ in range(warmup):
@@ -20,10 +26,11 @@ def cuda_ms(fn: Callable[[], object], reps: int = 5, warmup: int = 1, stream=Non
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             start.record()
-            fn()
+            for _ in range(inner):
+                fn()
             end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / inner)
     return statistics.median(times)
 
 

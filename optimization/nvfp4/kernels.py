@@ -40,6 +40,14 @@ import os
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # lets the CPU run the kernels (tests only)
 
+# Triton >= 3.2 can keep an autotuner's choice in its on-disk cache: the dequantize kernel's 7-config sweep
+# (~1 s per weight shape and process) then runs once per machine instead of at every ComfyUI start
+_AUTOTUNE_DISK_CACHE = {}
+if HAS_TRITON:
+    import inspect as _inspect
+    if "cache_results" in _inspect.signature(triton.autotune).parameters:
+        _AUTOTUNE_DISK_CACHE = {"cache_results": True}
+
 
 def on_cuda(t: torch.Tensor) -> bool:
     """``t.is_cuda``. A seam: ``scripts/bench_nvfp4_host.py`` replaces it to time the host side on a CPU."""
@@ -151,7 +159,7 @@ if HAS_TRITON:
     @triton.autotune(configs=[triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
                               for r, c, w in ((32, 64, 4), (16, 256, 4), (32, 256, 8), (8, 512, 4), (64, 128, 8),
                                               (16, 512, 8), (4, 1024, 4))],
-                     key=["R", "HALF", "HALF_C"])
+                     key=["R", "HALF", "HALF_C"], **_AUTOTUNE_DISK_CACHE)
     @triton.jit
     def _dequant_kernel(p_ptr, s_ptr, lut_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4, C0, HALF_C,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
