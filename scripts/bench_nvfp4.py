@@ -52,38 +52,57 @@ def _ck_setup():
 
 
 
-SWEEP_CONFIGS = {   # (BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages); SPLIT_K as w4a16_config picks it
+SWEEP_CONFIGS = {   # (BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages), each tried with every SPLIT_K that divides
     16: [(128, 16, 128, 4, 4), (64, 16, 256, 4, 4), (256, 16, 64, 8, 3)],
     64: [(128, 64, 128, 4, 3), (128, 64, 64, 4, 4), (256, 64, 64, 8, 3)],
-    256: [(128, 128, 64, 8, 3), (128, 64, 128, 4, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3)],
+    128: [(128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3)],
+    256: [(128, 128, 64, 8, 3), (128, 64, 128, 4, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 3)],
 }
+SWEEP_SPLIT_K = (1, 2, 3, 4, 6, 8, 12)
 
 
-def sweep_w4a16(dev, args, shapes=((3072, 3072), (3072, 12288))):
-    """Fused W4A16 kernel over a few tile configs per M (one table row per config), vs bf16 cuBLAS."""
+def sweep_w4a16(dev, args, shapes, ms):
+    """Fused W4A16 kernel over tile configs x SPLIT_K per M (one row each), vs bf16 cuBLAS and vs dequantize +
+    bf16 cuBLAS (the fidelity path's other kernel)."""
     out = []
     gen = torch.Generator(device="cpu").manual_seed(1)
     for (k, n) in shapes:
         w = (torch.randn(n, k, generator=gen) * 0.02).to(dev)
         t = fmt.quantize_nvfp4(w, return_tensor=True)
         wb = w.to(torch.bfloat16)
-        for m, cfgs in SWEEP_CONFIGS.items():
+        for m in ms:
+            cfgs = SWEEP_CONFIGS[min((b for b in SWEEP_CONFIGS if b >= m), default=max(SWEEP_CONFIGS))]
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             t_bf16 = _bench(lambda: F.linear(x, wb), rep_ms=args.rep_ms)
+            wd = torch.empty((n, k), device=dev, dtype=torch.bfloat16)
+            t_deq = _bench(lambda: F.linear(x, K.dequantize_nvfp4_triton(t.packed, t.block_scale, t.global_scale,
+                                                                         (n, k), out=wd)), rep_ms=args.rep_ms)
             ref = F.linear(x.float(), t.dequantize(torch.float32)[:n, :k])
+            best = None
             for (bn, bm, bk, nw, st) in cfgs:
-                cfg = K.w4a16_config(m, n, k, dev, configs=[(1 << 30, bn, bm, bk, nw, st)])
-                try:
-                    y = K.w4a16_linear(x, t.packed, t.block_scale, t.global_scale, n, None, config=cfg)
-                    err = ((y.float() - ref).norm() / ref.norm()).item()
-                    ms_ = _bench(lambda: K.w4a16_linear(x, t.packed, t.block_scale, t.global_scale, n, None,
-                                                        config=cfg), rep_ms=args.rep_ms)
-                    row = {"K": k, "N": n, "M": m, "config": list(cfg), "ms": ms_, "bf16_ms": t_bf16,
-                           "vs_bf16": t_bf16 / ms_, "rel_err": err}
-                except Exception as exc:  # noqa: BLE001
-                    row = {"K": k, "N": n, "M": m, "config": list(cfg), "error": str(exc).splitlines()[0][:200]}
-                out.append(row)
-                print("sweep " + json.dumps(row), flush=True)
+                k_tiles = -(-k // bk)
+                for sk in SWEEP_SPLIT_K:
+                    if k_tiles % sk or k_tiles // sk < 2:
+                        continue
+                    cfg = (bn, bm, bk, sk, nw, st)
+                    try:
+                        y = K.w4a16_linear(x, t.packed, t.block_scale, t.global_scale, n, None, config=cfg)
+                        err = ((y.float() - ref).norm() / ref.norm()).item()
+                        ms_ = _bench(lambda: K.w4a16_linear(x, t.packed, t.block_scale, t.global_scale, n, None,
+                                                            config=cfg), rep_ms=args.rep_ms)
+                        row = {"K": k, "N": n, "M": m, "config": list(cfg), "ms": ms_, "bf16_ms": t_bf16,
+                               "dequant_bf16_ms": t_deq, "vs_bf16": t_bf16 / ms_, "rel_err": err,
+                               "default": list(cfg) == list(K.w4a16_config(m, n, k, dev))}
+                        if best is None or ms_ < best["ms"]:
+                            best = row
+                    except Exception as exc:  # noqa: BLE001
+                        row = {"K": k, "N": n, "M": m, "config": list(cfg), "error": str(exc).splitlines()[0][:200]}
+                    out.append(row)
+            dflt = next((r for r in out if r.get("default") and r["K"] == k and r["N"] == n and r["M"] == m), None)
+            print(f"sweep K={k} N={n} M={m}: bf16 {t_bf16:.4f} ms, dequant+bf16 {t_deq:.4f} ms, "
+                  f"fused default {dflt['ms'] if dflt else float('nan'):.4f} ms {dflt['config'] if dflt else ''}, "
+                  f"fused best {best['ms'] if best else float('nan'):.4f} ms {best['config'] if best else ''}",
+                  flush=True)
         del w, t, wb
     return out
 
@@ -102,7 +121,9 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--components", action="store_true", help="also time dequant / act-quant / GEMM alone")
     ap.add_argument("--variants", action="store_true", help="also time each fidelity kernel forced")
-    ap.add_argument("--sweep", action="store_true", help="tile-config sweep of the fused W4A16 kernel")
+    ap.add_argument("--sweep", action="store_true", help="tile-config x SPLIT_K sweep of the fused W4A16 kernel")
+    ap.add_argument("--sweep-m", default="64,256", help="M values of the sweep")
+    ap.add_argument("--sweep-only", action="store_true", help="only the sweep (no path table)")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -131,7 +152,7 @@ def main(argv=None):
     print(json.dumps(info))
     results = []
     gen = torch.Generator(device="cpu").manual_seed(0)
-    for (k, n) in shapes:
+    for (k, n) in ([] if args.sweep_only else shapes):
         w = (torch.randn(n, k, generator=gen) * 0.02).to(dev)
         bias = (torch.randn(n, generator=gen) * 0.01).to(dev, torch.bfloat16)
         w_bf16 = w.to(torch.bfloat16)
@@ -268,7 +289,7 @@ def main(argv=None):
         print(f"| {r['K']} | {r['N']} | {r['M']} | " + " | ".join(cells) + " | " + " | ".join(ratios) +
               f" | {r.get('fidelity_vs_ck', float('nan')):.2f} | {r.get('fidelity_kernel', '')} |")
     if args.sweep:
-        results_sweep = sweep_w4a16(dev, args)
+        results_sweep = sweep_w4a16(dev, args, shapes, [int(v) for v in args.sweep_m.split(",")])
     else:
         results_sweep = []
     if args.json:
