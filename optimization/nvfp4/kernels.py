@@ -471,8 +471,11 @@ W4A16_CONFIGS = [
     (16, 64, 16, 256, 4, 4),
     (32, 64, 32, 256, 4, 4),
     (64, 128, 64, 64, 4, 4),
-    (128, 128, 128, 64, 8, 3),
-    (1 << 30, 128, 256, 64, 8, 3),
+    # M=128/256, 6 SeedVR2 shapes x 4 tiles x SPLIT_K 1..12 (bench_nvfp4 --sweep --sweep-m 128,256, commit 686dc17):
+    #   (64,128,64) 4 warps was the fastest tile on 9 of 12; at M=128 0.024-0.054 ms, 1.0-1.6x faster than
+    #   dequantize + cuBLAS; the old (128,128,64)/(128,256,64) rows ran 0.034-0.131 ms (too few programs: split-K
+    #   was capped by the partials rule below)
+    (1 << 30, 64, 128, 64, 4, 3),
 ]
 _SM_COUNT: dict = {}
 
@@ -494,7 +497,9 @@ def w4a16_config(m: int, n: int, k: int, device, configs=None):
     k_tiles = -(-k // bk)
     sk = 1
     target = 2 * _sm_count(torch.device(device))
-    max_sk = max(1, k // (8 * m))   # fp32 partials (sk * m * n * 4 B, written + read) <= the packed weight
+    # fp32 partials (sk * m * n * 4 B, written once, read once, mostly from L2) <= 4x the packed weight; the
+    # tighter "<= 1x" rule of before kept M=128-256 at 24-96 programs on 132 SMs (0.06-0.13 ms instead of 0.02-0.05)
+    max_sk = max(1, k // (2 * m))
     for cand in (2, 3, 4, 6, 8):   # K tiles must split evenly (each split a whole number of tiles, >= 4)
         if tiles * sk >= target or cand > max_sk:
             break
