@@ -8,23 +8,30 @@ from typing import Callable
 import torch
 
 
+L2_FLUSH_BYTES = 256 << 20
 GEMM_INNER = 4   # GEMM timings: calls per sample, as a model runs them (bench_nvfp4.py uses --inner 8)
 
 
-def cuda_ms(fn: Callable[[], object], reps: int = 5, warmup: int = 1, stream=None, inner: int = 1) -> float:
+def cuda_ms(fn: Callable[[], object], reps: int = 5, warmup: int = 1, stream=None, inner: int = 1,
+            flush_l2: bool = False) -> float:
     """Median GPU time of ``fn()`` in ms, measured with events on ``stream`` (default: the current one).
 
     ``inner`` calls per sample (the result divided by it): back-to-back calls as in a model's forward, so the host
-    launch latency of one call hides behind the previous call's GPU work, as it does in ``bench_nvfp4.py``."""
+    launch latency of one call hides behind the previous call's GPU work, as it does in ``bench_nvfp4.py``.
+    ``flush_l2``: overwrite 256 MiB before each sample (untimed) so no sample starts with its operands in L2, as
+    ``triton.testing.do_bench`` (which the benchmarks use) does."""
     stream = stream or torch.cuda.current_stream()
     with torch.cuda.stream(stream):
         for _ in range(warmup):
             fn()
     torch.cuda.synchronize()
     times = []
+    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if flush_l2 else None
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
+            if flush is not None:
+                flush.zero_()
             start.record()
             for _ in range(inner):
                 fn()
