@@ -143,13 +143,13 @@ def peak_gib(dev):
 PROFILE = None  # (mode, res) to profile one step of
 
 
-def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir):
+def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir, cuda_graph="auto"):
     from seedvr2bw.training.trainer import FluxLoraTrainer, TrainConfig
     ds = make_dataset(res, cfgdims)
     cfg = TrainConfig(rank=16, alpha=16, steps=10**6, learning_rate=1e-4, optimizer="adamw",
                       compute_dtype="bf16" if dev.type == "cuda" else "fp32",
                       base_precision="auto" if mode == "bf16" else mode, gradient_checkpointing=True,
-                      output_dir=outdir, output_name=f"bench_{mode}_{res}", seed=0)
+                      output_dir=outdir, output_name=f"bench_{mode}_{res}", seed=0, cuda_graph=cuda_graph)
     peak_reset(dev)
     tr = FluxLoraTrainer(mp.model.diffusion_model, cfg, ds, latent_format=mp.model.latent_format, device=dev)
     peak_reset(dev)  # peak while training (a bf16 base offloaded by fp8/nvfp4 set-up is not counted)
@@ -175,8 +175,10 @@ def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir):
         tc = any(getattr(lin, "_q_tensorcores", False) for lin, _, _ in tr.quant.saved) if tr.quant else None
     finally:
         tr.close()
+    graphed = tr.graphed is not None and tr.graphed.failed is None and bool(tr.graphed.graphs)
     return {"impl": "ours", "mode": mode, "res": res, "median_s": statistics.median(times), "min_s": min(times),
-            "peak_gib": peak, "loss_first": losses[0], "loss_last": losses[-1],
+            "peak_gib": peak, "cuda_graph": graphed,
+            "cuda_graph_error": tr.graphed.failed if tr.graphed is not None else None, "loss_first": losses[0], "loss_last": losses[-1],
             "lora_params": sum(p.numel() for p in tr.network.parameters()),
             "fp8_tensorcores": tc}
 
@@ -333,6 +335,34 @@ def host_ops(modes, warmup, steps, outdir, top=0):
     return rows
 
 
+def attention_backends(dev, resolutions, reps=20):
+    """SDPA fwd+bwd per backend on FLUX's joint attention (24 heads x 128, 256 text + image tokens), bf16."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+    rows = []
+    for res in resolutions:
+        L = 256 + (res // 16) ** 2
+        q, k, v = (torch.randn(1, 24, L, 128, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        g = torch.randn(1, 24, L, 128, device=dev, dtype=torch.bfloat16)
+        flops = 4 * L * L * 128 * 24
+        for be in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            try:
+                with sdpa_kernel([be]):
+                    fwd = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), rep=reps * 5)
+
+                    def fb():
+                        o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+                        torch.autograd.grad(o, (q, k, v), g)
+                    both = do_bench(fb, rep=reps * 5)
+                r = {"res": res, "tokens": L, "backend": be.name, "fwd_ms": fwd, "fwd_bwd_ms": both,
+                     "fwd_tflops": flops / fwd / 1e9, "fwd_bwd_tflops": 3.5 * flops / both / 1e9}
+            except Exception as exc:  # noqa: BLE001
+                r = {"res": res, "tokens": L, "backend": be.name, "error": str(exc).splitlines()[0][:160]}
+            rows.append(r)
+            print("[attention]", json.dumps(r), flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--comfy", default=None)
@@ -346,6 +376,8 @@ def main():
     ap.add_argument("--profile", default=None, help="mode,res of one step to profile, e.g. bf16,1024")
     ap.add_argument("--host-ops", action="store_true", help="CPU: aten ops, Linear calls and host µs per step")
     ap.add_argument("--top", type=int, default=0, help="--host-ops: also list the N most frequent aten ops")
+    ap.add_argument("--attention", action="store_true", help="GPU: SDPA backends fwd+bwd on FLUX's attention shape")
+    ap.add_argument("--cuda-graph", default="auto", help="ours: cuda_graph setting (auto|on|off|both)")
     a = ap.parse_args()
     if a.host_ops:
         setup_comfy(a.comfy, True)
@@ -356,6 +388,13 @@ def main():
             with open(a.json, "w") as f:
                 json.dump({"info": {"torch": torch.__version__, "commit": _pack.git_commit()}, "host_ops": rows},
                           f, indent=1)
+        return
+    if a.attention:
+        rows = attention_backends(torch.device("cuda"), [int(r) for r in a.res.split(",")])
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"info": {"torch": torch.__version__, "commit": _pack.git_commit(),
+                                    "device": torch.cuda.get_device_name()}, "attention": rows}, f, indent=1)
         return
     global PROFILE
     if a.profile:
@@ -380,35 +419,38 @@ def main():
     results = []
     ress = [int(r) for r in a.res.split(",")] if not a.tiny else [64]
     modes = a.modes.split(",")
+    graphs = ["off", "on"] if a.cuda_graph == "both" else [a.cuda_graph]
     for mode in modes:
         for res in ress:
-            t1 = time.time()
-            try:
-                if mode == "trainloranode":
-                    r = bench_trainloranode(mp, res, dims, dev, a.warmup, a.steps)
-                else:
-                    r = bench_ours(mp, res, mode, dims, dev, a.warmup, a.steps, a.outdir)
-            except Exception as exc:  # noqa: BLE001
-                import traceback
-                traceback.print_exc()
-                r = {"impl": mode, "res": res, "error": f"{type(exc).__name__}: {exc}"}
-            r["wall_s"] = round(time.time() - t1, 1)
-            results.append(r)
-            print("[bench]", json.dumps(r), flush=True)
-    print("\n| impl | mode | res | median s/step | min | peak GiB |")
-    print("|---|---|---|---|---|---|")
+            for graph in (graphs if mode != "trainloranode" else [None]):
+                t1 = time.time()
+                try:
+                    if mode == "trainloranode":
+                        r = bench_trainloranode(mp, res, dims, dev, a.warmup, a.steps)
+                    else:
+                        r = bench_ours(mp, res, mode, dims, dev, a.warmup, a.steps, a.outdir, graph)
+                except Exception as exc:  # noqa: BLE001
+                    import traceback
+                    traceback.print_exc()
+                    r = {"impl": mode, "res": res, "error": f"{type(exc).__name__}: {exc}"}
+                r["wall_s"] = round(time.time() - t1, 1)
+                results.append(r)
+                print("[bench]", json.dumps(r), flush=True)
+    print("\n| impl | mode | CUDA graph | res | median s/step | min | peak GiB |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['impl']} | | {r['res']} | ERROR {r['error'][:80]} | | |")
+            print(f"| {r['impl']} | | | {r['res']} | ERROR {r['error'][:80]} | | |")
         else:
-            print(f"| {r['impl']} | {r['mode']} | {r['res']} | {r['median_s']:.3f} | {r['min_s']:.3f} | {r['peak_gib']:.1f} |")
-    by = {(r["impl"], r.get("mode"), r["res"]): r.get("median_s") for r in results if "error" not in r}
+            print(f"| {r['impl']} | {r['mode']} | {r.get('cuda_graph', '')} | {r['res']} | {r['median_s']:.3f} | "
+                  f"{r['min_s']:.3f} | {r['peak_gib']:.1f} |")
     for res in ress:
-        base = by.get(("TrainLoraNode", "bf16", res))
-        for mode in ("bf16", "fp8", "nvfp4"):
-            ours = by.get(("ours", mode, res))
-            if base and ours:
-                print(f"[bench] {res}: ours {mode} is {base / ours:.2f}x TrainLoraNode")
+        base = next((r["median_s"] for r in results if r["impl"] == "TrainLoraNode" and r["res"] == res
+                     and "error" not in r), None)
+        for r in results:
+            if base and r["impl"] == "ours" and r["res"] == res and "error" not in r:
+                print(f"[bench] {res}: ours {r['mode']} (CUDA graph {r['cuda_graph']}) is "
+                      f"{base / r['median_s']:.2f}x TrainLoraNode")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"info": info, "results": results}, f, indent=1)

@@ -17,6 +17,8 @@ from .save import atomic_save_safetensors, atomic_torch_save, kohya_metadata, pr
 
 log = logging.getLogger(__name__)
 BASE_PRECISIONS = ("auto", "bf16", "fp8", "nvfp4")
+CUDA_GRAPH_MODES = ("auto", "on", "off")
+CUDA_GRAPH_ENV = "SEEDVR2BW_TRAIN_CUDA_GRAPH"
 
 
 @dataclass
@@ -46,6 +48,7 @@ class TrainConfig:
     lora_dtype: str = "fp32"             # master weights of the LoRA
     base_precision: str = "auto"         # auto (as loaded) | bf16 | fp8 | nvfp4
     gradient_checkpointing: bool = True
+    cuda_graph: str = "auto"             # auto (on for CUDA without BlockSwap) | on | off; env SEEDVR2BW_TRAIN_CUDA_GRAPH
     blocks_to_swap: int = 0
     output_name: str = "flux_lora"
     output_dir: str = ""
@@ -73,6 +76,8 @@ class TrainConfig:
             bad(f"unknown LR schedule {self.lr_scheduler!r}", f"use one of {', '.join(SCHEDULERS)}")
         if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
             bad(f"unknown timestep sampling {self.timestep_sampling!r}", f"use one of {', '.join(TIMESTEP_SAMPLINGS)}")
+        if str(self.cuda_graph).lower() not in CUDA_GRAPH_MODES:
+            bad(f"unknown cuda_graph setting {self.cuda_graph!r}", f"use one of {', '.join(CUDA_GRAPH_MODES)}")
         if self.base_precision not in BASE_PRECISIONS:
             bad(f"unknown base precision {self.base_precision!r}", f"use one of {', '.join(BASE_PRECISIONS)}")
         if self.learning_rate <= 0:
@@ -128,6 +133,7 @@ class FluxLoraTrainer:
             self.block_runner = _make_block_runner(dm, cfg.blocks_to_swap, self.device, blockswap_backend,
                                                    blockswap_pool)
         self.forward = FluxTrainForward(dm, cfg.gradient_checkpointing, self.block_runner)
+        self.graphed = self._make_graphed()
         self.optimizer = build_optimizer(self.network.parameters(), cfg.optimizer, cfg.learning_rate,
                                          weight_decay=cfg.weight_decay, prodigy_d_coef=cfg.prodigy_d_coef)
         self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, cfg.steps, cfg.warmup_steps)
@@ -164,6 +170,45 @@ class FluxLoraTrainer:
         return self.latent_format.process_in(lat) if self.latent_format is not None else lat
 
     # ---------------- one optimizer step ----------------
+    def _make_graphed(self):
+        """CUDA-graphed forward+backward (``cuda_graph.py``) when the setting allows it; one log line either way."""
+        mode = os.environ.get(CUDA_GRAPH_ENV, "").strip().lower() or str(self.cfg.cuda_graph).lower()
+        src = CUDA_GRAPH_ENV if os.environ.get(CUDA_GRAPH_ENV, "").strip() else "cuda_graph setting"
+        why = None
+        if mode in ("0", "off", "false"):
+            why = f"off ({src})"
+        elif self.device.type != "cuda":
+            why = f"off (device {self.device.type})"
+        elif self.block_runner is not None:
+            why = "off (BlockSwap streams blocks with host-side scheduling, which a graph cannot replay)"
+        if why is not None:
+            log.info("[FluxLoraTrain] CUDA graphs: %s", why)
+            return None
+        from .cuda_graph import GraphedLossAndGrads
+        log.info("[FluxLoraTrain] CUDA graphs: on (%s=%s): forward+backward captured per input shape", src, mode)
+        return GraphedLossAndGrads(self._loss_and_grads, self.device)
+
+    def _micro_loss(self, x_t, sigma, ctx, y, target):
+        pred = self.forward(x_t, sigma, ctx, y, self.cfg.guidance)
+        return flow_loss(pred, target, self.cfg.loss_type) / self.cfg.grad_accum
+
+    def _loss_and_grads(self, *inputs):
+        """Loss and LoRA gradients as returned tensors (what the CUDA graph captures)."""
+        params = list(self.network.parameters())
+        with self.network.cast_cache(self.dtype):
+            loss = self._micro_loss(*inputs)
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+        return loss.detach(), grads
+
+    def _accumulate(self, grads):
+        for p, g in zip(self.network.parameters(), grads):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g.clone()   # the graph's static output is overwritten by the next replay
+            else:
+                p.grad.add_(g)
+
     def train_step(self) -> float:
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -177,10 +222,14 @@ class FluxLoraTrainer:
                                   shift=cfg.shift, image_seq_len=seq)
             x_t, target = noisy_input(x0, noise, sigma)
             dev, dt = self.device, self.dtype
-            with self.network.cast_cache(dt):
-                pred = self.forward(x_t.to(dev, dt), sigma.to(dev), ctx.to(dev, dt), y.to(dev, dt), cfg.guidance)
-                loss = flow_loss(pred, target.to(dev), cfg.loss_type) / cfg.grad_accum
-                loss.backward()
+            inputs = (x_t.to(dev, dt), sigma.to(dev), ctx.to(dev, dt), y.to(dev, dt), target.to(dev))
+            if self.graphed is not None:
+                loss, grads = self.graphed(*inputs)
+                self._accumulate(grads)
+            else:
+                with self.network.cast_cache(dt):
+                    loss = self._micro_loss(*inputs)
+                    loss.backward()
             total += float(loss.detach())
         if cfg.max_grad_norm and cfg.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.network.parameters(), cfg.max_grad_norm)
@@ -329,6 +378,8 @@ class FluxLoraTrainer:
         """Removes the LoRA (per-instance Linear forwards) and restores the base model exactly as it was."""
         if self._closed:
             return
+        if self.graphed is not None:
+            self.graphed.close()
         self.network.detach()
         self.forward.close()
         if self.quant is not None:
