@@ -164,6 +164,8 @@ def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir, cuda_graph="a
                 sync(dev)
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60),
                   flush=True)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60),
+                  flush=True)
         for i in range(warmup + steps):
             sync(dev)
             t0 = time.perf_counter()
@@ -173,11 +175,11 @@ def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir, cuda_graph="a
                 times.append(time.perf_counter() - t0)
         peak = peak_gib(dev)
         tc = any(getattr(lin, "_q_tensorcores", False) for lin, _, _ in tr.quant.saved) if tr.quant else None
+        graphed = tr.graphed is not None and tr.graphed.failed is None and bool(tr.graphed.graphs)
     finally:
         tr.close()
-    graphed = tr.graphed is not None and tr.graphed.failed is None and bool(tr.graphed.graphs)
     return {"impl": "ours", "mode": mode, "res": res, "median_s": statistics.median(times), "min_s": min(times),
-            "peak_gib": peak, "cuda_graph": graphed,
+            "peak_gib": peak, "cuda_graph": graphed, "sdpa": [b.name for b in tr.sdpa_backends or []][:1],
             "cuda_graph_error": tr.graphed.failed if tr.graphed is not None else None, "loss_first": losses[0], "loss_last": losses[-1],
             "lora_params": sum(p.numel() for p in tr.network.parameters()),
             "fp8_tensorcores": tc}

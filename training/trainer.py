@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..optimization.attention.sdpa_priority import preferred_backends, sdpa_priority
 from .flux_forward import FluxTrainForward
 from .lora import FluxLoraNetwork, LoraTargetSpec, is_flux_diffusion_model
 from .objective import TIMESTEP_SAMPLINGS, flow_loss, noisy_input, sample_sigmas
@@ -133,6 +134,8 @@ class FluxLoraTrainer:
             self.block_runner = _make_block_runner(dm, cfg.blocks_to_swap, self.device, blockswap_backend,
                                                    blockswap_pool)
         self.forward = FluxTrainForward(dm, cfg.gradient_checkpointing, self.block_runner)
+        self.sdpa_backends, why = preferred_backends(self.device)
+        log.info("[FluxLoraTrain] attention (SDPA) kernel order: %s", why)
         self.graphed = self._make_graphed()
         self.optimizer = build_optimizer(self.network.parameters(), cfg.optimizer, cfg.learning_rate,
                                          weight_decay=cfg.weight_decay, prodigy_d_coef=cfg.prodigy_d_coef)
@@ -195,7 +198,7 @@ class FluxLoraTrainer:
     def _loss_and_grads(self, *inputs):
         """Loss and LoRA gradients as returned tensors (what the CUDA graph captures)."""
         params = list(self.network.parameters())
-        with self.network.cast_cache(self.dtype):
+        with self.network.cast_cache(self.dtype), sdpa_priority(self.sdpa_backends):
             loss = self._micro_loss(*inputs)
             grads = torch.autograd.grad(loss, params, allow_unused=True)
         return loss.detach(), grads
@@ -227,7 +230,7 @@ class FluxLoraTrainer:
                 loss, grads = self.graphed(*inputs)
                 self._accumulate(grads)
             else:
-                with self.network.cast_cache(dt):
+                with self.network.cast_cache(dt), sdpa_priority(self.sdpa_backends):
                     loss = self._micro_loss(*inputs)
                     loss.backward()
             total += float(loss.detach())
@@ -318,11 +321,12 @@ class FluxLoraTrainer:
         ckpt = self.forward.gradient_checkpointing
         self.forward.gradient_checkpointing = False
         try:
-            for i in range(steps):
-                s, s2 = float(ts[i]), float(ts[i + 1])
-                v = self.forward(x, torch.full((1,), s, device=self.device), ctx.to(self.device, self.dtype),
-                                 y.to(self.device, self.dtype), guidance)
-                x = x + (s2 - s) * v.to(x.dtype)
+            with sdpa_priority(self.sdpa_backends):
+                for i in range(steps):
+                    s, s2 = float(ts[i]), float(ts[i + 1])
+                    v = self.forward(x, torch.full((1,), s, device=self.device), ctx.to(self.device, self.dtype),
+                                     y.to(self.device, self.dtype), guidance)
+                    x = x + (s2 - s) * v.to(x.dtype)
         finally:
             self.forward.gradient_checkpointing = ckpt
         lat = x.float()
