@@ -267,8 +267,10 @@ def host_ops(modes, warmup, steps, outdir, top=0):
                           gradient_checkpointing=ckpt, output_dir=outdir, output_name=f"hostops_{mode}", seed=0)
         tr = FluxLoraTrainer(mp.model.diffusion_model, cfg, ds, latent_format=mp.model.latent_format, device=dev)
         if mode == "fp8-tc" and tr.quant is not None:
+            from seedvr2bw.training import quant as Q
             for lin, _, _ in tr.quant.saved:
                 lin._q_tensorcores = lin._q_weight.shape[0] % 16 == 0 and lin._q_weight.shape[1] % 16 == 0
+                lin._q_scale_rows = Q.fp8_scale_rows(lin._q_weight, lin._q_scale) if lin._q_tensorcores else None
         return tr
 
     for mode in modes:

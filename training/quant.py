@@ -8,9 +8,9 @@ never a weight gradient. Only that is training-specific; the formats come from t
   (per-tensor, not per-row, because the input gradient ``g @ W`` contracts over the rows of ``W``: a row scale
   would sit inside the sum, where ``torch._scaled_mm`` cannot apply it). Whether FP8 tensor cores are used is
   ``optimization.hardware.get_policy(device).fp8_gemm`` (self-tested on the device, overridable with
-  ``SEEDVR2BW_FP8_GEMM``). With it, the forward (x quantized per tensor to e4m3) and the input gradient (grad
-  quantized per tensor to e5m2) run through ``torch._scaled_mm``; without it the weight is dequantized to the
-  compute dtype.
+  ``SEEDVR2BW_FP8_GEMM``). With it, the forward (x quantized to e4m3 per token) and the input gradient (grad
+  quantized to e4m3 per token) run through ``torch._scaled_mm`` with row-wise scales; without it the weight is
+  dequantized to the compute dtype.
 * ``nvfp4``: weight quantized by ``optimization.nvfp4.format.quantize_nvfp4`` (the pack's one NVFP4 quantizer,
   comfy-kitchen recipe, internal layout: hi_first nibbles, swizzled e4m3 block scales, fp32 global scale) and
   dequantized per call (forward and input gradient) by the Triton kernel ``kernels.dequantize_nvfp4_triton``
@@ -37,31 +37,22 @@ log = logging.getLogger(__name__)
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 E4M3_MAX = fmt.F8_E4M3_MAX      # 448
-E5M2_MAX = 57344.0
 
 
 # ---------------- fp8 ----------------
-def _quant_act_eager(x2, fp8_dtype: torch.dtype, maxval: float):
-    amax = torch.linalg.vector_norm(x2, ord=float("inf"), dtype=torch.float32).clamp(min=1e-12)
-    s = amax / maxval
-    return (x2.float() * (1.0 / s)).clamp(-maxval, maxval).to(fp8_dtype), s
+def _quant_rows(x2):
+    """x2 [M, K] -> (e4m3 [M, K], fp32 scale [M]) with one scale per row (amax_row / 448).
 
-
-_quant_fast = None
-
-
-def _quant_act(x2, fp8_dtype, maxval):
-    """Per-tensor dynamic quantization of an activation / gradient; on CUDA compiled (fuses the scale/clamp/cast
-    passes)."""
-    global _quant_fast
-    if x2.device.type != "cuda":
-        return _quant_act_eager(x2, fp8_dtype, maxval)
-    if _quant_fast is None:
-        try:
-            _quant_fast = torch.compile(_quant_act_eager, dynamic=None)
-        except Exception:  # noqa: BLE001
-            _quant_fast = _quant_act_eager
-    return _quant_fast(x2, fp8_dtype, maxval)
+    Per row, because both GEMMs contract over the other axis: in ``x @ W.T`` and in ``g @ W`` a row scale of the
+    left operand factors out of the sum (``torch._scaled_mm``'s row-wise scaling). On CUDA the pack's one-pass
+    Triton kernel (``optimization.nvfp4.kernels.quantize_act_fp8_rowwise``, the NVFP4 FP8 speed path's); a
+    per-tensor amax needs a grid-wide reduction first, which profiled at 2-10 ms per call (compiled) on an H100.
+    """
+    if nvfp4_kernels.triton_usable(x2):
+        return nvfp4_kernels.quantize_act_fp8_rowwise(x2)
+    amax = x2.abs().amax(dim=1).float()
+    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return (x2.float() / s[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), s
 
 
 def _pad16(t):
@@ -72,8 +63,14 @@ def _pad16(t):
 
 
 class _FP8LinearFn(torch.autograd.Function):
+    """y = x @ (wq * wscale).T + bias with e4m3 operands on FP8 tensor cores (``tensorcores``), else the weight
+    dequantized to x's dtype. The input gradient ``g @ W`` likewise; no weight gradient (frozen base)."""
+
     @staticmethod
-    def forward(ctx, x, wq, wscale, bias, tensorcores):
+    def forward(ctx, x, wq, wscale, bias, tensorcores, scale_rows=None):
+        if tensorcores and scale_rows is None:
+            scale_rows = fp8_scale_rows(wq, wscale)
+        ctx.scale_rows = scale_rows
         ctx.save_for_backward(wq, wscale)
         ctx.kept = None
         ctx.tensorcores = tensorcores
@@ -82,10 +79,11 @@ class _FP8LinearFn(torch.autograd.Function):
         M = x2.shape[0]
         if tensorcores and (M % 16 == 0 or M < 256):
             xp, M0 = _pad16(x2)
-            xq, xs = _quant_act(xp, E4M3, E4M3_MAX)
+            xq, xs = _quant_rows(xp)
             if bias is not None and bias.dtype != x.dtype:
                 bias = bias.to(x.dtype)
-            y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=wscale, bias=bias, out_dtype=x.dtype)
+            y = torch._scaled_mm(xq, wq.t(), scale_a=xs.reshape(-1, 1), scale_b=scale_rows[0], bias=bias,
+                                 out_dtype=x.dtype)
             if y.shape[0] != M0:
                 y = y[:M0]
         else:
@@ -103,9 +101,9 @@ class _FP8LinearFn(torch.autograd.Function):
         M = g2.shape[0]
         if ctx.tensorcores and (M % 16 == 0 or M < 256):
             gp, M0 = _pad16(g2)
-            gq, gs = _quant_act(gp, E5M2, E5M2_MAX)
+            gq, gs = _quant_rows(gp)
             wt = wq.t().contiguous()  # [K, N] row-major -> .t() is column-major [N, K] as _scaled_mm wants
-            dx = torch._scaled_mm(gq, wt.t(), scale_a=gs, scale_b=wscale, out_dtype=g.dtype)
+            dx = torch._scaled_mm(gq, wt.t(), scale_a=gs.reshape(-1, 1), scale_b=ctx.scale_rows[1], out_dtype=g.dtype)
             if dx.shape[0] != M0:
                 dx = dx[:M0]
         else:
@@ -116,11 +114,18 @@ class _FP8LinearFn(torch.autograd.Function):
             dx = g2 @ w
         if g.dim() != 2:
             dx = dx.reshape(*g.shape[:-1], dx.shape[-1])
-        return (dx if dx.dtype == ctx.x_dtype else dx.to(ctx.x_dtype)), None, None, None, None
+        return (dx if dx.dtype == ctx.x_dtype else dx.to(ctx.x_dtype)), None, None, None, None, None
+
+
+def fp8_scale_rows(wq, wscale):
+    """The per-tensor weight scale as the [1, N] and [1, K] fp32 rows ``torch._scaled_mm``'s row-wise mode takes
+    (forward and input gradient); made once per Linear."""
+    s = wscale.float().reshape(1, 1)
+    return s.expand(1, wq.shape[0]).contiguous(), s.expand(1, wq.shape[1]).contiguous()
 
 
 def _fp8_forward(self, x):
-    return _FP8LinearFn.apply(x, self._q_weight, self._q_scale, self.bias, self._q_tensorcores)
+    return _FP8LinearFn.apply(x, self._q_weight, self._q_scale, self.bias, self._q_tensorcores, self._q_scale_rows)
 
 
 # ---------------- NVFP4 ----------------
@@ -176,7 +181,7 @@ def block_linears(dm):
                     yield f"{kind}.{i}.{name}", mod
 
 
-_Q_ATTRS = ("_q_weight", "_q_scale", "_q_tensorcores", "_q_nvfp4", "_q_base")
+_Q_ATTRS = ("_q_weight", "_q_scale", "_q_scale_rows", "_q_tensorcores", "_q_nvfp4", "_q_base")
 
 
 class QuantizedBase:
@@ -206,6 +211,7 @@ class QuantizedBase:
                         fp8_gemm[dev] = dev.type == "cuda" and get_policy(dev).fp8_gemm
                     lin._q_weight, lin._q_scale = q, s.reshape(()).to(dev)
                     lin._q_tensorcores = fp8_gemm[dev] and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
+                    lin._q_scale_rows = fp8_scale_rows(q, lin._q_scale) if lin._q_tensorcores else None
                     lin._q_base = _fp8_forward
                     install_forward(lin)
                 else:
