@@ -95,8 +95,13 @@ def _cos_sin(pe):
 def _attention(q, k, v, pe, attn_mask, topts):
     from comfy.ldm.modules.attention import optimized_attention
     if pe is not None:
-        cos, sin = _cos_sin(pe)
-        q, k = _Rope.apply(q, cos, sin), _Rope.apply(k, cos, sin)
+        if torch.compiler.is_compiling():
+            # inside a compiled block: plain ops, so Inductor fuses RoPE (and its backward) with its neighbours
+            cos, sin = pe[..., 0, 0], pe[..., 1, 0]
+            q, k = _rot(q, cos, sin), _rot(k, cos, sin)
+        else:
+            cos, sin = _cos_sin(pe)
+            q, k = _Rope.apply(q, cos, sin), _Rope.apply(k, cos, sin)
     return optimized_attention(q, k, v, q.shape[1], skip_reshape=True, mask=attn_mask, transformer_options=topts)
 
 
@@ -146,12 +151,32 @@ def single_block_forward(b, x, vec, pe, attn_mask, topts):
     return torch.addcmul(x, out, mod.gate)
 
 
+# torch.compile'd block forwards while a trainer compiles its blocks (FluxTrainForward(compile_blocks=True)):
+# Inductor fuses the ~40 elementwise kernels per block (LayerNorm + modulation, RMSNorm, RoPE, GELU, gated
+# residuals, the q/k/v concatenation) in the forward and in the backward, which profiled at ~40 % of a 1024² step
+# on an H100 once the host overhead was gone (CUDA graphs). Same modules and weights; GEMMs and attention stay
+# cuBLAS / SDPA.
+_COMPILED = {"double": None, "single": None}
+
+
 def _double_method(self, img, txt, vec, pe, attn_mask=None, transformer_options={}, **kw):
-    return double_block_forward(self, img, txt, vec, pe, attn_mask, transformer_options)
+    fn = _COMPILED["double"] or double_block_forward
+    return fn(self, img, txt, vec, pe, attn_mask, transformer_options)
 
 
 def _single_method(self, x, vec, pe, attn_mask=None, transformer_options={}, **kw):
-    return single_block_forward(self, x, vec, pe, attn_mask, transformer_options)
+    fn = _COMPILED["single"] or single_block_forward
+    return fn(self, x, vec, pe, attn_mask, transformer_options)
+
+
+def compile_block_forwards(enable: bool):
+    """Turns the compiled block forwards on (compiled lazily, once per block type and shape) or off."""
+    if enable:
+        if _COMPILED["double"] is None:
+            _COMPILED["double"] = torch.compile(double_block_forward, dynamic=False)
+            _COMPILED["single"] = torch.compile(single_block_forward, dynamic=False)
+    else:
+        _COMPILED["double"] = _COMPILED["single"] = None
 
 
 # > 0 while _BlockCheckpoint recomputes a block for its backward, which follows right away: the fp8-dequant /
@@ -237,9 +262,11 @@ class FluxTrainForward:
     materialises a swapped block's weights in its pre-hook, also during the backward recompute) still fire.
     """
 
-    def __init__(self, dm, gradient_checkpointing: bool = True, block_runner=None):
+    def __init__(self, dm, gradient_checkpointing: bool = True, block_runner=None, compile_blocks: bool = False):
         import types
         self.dm = dm
+        self.compile_blocks = compile_blocks
+        compile_block_forwards(compile_blocks)
         self.gradient_checkpointing = gradient_checkpointing
         self.block_runner = block_runner
         self.attn_override = _attention_override()
@@ -257,6 +284,8 @@ class FluxTrainForward:
 
     def close(self):
         _CS[0], _CS[1], _CS[2] = None, -1, None
+        if self.compile_blocks:
+            compile_block_forwards(False)
         for b in self._patched:
             b.__dict__.pop("forward", None)
         self._patched = []

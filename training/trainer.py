@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 BASE_PRECISIONS = ("auto", "bf16", "fp8", "nvfp4")
 CUDA_GRAPH_MODES = ("auto", "on", "off")
 CUDA_GRAPH_ENV = "SEEDVR2BW_TRAIN_CUDA_GRAPH"
+COMPILE_ENV = "SEEDVR2BW_TRAIN_COMPILE"
 
 
 @dataclass
@@ -50,6 +51,7 @@ class TrainConfig:
     base_precision: str = "auto"         # auto (as loaded) | bf16 | fp8 | nvfp4
     gradient_checkpointing: bool = True
     cuda_graph: str = "auto"             # auto (on for CUDA without BlockSwap) | on | off; env SEEDVR2BW_TRAIN_CUDA_GRAPH
+    compile_blocks: str = "off"          # auto (on for CUDA without BlockSwap) | on | off; env SEEDVR2BW_TRAIN_COMPILE
     blocks_to_swap: int = 0
     output_name: str = "flux_lora"
     output_dir: str = ""
@@ -77,8 +79,9 @@ class TrainConfig:
             bad(f"unknown LR schedule {self.lr_scheduler!r}", f"use one of {', '.join(SCHEDULERS)}")
         if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
             bad(f"unknown timestep sampling {self.timestep_sampling!r}", f"use one of {', '.join(TIMESTEP_SAMPLINGS)}")
-        if str(self.cuda_graph).lower() not in CUDA_GRAPH_MODES:
-            bad(f"unknown cuda_graph setting {self.cuda_graph!r}", f"use one of {', '.join(CUDA_GRAPH_MODES)}")
+        for name in ("cuda_graph", "compile_blocks"):
+            if str(getattr(self, name)).lower() not in CUDA_GRAPH_MODES:
+                bad(f"unknown {name} setting {getattr(self, name)!r}", f"use one of {', '.join(CUDA_GRAPH_MODES)}")
         if self.base_precision not in BASE_PRECISIONS:
             bad(f"unknown base precision {self.base_precision!r}", f"use one of {', '.join(BASE_PRECISIONS)}")
         if self.learning_rate <= 0:
@@ -133,7 +136,9 @@ class FluxLoraTrainer:
                                  "precision here. Fix: use one of the two.")
             self.block_runner = _make_block_runner(dm, cfg.blocks_to_swap, self.device, blockswap_backend,
                                                    blockswap_pool)
-        self.forward = FluxTrainForward(dm, cfg.gradient_checkpointing, self.block_runner)
+        self.forward = FluxTrainForward(dm, cfg.gradient_checkpointing, self.block_runner,
+                                        compile_blocks=self._gpu_feature("compile_blocks", COMPILE_ENV,
+                                                                         "compiled block forwards"))
         self.sdpa_backends, why = preferred_backends(self.device)
         log.info("[FluxLoraTrain] attention (SDPA) kernel order: %s", why)
         self.graphed = self._make_graphed()
@@ -173,22 +178,25 @@ class FluxLoraTrainer:
         return self.latent_format.process_in(lat) if self.latent_format is not None else lat
 
     # ---------------- one optimizer step ----------------
-    def _make_graphed(self):
-        """CUDA-graphed forward+backward (``cuda_graph.py``) when the setting allows it; one log line either way."""
-        mode = os.environ.get(CUDA_GRAPH_ENV, "").strip().lower() or str(self.cfg.cuda_graph).lower()
-        src = CUDA_GRAPH_ENV if os.environ.get(CUDA_GRAPH_ENV, "").strip() else "cuda_graph setting"
+    def _gpu_feature(self, name: str, env: str, label: str) -> bool:
+        """A CUDA-only speed feature: the env variable, else the config field (auto = on); one log line."""
+        raw = os.environ.get(env, "").strip().lower()
+        mode, src = (raw, env) if raw else (str(getattr(self.cfg, name)).lower(), name)
         why = None
         if mode in ("0", "off", "false"):
-            why = f"off ({src})"
+            why = f"off ({src}={mode})"
         elif self.device.type != "cuda":
             why = f"off (device {self.device.type})"
         elif self.block_runner is not None:
-            why = "off (BlockSwap streams blocks with host-side scheduling, which a graph cannot replay)"
-        if why is not None:
-            log.info("[FluxLoraTrain] CUDA graphs: %s", why)
+            why = "off (BlockSwap streams blocks with host-side scheduling, which this cannot follow)"
+        log.info("[FluxLoraTrain] %s: %s", label, why or f"on ({src}={mode})")
+        return why is None
+
+    def _make_graphed(self):
+        """CUDA-graphed forward+backward (``cuda_graph.py``), captured per input shape."""
+        if not self._gpu_feature("cuda_graph", CUDA_GRAPH_ENV, "CUDA graphs"):
             return None
         from .cuda_graph import GraphedLossAndGrads
-        log.info("[FluxLoraTrain] CUDA graphs: on (%s=%s): forward+backward captured per input shape", src, mode)
         return GraphedLossAndGrads(self._loss_and_grads, self.device)
 
     def _micro_loss(self, x_t, sigma, ctx, y, target):

@@ -84,10 +84,12 @@ def _tiny_flux():
     return B
 
 
-@pytest.mark.parametrize("mode", ["bf16", "fp8", "nvfp4"])
-def test_cuda_graph_step_matches_eager(tmp_path, mode):
-    """The graphed step (captured once per shape, replayed after) trains exactly like the eager step: same losses
-    and LoRA weights after several steps, with two latent sizes (two graphs sharing one memory pool)."""
+@pytest.mark.parametrize("mode,compiled", [("bf16", "off"), ("fp8", "off"), ("nvfp4", "off"), ("bf16", "on"),
+                                           ("fp8", "on")])
+def test_cuda_graph_step_matches_eager(tmp_path, mode, compiled):
+    """The graphed step (captured once per shape, replayed after; with compiled block forwards too) trains like the
+    eager step: same losses and LoRA weights after several steps, with two latent sizes (two graphs sharing one
+    memory pool)."""
     B = _tiny_flux()
     from seedvr2bw.training.data import EncodedDataset, Item
     from seedvr2bw.training.trainer import FluxLoraTrainer, TrainConfig
@@ -102,7 +104,8 @@ def test_cuda_graph_step_matches_eager(tmp_path, mode):
     for graph in ("off", "on"):
         cfg = TrainConfig(rank=4, alpha=4, steps=8, learning_rate=3e-3, output_dir=str(tmp_path), seed=3,
                           output_name=f"g_{graph}", base_precision="auto" if mode == "bf16" else mode,
-                          cuda_graph=graph, grad_accum=2 if mode == "bf16" else 1)
+                          cuda_graph=graph, grad_accum=2 if mode == "bf16" else 1,
+                          compile_blocks=compiled if graph == "on" else "off")
         tr = FluxLoraTrainer(mp.model.diffusion_model, cfg, ds, latent_format=mp.model.latent_format, device="cuda")
         try:
             for _ in range(cfg.steps):
@@ -110,6 +113,7 @@ def test_cuda_graph_step_matches_eager(tmp_path, mode):
             if graph == "on":
                 assert tr.graphed is not None and tr.graphed.failed is None, tr.graphed and tr.graphed.failed
                 assert len(tr.graphed.graphs) == 2   # both bucket shapes were captured and replayed
+                assert tr.forward.compile_blocks == (compiled == "on")
             runs[graph] = (list(tr.losses), {k: v.detach().float().cpu().clone()
                                              for k, v in tr.network.state_dict().items()})
         finally:
