@@ -143,7 +143,7 @@ def peak_gib(dev):
 PROFILE = None  # (mode, res) to profile one step of
 
 
-def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir, cuda_graph="auto", compile_blocks="off"):
+def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir, cuda_graph="auto", compile_blocks="auto"):
     from seedvr2bw.training.trainer import FluxLoraTrainer, TrainConfig
     ds = make_dataset(res, cfgdims)
     cfg = TrainConfig(rank=16, alpha=16, steps=10**6, learning_rate=1e-4, optimizer="adamw",
@@ -177,10 +177,11 @@ def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir, cuda_graph="a
         peak = peak_gib(dev)
         tc = any(getattr(lin, "_q_tensorcores", False) for lin, _, _ in tr.quant.saved) if tr.quant else None
         graphed = tr.graphed is not None and tr.graphed.failed is None and bool(tr.graphed.graphs)
+        compiled = tr.forward.compiled
     finally:
         tr.close()
     return {"impl": "ours", "mode": mode, "res": res, "median_s": statistics.median(times), "min_s": min(times),
-            "peak_gib": peak, "cuda_graph": graphed, "compiled": tr.forward.compile_blocks, "sdpa": [b.name for b in tr.sdpa_backends or []][:1],
+            "peak_gib": peak, "cuda_graph": graphed, "compiled": compiled, "sdpa": [b.name for b in tr.sdpa_backends or []][:1],
             "cuda_graph_error": tr.graphed.failed if tr.graphed is not None else None, "loss_first": losses[0], "loss_last": losses[-1],
             "lora_params": sum(p.numel() for p in tr.network.parameters()),
             "fp8_tensorcores": tc}
@@ -383,7 +384,7 @@ def main():
     ap.add_argument("--top", type=int, default=0, help="--host-ops: also list the N most frequent aten ops")
     ap.add_argument("--attention", action="store_true", help="GPU: SDPA backends fwd+bwd on FLUX's attention shape")
     ap.add_argument("--cuda-graph", default="auto", help="ours: cuda_graph setting (auto|on|off|both)")
-    ap.add_argument("--compile", default="off", help="ours: compile_blocks setting (auto|on|off|both)")
+    ap.add_argument("--compile", default="auto", help="ours: compile_blocks setting (auto|on|off|both)")
     a = ap.parse_args()
     if a.host_ops:
         setup_comfy(a.comfy, True)

@@ -159,14 +159,32 @@ def single_block_forward(b, x, vec, pe, attn_mask, topts):
 _COMPILED = {"double": None, "single": None}
 
 
+def _run_block(kind, eager, *args):
+    fn = _COMPILED[kind]
+    if fn is None:
+        return eager(*args)
+    try:
+        return fn(*args)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a compiler failure on this setup: train uncompiled instead
+        if torch.cuda.is_current_stream_capturing():
+            raise
+        import logging
+        logging.getLogger(__name__).warning(
+            "[FluxLoraTrain] compiled block forwards failed (%s: %s); continuing uncompiled (compile_blocks off / "
+            "SEEDVR2BW_TRAIN_COMPILE=0 skips the attempt)", type(exc).__name__, str(exc).splitlines()[0][:200]
+            if str(exc) else "")
+        compile_block_forwards(False)
+        return eager(*args)
+
+
 def _double_method(self, img, txt, vec, pe, attn_mask=None, transformer_options={}, **kw):
-    fn = _COMPILED["double"] or double_block_forward
-    return fn(self, img, txt, vec, pe, attn_mask, transformer_options)
+    return _run_block("double", double_block_forward, self, img, txt, vec, pe, attn_mask, transformer_options)
 
 
 def _single_method(self, x, vec, pe, attn_mask=None, transformer_options={}, **kw):
-    fn = _COMPILED["single"] or single_block_forward
-    return fn(self, x, vec, pe, attn_mask, transformer_options)
+    return _run_block("single", single_block_forward, self, x, vec, pe, attn_mask, transformer_options)
 
 
 def compile_block_forwards(enable: bool):
@@ -281,6 +299,11 @@ class FluxTrainForward:
             if _flux1_single(b) and "forward" not in b.__dict__:
                 b.forward = types.MethodType(_single_method, b)
                 self._patched.append(b)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether blocks run compiled now (False after a compiler failure turned it off)."""
+        return self.compile_blocks and _COMPILED["double"] is not None
 
     def close(self):
         _CS[0], _CS[1], _CS[2] = None, -1, None

@@ -124,6 +124,9 @@ def fp8_scale_rows(wq, wscale):
     return s.expand(1, wq.shape[0]).contiguous(), s.expand(1, wq.shape[1]).contiguous()
 
 
+# Compiled block forwards (flux_forward.compile_block_forwards) call these opaquely: Inductor cannot lower the
+# row-wise _scaled_mm inside the autograd function, nor the pack's raw Triton launches; the graph breaks here.
+@torch.compiler.disable
 def _fp8_forward(self, x):
     return _FP8LinearFn.apply(x, self._q_weight, self._q_scale, self.bias, self._q_tensorcores, self._q_scale_rows)
 
@@ -167,6 +170,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
         return g @ w, None, None, None, None, None
 
 
+@torch.compiler.disable
 def _nvfp4_forward(self, x):
     t = self._q_nvfp4
     return _NVFP4LinearFn.apply(x, t.packed, t.block_scale, t.global_scale, t.shape, self.bias)

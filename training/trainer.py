@@ -51,7 +51,7 @@ class TrainConfig:
     base_precision: str = "auto"         # auto (as loaded) | bf16 | fp8 | nvfp4
     gradient_checkpointing: bool = True
     cuda_graph: str = "auto"             # auto (on for CUDA without BlockSwap) | on | off; env SEEDVR2BW_TRAIN_CUDA_GRAPH
-    compile_blocks: str = "off"          # auto (on for CUDA without BlockSwap) | on | off; env SEEDVR2BW_TRAIN_COMPILE
+    compile_blocks: str = "auto"         # auto (on for CUDA without BlockSwap) | on | off; env SEEDVR2BW_TRAIN_COMPILE
     blocks_to_swap: int = 0
     output_name: str = "flux_lora"
     output_dir: str = ""
