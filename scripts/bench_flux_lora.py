@@ -143,7 +143,7 @@ def peak_gib(dev):
 PROFILE = None  # (mode, res) to profile one step of
 
 
-def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir, cuda_graph="auto", compile_blocks="auto"):
+def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir, cuda_graph="auto", compile_blocks="off"):
     from seedvr2bw.training.trainer import FluxLoraTrainer, TrainConfig
     ds = make_dataset(res, cfgdims)
     cfg = TrainConfig(rank=16, alpha=16, steps=10**6, learning_rate=1e-4, optimizer="adamw",
@@ -384,7 +384,7 @@ def main():
     ap.add_argument("--top", type=int, default=0, help="--host-ops: also list the N most frequent aten ops")
     ap.add_argument("--attention", action="store_true", help="GPU: SDPA backends fwd+bwd on FLUX's attention shape")
     ap.add_argument("--cuda-graph", default="auto", help="ours: cuda_graph setting (auto|on|off|both)")
-    ap.add_argument("--compile", default="auto", help="ours: compile_blocks setting (auto|on|off|both)")
+    ap.add_argument("--compile", default="off", help="ours: compile_blocks setting (auto|on|off|both)")
     a = ap.parse_args()
     if a.host_ops:
         setup_comfy(a.comfy, True)

@@ -54,11 +54,11 @@ diag)
         /usr/bin/time -f "%e" -o /tmp/wall_$run python3 scripts/nvfp4_diagnostic.py --quick --brief \
             --json "$OUT/diag_quick_$run.json" > /tmp/diag_quick_$run.txt 2>&1
     done
-    rm -rf "$TRITON_CACHE_DIR"
-    python3 -m cProfile -o /tmp/cold.prof scripts/nvfp4_diagnostic.py --quick --brief > /dev/null 2>&1
-    python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(60)" /tmp/cold.prof \
-        > "$OUT/diag_quick_cold_profiled.txt" 2>&1
     python3 scripts/nvfp4_diagnostic.py --json "$OUT/diagnostic_h100.json" > "$OUT/diagnostic_h100.txt" 2>&1
+    # the same GEMMs through the benchmark, right after: the diagnostic's figures must agree within 10 %
+    python3 scripts/bench_nvfp4.py --m 4096 --shapes 3072x12288 --paths bf16,fidelity,fp8_speed --inner 4 \
+        --json /tmp/bench_diag_shape.json > /dev/null 2>&1
+    python3 scripts/device/diag_vs_bench.py "$OUT/diagnostic_h100.json" /tmp/bench_diag_shape.json
     tail -12 "$OUT/diagnostic_h100.txt"
     grep -E "^  (PASS|WARN|FAIL)" /tmp/diag_quick_cold.txt | head -30
     for run in cold warm; do
