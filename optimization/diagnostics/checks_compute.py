@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .result import FAIL, PASS, SKIP, WARN, CheckResult
-from .timing import GEMM_INNER, cuda_ms, rel_err, tflops
+from .timing import GEMM_INNER, cuda_ms, rel_err, rotating, tflops
 
 SECTION = "Compute"
 
@@ -33,12 +33,27 @@ def gemm_operands(ctx, shape=GEMM_SHAPE, dtype=torch.bfloat16):
     return ctx.measured[key]
 
 
+def timing_inputs(ctx, shape=GEMM_SHAPE, dtype=torch.bfloat16) -> list:
+    """GEMM_INNER activations for timing (the operands' x and shifted copies of it), used in turn."""
+    key = ("timing_inputs", shape, dtype)
+    if key not in ctx.measured:
+        x = gemm_operands(ctx, shape, dtype)[0]
+        ctx.measured[key] = [x] + [x.roll(i, dims=0) for i in range(1, GEMM_INNER)]
+    return ctx.measured[key]
+
+
+def gemm_ms(ctx, fn, shape=GEMM_SHAPE) -> float:
+    """Median ms of ``fn(x)`` as bench_nvfp4.py times it: GEMM_INNER calls per sample on rotating inputs, L2
+    flushed before each sample."""
+    return cuda_ms(rotating(fn, timing_inputs(ctx, shape)), reps=_reps(ctx), warmup=10, inner=GEMM_INNER,
+                   flush_l2=True)
+
+
 def bf16_linear_ms(ctx, shape=GEMM_SHAPE) -> float:
     key = ("bf16_ms", shape)
     if key not in ctx.measured:
-        x, w, bias = gemm_operands(ctx, shape)
-        ctx.measured[key] = cuda_ms(lambda: F.linear(x, w, bias), reps=_reps(ctx), warmup=10, inner=GEMM_INNER,
-                                    flush_l2=True)
+        _, w, bias = gemm_operands(ctx, shape)
+        ctx.measured[key] = gemm_ms(ctx, lambda x: F.linear(x, w, bias), shape)
     return ctx.measured[key]
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 from .nvfp4_reference import reference_roundtrip, sqnr_db
 from .result import FAIL, PASS, SKIP, WARN, CheckResult
-from .timing import GEMM_INNER, cuda_ms, rel_err, tflops
+from .timing import rel_err, tflops
 
 SECTION = "NVFP4"
 
@@ -176,7 +175,7 @@ def check_nvfp4_gemm(ctx) -> list[CheckResult]:
     m, k, n = GEMM_SHAPE if ctx.is_cuda else CPU_GEMM_SHAPE
     dev = ctx.device
     dtype = torch.bfloat16 if ctx.is_cuda else torch.float32
-    from .checks_compute import bf16_linear_ms, gemm_operands
+    from .checks_compute import bf16_linear_ms, gemm_ms, gemm_operands
     x, w_dev, bias = gemm_operands(ctx, (m, k, n), dtype)   # the bf16 baseline's operands (bench_nvfp4.py's recipe)
     w_dev = w_dev.float()
     bf16_ms = bf16_linear_ms(ctx, (m, k, n)) if ctx.is_cuda else None
@@ -238,7 +237,7 @@ def check_nvfp4_gemm(ctx) -> list[CheckResult]:
                                    f"vs the independent reference (tolerance {tol})", data=data))
             continue
         with torch.no_grad():
-            ms = cuda_ms(lambda: mod(x), reps=5 if ctx.quick else 20, warmup=3, inner=GEMM_INNER, flush_l2=True)
+            ms = gemm_ms(ctx, mod, (m, k, n))
         speed = bf16_ms / ms
         data.update(ms=ms, bf16_ms=bf16_ms, speedup_vs_bf16=speed, tflops=tflops(2 * m * k * n, ms))
         detail = (f"{m}x{k}x{n}: {ms:.3f} ms vs bf16 {bf16_ms:.3f} ms = {speed:.2f}x bf16 "
