@@ -24,10 +24,10 @@ def test_feature_resolution_and_log(monkeypatch, caplog, name, env):
     feature = FluxLoraTrainer._gpu_feature
     monkeypatch.delenv(env, raising=False)
     with caplog.at_level(logging.INFO):
-        assert feature(_fake(), name, env, "X") is True                     # auto on CUDA
+        assert feature(_fake(**{name: "auto"}), name, env, "X") is True     # auto: on for CUDA
         assert feature(_fake(**{name: "off"}), name, env, "X") is False
-        assert feature(_fake("cpu"), name, env, "X") is False               # CPU: never
-        assert feature(_fake(runner=object()), name, env, "X") is False     # BlockSwap: never
+        assert feature(_fake("cpu", **{name: "on"}), name, env, "X") is False            # CPU: never
+        assert feature(_fake(runner=object(), **{name: "on"}), name, env, "X") is False  # BlockSwap: never
         monkeypatch.setenv(env, "0")
         assert feature(_fake(**{name: "on"}), name, env, "X") is False      # the env variable wins
     lines = [r.getMessage() for r in caplog.records if "[FluxLoraTrain] X:" in r.getMessage()]
