@@ -48,7 +48,7 @@ def test_nvfp4_roundtrip():
     assert _rel(dequantize_weight(t, torch.float32), w) < 0.12
 
 
-def test_tiny_flux_trains_on_cuda(tmp_path):
+def _tiny_flux():
     sys.path.insert(0, str(HERE.parent))
     comfy_dir = os.environ.get("COMFYUI_DIR", str(HERE.parents[1] / ".comfy_src"))
     if not os.path.isdir(os.path.join(comfy_dir, "comfy")):
@@ -57,6 +57,11 @@ def test_tiny_flux_trains_on_cuda(tmp_path):
     sys.path.insert(0, str(HERE.parents[1] / "scripts"))
     import bench_flux_lora as B
     B.setup_comfy(comfy_dir, cpu=False)
+    return B
+
+
+def test_tiny_flux_trains_on_cuda(tmp_path):
+    B = _tiny_flux()
     mp = B.build_model(B.TINY, torch.device("cuda"), torch.bfloat16)
     from seedvr2bw.training.trainer import FluxLoraTrainer, TrainConfig
     ds = B.make_dataset(64, B.TINY)
@@ -70,18 +75,6 @@ def test_tiny_flux_trains_on_cuda(tmp_path):
         print(mode, first, last)
         assert all(l == l for l in tr.losses)
         assert last < first
-
-
-def _tiny_flux():
-    sys.path.insert(0, str(HERE.parent))
-    comfy_dir = os.environ.get("COMFYUI_DIR", str(HERE.parents[1] / ".comfy_src"))
-    if not os.path.isdir(os.path.join(comfy_dir, "comfy")):
-        pytest.skip(f"ComfyUI source not at {comfy_dir}")
-    sys.path.insert(0, comfy_dir)
-    sys.path.insert(0, str(HERE.parents[1] / "scripts"))
-    import bench_flux_lora as B
-    B.setup_comfy(comfy_dir, cpu=False)
-    return B
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp8", "nvfp4"])
