@@ -44,9 +44,6 @@ class GraphedLossAndGrads:
     def _key(inputs):
         return tuple((tuple(t.shape), t.dtype) for t in inputs)
 
-    def _eager(self, inputs):
-        return self.fn(*inputs)
-
     def __call__(self, *inputs):
         key = self._key(inputs)
         entry = self.graphs.get(key)
@@ -61,7 +58,7 @@ class GraphedLossAndGrads:
                 self._eager_shapes_logged.add(key)
                 log.info("[FluxLoraTrain] CUDA graphs: %d shapes captured already; shape %s runs eagerly",
                          self.max_graphs, [k[0] for k in key])
-            return self._eager(inputs)
+            return self.fn(*inputs)
         return self._capture(key, inputs)
 
     def _capture(self, key, inputs):
@@ -72,7 +69,7 @@ class GraphedLossAndGrads:
         static_in = [t.detach().clone() for t in inputs]
         self.stream.wait_stream(cur)
         with torch.cuda.stream(self.stream):
-            loss, grads = self._eager(static_in)  # warm-up on the capture stream: this step's result
+            loss, grads = self.fn(*static_in)  # warm-up on the capture stream: this step's result
         cur.wait_stream(self.stream)
         # the warm-up's cached activation memory is not reusable by the graph's private pool: give it back first
         torch.cuda.synchronize(self.device)
@@ -80,12 +77,12 @@ class GraphedLossAndGrads:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                s_loss, s_grads = self._eager(static_in)
+                s_loss, s_grads = self.fn(*static_in)
         except Exception as exc:  # noqa: BLE001 - a host sync / uncapturable op somewhere in the model
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             log.warning("[FluxLoraTrain] CUDA graph capture failed (%s); training continues without CUDA graphs "
                         "(set cuda_graph off / SEEDVR2BW_TRAIN_CUDA_GRAPH=0 to skip the attempt)", self.failed)
-            del graph
+            graph = None   # drop the half-captured graph before freeing its memory
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             return loss, grads

@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -170,7 +172,6 @@ def _run_block(kind, eager, *args):
     except Exception as exc:  # noqa: BLE001 - a compiler failure on this setup: train uncompiled instead
         if torch.cuda.is_current_stream_capturing():
             raise
-        import logging
         logging.getLogger(__name__).warning(
             "[FluxLoraTrain] compiled block forwards failed (%s: %s); continuing uncompiled (compile_blocks off / "
             "SEEDVR2BW_TRAIN_COMPILE=0 skips the attempt)", type(exc).__name__, str(exc).splitlines()[0][:200]
