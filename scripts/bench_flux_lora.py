@@ -143,14 +143,15 @@ def peak_gib(dev):
 PROFILE = None  # (mode, res) to profile one step of
 
 
-def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir, cuda_graph="auto", compile_blocks="off"):
+def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir, cuda_graph="auto", compile_blocks="off",
+               selective="auto"):
     from seedvr2bw.training.trainer import FluxLoraTrainer, TrainConfig
     ds = make_dataset(res, cfgdims)
     cfg = TrainConfig(rank=16, alpha=16, steps=10**6, learning_rate=1e-4, optimizer="adamw",
                       compute_dtype="bf16" if dev.type == "cuda" else "fp32",
                       base_precision="auto" if mode == "bf16" else mode, gradient_checkpointing=True,
                       output_dir=outdir, output_name=f"bench_{mode}_{res}", seed=0, cuda_graph=cuda_graph,
-                      compile_blocks=compile_blocks)
+                      compile_blocks=compile_blocks, selective_checkpointing=selective)
     peak_reset(dev)
     tr = FluxLoraTrainer(mp.model.diffusion_model, cfg, ds, latent_format=mp.model.latent_format, device=dev)
     peak_reset(dev)  # peak while training (a bf16 base offloaded by fp8/nvfp4 set-up is not counted)
@@ -178,10 +179,12 @@ def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir, cuda_graph="a
         tc = any(getattr(lin, "_q_tensorcores", False) for lin, _, _ in tr.quant.saved) if tr.quant else None
         graphed = tr.graphed is not None and tr.graphed.failed is None and bool(tr.graphed.graphs)
         compiled = tr.forward.compiled
+        selective_blocks = max(tr.forward._selective_n.values(), default=0)
     finally:
         tr.close()
     return {"impl": "ours", "mode": mode, "res": res, "median_s": statistics.median(times), "min_s": min(times),
-            "peak_gib": peak, "cuda_graph": graphed, "compiled": compiled, "sdpa": [b.name for b in tr.sdpa_backends or []][:1],
+            "peak_gib": peak, "cuda_graph": graphed, "compiled": compiled, "selective_blocks": selective_blocks,
+            "sdpa": [b.name for b in tr.sdpa_backends or []][:1],
             "cuda_graph_error": tr.graphed.failed if tr.graphed is not None else None, "loss_first": losses[0], "loss_last": losses[-1],
             "lora_params": sum(p.numel() for p in tr.network.parameters()),
             "fp8_tensorcores": tc}
@@ -385,6 +388,8 @@ def main():
     ap.add_argument("--attention", action="store_true", help="GPU: SDPA backends fwd+bwd on FLUX's attention shape")
     ap.add_argument("--cuda-graph", default="auto", help="ours: cuda_graph setting (auto|on|off|both)")
     ap.add_argument("--compile", default="off", help="ours: compile_blocks setting (auto|on|off|both)")
+    ap.add_argument("--selective", default="auto",
+                    help="ours: selective_checkpointing setting (auto|on|off|both)")
     a = ap.parse_args()
     if a.host_ops:
         setup_comfy(a.comfy, True)
@@ -426,8 +431,9 @@ def main():
     results = []
     ress = [int(r) for r in a.res.split(",")] if not a.tiny else [64]
     modes = a.modes.split(",")
-    graphs = [(g, c) for g in (["off", "on"] if a.cuda_graph == "both" else [a.cuda_graph])
-              for c in (["off", "on"] if a.compile == "both" else [a.compile])]
+    def choices(v):
+        return ["off", "on"] if v == "both" else [v]
+    graphs = [(g, c, s) for g in choices(a.cuda_graph) for c in choices(a.compile) for s in choices(a.selective)]
     for mode in modes:
         for res in ress:
             for graph in (graphs if mode != "trainloranode" else [None]):
@@ -444,13 +450,14 @@ def main():
                 r["wall_s"] = round(time.time() - t1, 1)
                 results.append(r)
                 print("[bench]", json.dumps(r), flush=True)
-    print("\n| impl | mode | CUDA graph | compiled | res | median s/step | min | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| impl | mode | CUDA graph | compiled | selective blocks | res | median s/step | min | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['impl']} | | | | {r['res']} | ERROR {r['error'][:80]} | | |")
+            print(f"| {r['impl']} | | | | | {r['res']} | ERROR {r['error'][:80]} | | |")
         else:
-            print(f"| {r['impl']} | {r['mode']} | {r.get('cuda_graph', '')} | {r.get('compiled', '')} | {r['res']} | "
+            print(f"| {r['impl']} | {r['mode']} | {r.get('cuda_graph', '')} | {r.get('compiled', '')} | "
+                  f"{r.get('selective_blocks', '')} | {r['res']} | "
                   f"{r['median_s']:.3f} | "
                   f"{r['min_s']:.3f} | {r['peak_gib']:.1f} |")
     for res in ress:
@@ -458,7 +465,8 @@ def main():
                      and "error" not in r), None)
         for r in results:
             if base and r["impl"] == "ours" and r["res"] == res and "error" not in r:
-                print(f"[bench] {res}: ours {r['mode']} (CUDA graph {r['cuda_graph']}, compiled {r['compiled']}) is "
+                print(f"[bench] {res}: ours {r['mode']} (CUDA graph {r['cuda_graph']}, compiled {r['compiled']}, "
+                      f"selective blocks {r['selective_blocks']}) is "
                       f"{base / r['median_s']:.2f}x TrainLoraNode")
     if a.json:
         with open(a.json, "w") as f:

@@ -281,9 +281,15 @@ class FluxTrainForward:
     materialises a swapped block's weights in its pre-hook, also during the backward recompute) still fire.
     """
 
-    def __init__(self, dm, gradient_checkpointing: bool = True, block_runner=None, compile_blocks: bool = False):
+    def __init__(self, dm, gradient_checkpointing: bool = True, block_runner=None, compile_blocks: bool = False,
+                 selective: str = "off"):
         import types
         self.dm = dm
+        # selective checkpointing (selective_checkpoint.py): "on" every block, "auto" as many as fit in free GPU
+        # memory (decided once per input shape), "off" none
+        self.selective = selective
+        self._selective_n = {}   # input-shape key -> number of blocks (in run order) checkpointed selectively
+        self._n_sel = 0          # that number for the call in progress
         self.compile_blocks = compile_blocks
         compile_block_forwards(compile_blocks)
         self.gradient_checkpointing = gradient_checkpointing
@@ -314,8 +320,11 @@ class FluxTrainForward:
             b.__dict__.pop("forward", None)
         self._patched = []
 
-    def _ckpt(self, fn, *tensors, block=None, closed=()):
+    def _ckpt(self, fn, *tensors, block=None, closed=(), order=0):
         if self.gradient_checkpointing and torch.is_grad_enabled():
+            if order < self._n_sel:
+                from .selective_checkpoint import context_fn
+                return checkpoint(fn, *tensors, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn)
             if block is not None and self.fast_checkpoint and self.block_runner is None and \
                     not any(getattr(t, "requires_grad", False) for t in closed):
                 loras = self._loras.get(id(block))
@@ -342,7 +351,7 @@ class FluxTrainForward:
                     img, txt = img.clone(), txt.clone()
                 return block(img=img, txt=txt, vec=vec, pe=pe, attn_mask=mask, transformer_options=topts)
 
-            img, txt = self._ckpt(run, args["img"], args["txt"], block=block, closed=(vec, pe, mask))
+            img, txt = self._ckpt(run, args["img"], args["txt"], block=block, closed=(vec, pe, mask), order=i)
             return {"img": img, "txt": txt}
         return replace
 
@@ -357,7 +366,8 @@ class FluxTrainForward:
             def run(img):
                 return block(img.clone() if copy else img, vec=vec, pe=pe, attn_mask=mask, transformer_options=topts)
 
-            return {"img": self._ckpt(run, args["img"], block=block, closed=(vec, pe, mask))}
+            return {"img": self._ckpt(run, args["img"], block=block, closed=(vec, pe, mask),
+                                      order=len(self.dm.double_blocks) + i)}
         return replace
 
     def transformer_options(self) -> dict:
@@ -371,7 +381,45 @@ class FluxTrainForward:
             opts["optimized_attention_override"] = self.attn_override
         return opts
 
+    def selective_blocks(self, x_t, context) -> int:
+        """Blocks (in run order) checkpointed selectively for inputs of these shapes; decided at the first call
+        of a shape (so a CUDA graph's warm-up and capture agree) and logged once."""
+        if self.selective == "off" or not self.gradient_checkpointing:
+            return 0
+        key = (tuple(x_t.shape), tuple(context.shape), x_t.dtype)
+        n = self._selective_n.get(key)
+        if n is None:
+            from . import selective_checkpoint as sc
+            blocks = list(self.dm.double_blocks) + list(self.dm.single_blocks)
+            if self.selective == "on":
+                n, why = len(blocks), "selective_checkpointing=on"
+            elif x_t.device.type != "cuda":
+                n, why = 0, f"auto: device {x_t.device.type}"
+            else:
+                p = getattr(self.dm, "patch_size", 2)
+                b, t_img, t_txt = x_t.shape[0], (x_t.shape[-2] // p) * (x_t.shape[-1] // p), context.shape[1]
+                elem = x_t.element_size()
+                costs = [sc.saved_bytes(blk, b, t_img, t_txt, elem) for blk in blocks]
+                free = sc.free_device_bytes(x_t.device)
+                n = sc.plan_selective_blocks(costs, free, len(blocks) * b * (t_img + t_txt) * self.dm.hidden_size * elem)
+                why = f"auto: {sum(costs[:n]) / 2**30:.1f} GiB kept of {free / 2**30:.1f} GiB free"
+            self._selective_n[key] = n
+            logging.getLogger(__name__).info(
+                "[FluxLoraTrain] selective checkpointing for input %s: %d of %d blocks keep their GEMM/attention "
+                "outputs (%s; %s=off for full per-block checkpointing)", list(x_t.shape), n, len(blocks), why, sc.ENV)
+        return n
+
+    def fall_back_to_full(self, x_t, context) -> bool:
+        """After an out-of-memory error: full per-block checkpointing for this input shape from now on.
+        Returns whether anything changed (False: the error did not come from selective checkpointing)."""
+        key = (tuple(x_t.shape), tuple(context.shape), x_t.dtype)
+        if not self._selective_n.get(key):
+            return False
+        self._selective_n[key] = 0
+        return True
+
     def __call__(self, x_t, sigma, context, y, guidance=None):
+        self._n_sel = self.selective_blocks(x_t, context) if torch.is_grad_enabled() else 0
         guid = None
         if getattr(self.dm.params, "guidance_embed", False):
             g = 1.0 if guidance is None else guidance

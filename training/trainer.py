@@ -50,6 +50,9 @@ class TrainConfig:
     lora_dtype: str = "fp32"             # master weights of the LoRA
     base_precision: str = "auto"         # auto (as loaded) | bf16 | fp8 | nvfp4
     gradient_checkpointing: bool = True
+    # keep each block's GEMM/attention outputs, recompute only the rest (selective_checkpoint.py): auto = as many
+    # blocks as fit in free GPU memory | on = all blocks | off = full per-block checkpointing
+    selective_checkpointing: str = "auto"   # env SEEDVR2BW_TRAIN_SELECTIVE_CKPT
     cuda_graph: str = "auto"             # auto (on for CUDA without BlockSwap) | on | off; env SEEDVR2BW_TRAIN_CUDA_GRAPH
     # experimental, off by default: torch.compile'd block forwards (bf16 only so far: the fp8 base fails to compile
     # and falls back; a tiny model failed with cuDNN attention). auto/on = on for CUDA without BlockSwap
@@ -81,7 +84,7 @@ class TrainConfig:
             bad(f"unknown LR schedule {self.lr_scheduler!r}", f"use one of {', '.join(SCHEDULERS)}")
         if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
             bad(f"unknown timestep sampling {self.timestep_sampling!r}", f"use one of {', '.join(TIMESTEP_SAMPLINGS)}")
-        for name in ("cuda_graph", "compile_blocks"):
+        for name in ("cuda_graph", "compile_blocks", "selective_checkpointing"):
             if str(getattr(self, name)).lower() not in CUDA_GRAPH_MODES:
                 bad(f"unknown {name} setting {getattr(self, name)!r}", f"use one of {', '.join(CUDA_GRAPH_MODES)}")
         if self.base_precision not in BASE_PRECISIONS:
@@ -140,7 +143,8 @@ class FluxLoraTrainer:
                                                    blockswap_pool)
         self.forward = FluxTrainForward(dm, cfg.gradient_checkpointing, self.block_runner,
                                         compile_blocks=self._gpu_feature("compile_blocks", COMPILE_ENV,
-                                                                         "compiled block forwards"))
+                                                                         "compiled block forwards"),
+                                        selective=self._selective_mode())
         self.sdpa_backends, why = preferred_backends(self.device)
         log.info("[FluxLoraTrain] attention (SDPA) kernel order: %s", why)
         self.graphed = self._make_graphed()
@@ -194,6 +198,17 @@ class FluxLoraTrainer:
         log.info("[FluxLoraTrain] %s: %s", label, why or f"on ({src}={mode})")
         return why is None
 
+    def _selective_mode(self) -> str:
+        """selective_checkpointing as set (the env variable wins); the per-shape decision is logged by the forward."""
+        from .selective_checkpoint import ENV, MODES
+        raw = os.environ.get(ENV, "").strip().lower()
+        mode = {"0": "off", "false": "off", "1": "on", "true": "on"}.get(raw, raw) or \
+            str(self.cfg.selective_checkpointing).lower()
+        if mode not in MODES:
+            raise ValueError(f"{ENV}={raw!r} is not a selective checkpointing mode. Fix: use one of "
+                             f"{', '.join(MODES)} (or unset it).")
+        return mode
+
     def _make_graphed(self):
         """CUDA-graphed forward+backward (``cuda_graph.py``), captured per input shape."""
         if not self._gpu_feature("cuda_graph", CUDA_GRAPH_ENV, "CUDA graphs"):
@@ -222,6 +237,23 @@ class FluxLoraTrainer:
             else:
                 p.grad.add_(g)
 
+    def _micro_step(self, inputs) -> float:
+        """One forward/backward; LoRA gradients accumulated. An out-of-memory error with selectively checkpointed
+        blocks for this shape is retried once with full per-block checkpointing (logged)."""
+        for attempt in (0, 1):
+            try:
+                # gradients are added only once the whole backward has succeeded
+                loss, grads = (self.graphed or self._loss_and_grads)(*inputs)
+                self._accumulate(grads)
+                return float(loss)
+            except torch.cuda.OutOfMemoryError:
+                if attempt or not self.forward.fall_back_to_full(inputs[0], inputs[2]):
+                    raise
+            # outside the handler: the failed attempt's tensors are released with its traceback
+            log.warning("[FluxLoraTrain] out of GPU memory with selective checkpointing for input %s; retrying with "
+                        "full per-block checkpointing for this shape", list(inputs[0].shape))
+            torch.cuda.empty_cache()
+
     def train_step(self) -> float:
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -236,14 +268,7 @@ class FluxLoraTrainer:
             x_t, target = noisy_input(x0, noise, sigma)
             dev, dt = self.device, self.dtype
             inputs = (x_t.to(dev, dt), sigma.to(dev), ctx.to(dev, dt), y.to(dev, dt), target.to(dev))
-            if self.graphed is not None:
-                loss, grads = self.graphed(*inputs)
-                self._accumulate(grads)
-            else:
-                with self.network.cast_cache(dt), sdpa_priority(self.sdpa_backends):
-                    loss = self._micro_loss(*inputs)
-                    loss.backward()
-            total += float(loss.detach())
+            total += self._micro_step(inputs)
         if cfg.max_grad_norm and cfg.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.network.parameters(), cfg.max_grad_norm)
         self.optimizer.step()

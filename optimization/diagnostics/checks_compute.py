@@ -7,16 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from .result import FAIL, PASS, SKIP, WARN, CheckResult
-from .timing import GEMM_INNER, cuda_ms, rel_err, rotating, tflops
+from .timing import GEMM_INNER, cuda_ms, rel_err, rotating, sustained_ms, tflops
 
 SECTION = "Compute"
 
 # A SeedVR2-7B MLP up-projection on a 720p-ish window batch: x [M, K] @ w[N, K]^T.
 GEMM_SHAPE = (4096, 3072, 12288)
-
-
-def _reps(ctx) -> int:
-    return 5 if ctx.quick else 20
 
 
 def gemm_operands(ctx, shape=GEMM_SHAPE, dtype=torch.bfloat16):
@@ -43,10 +39,9 @@ def timing_inputs(ctx, shape=GEMM_SHAPE, dtype=torch.bfloat16) -> list:
 
 
 def gemm_ms(ctx, fn, shape=GEMM_SHAPE) -> float:
-    """Median ms of ``fn(x)`` as bench_nvfp4.py times it: GEMM_INNER calls per sample on rotating inputs, L2
-    flushed before each sample."""
-    return cuda_ms(rotating(fn, timing_inputs(ctx, shape)), reps=_reps(ctx), warmup=10, inner=GEMM_INNER,
-                   flush_l2=True)
+    """Median ms of ``fn(x)`` as bench_nvfp4.py times it: ~25 ms of warm-up and ~100 ms of samples
+    (do_bench's durations), GEMM_INNER calls per sample on rotating inputs, L2 flushed before each sample."""
+    return sustained_ms(rotating(fn, timing_inputs(ctx, shape)), inner=GEMM_INNER)
 
 
 def bf16_linear_ms(ctx, shape=GEMM_SHAPE) -> float:
@@ -96,12 +91,10 @@ def check_fp8_gemm(ctx) -> CheckResult:
         return CheckResult(name, FAIL, None, "TFLOP/s", f"torch._scaled_mm failed on sm_{cap[0]}{cap[1]}: "
                            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     err = rel_err(out, F.linear(x, w))
-    reps = _reps(ctx)
-    ms = cuda_ms(lambda: torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16),
-                 reps=reps, warmup=10, inner=GEMM_INNER, flush_l2=True)
-    ms_fast = cuda_ms(lambda: torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16,
-                                               use_fast_accum=True), reps=reps, warmup=10,
-                      inner=GEMM_INNER, flush_l2=True)
+    ms = sustained_ms(lambda: torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16),
+                      inner=GEMM_INNER)
+    ms_fast = sustained_ms(lambda: torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16,
+                                                    use_fast_accum=True), inner=GEMM_INNER)
     rate, rate_fast = tflops(2 * m * k * n, ms), tflops(2 * m * k * n, ms_fast)
     bf16 = bf16_linear_ms(ctx)
     speedup = bf16 / ms

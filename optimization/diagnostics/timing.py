@@ -41,6 +41,17 @@ def cuda_ms(fn: Callable[[], object], reps: int = 5, warmup: int = 1, stream=Non
     return statistics.median(times)
 
 
+def sustained_ms(fn: Callable[[], object], inner: int = 1, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
+    """Median ms of ``fn()`` timed as ``triton.testing.do_bench`` (what ``scripts/bench_*.py`` use) times it: the
+    number of warm-up calls and samples follows from a first estimate so that ~``warmup_ms`` of warm-up and
+    ~``rep_ms`` of samples run back to back (the GPU reaches the clocks it holds under sustained load, as in the
+    benchmarks), L2 flushed before each sample, ``inner`` calls per sample."""
+    est = cuda_ms(fn, reps=3, warmup=1, inner=inner, flush_l2=True) * inner
+    n_warm = max(1, int(warmup_ms / max(est, 1e-3)))
+    reps = max(5, min(1000, int(rep_ms / max(est, 1e-3))))
+    return cuda_ms(fn, reps=reps, warmup=n_warm * inner, inner=inner, flush_l2=True)
+
+
 def rotating(fn: Callable[[torch.Tensor], object], inputs) -> Callable[[], object]:
     """``fn`` applied to ``inputs`` in turn, one per call: like a model's layers, each call reads an activation
     that is not the previous call's (with one input repeated, a 25 MB activation stays in the H100's 50 MB L2 and

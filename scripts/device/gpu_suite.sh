@@ -54,13 +54,35 @@ diag)
         /usr/bin/time -f "%e" -o /tmp/wall_$run python3 scripts/nvfp4_diagnostic.py --quick --brief \
             --json "$OUT/diag_quick_$run.json" > /tmp/diag_quick_$run.txt 2>&1
     done
+    # SM clock and power while each of the two runs (a GEMM's time follows the clock the GPU holds under load)
+    clocks() { nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 100 > "/tmp/clk_$1.csv" 2>/dev/null & echo $!; }
+    pid=$(clocks diag)
     python3 scripts/nvfp4_diagnostic.py --json "$OUT/diagnostic_h100.json" > "$OUT/diagnostic_h100.txt" 2>&1
+    kill "$pid" 2>/dev/null
     # the same GEMMs through the benchmark, right after: the diagnostic's figures must agree within 10 %
+    pid=$(clocks bench)
     python3 scripts/bench_nvfp4.py --m 4096 --shapes 3072x12288 --paths bf16,fidelity,fp8_speed --inner 4 \
         --json /tmp/bench_diag_shape.json > /dev/null 2>&1
+    kill "$pid" 2>/dev/null
+    for ph in diag bench; do
+        python3 - "$ph" "/tmp/clk_$ph.csv" <<'PY' || true
+import statistics, sys
+rows = [[float(v) for v in l.split(",")] for l in open(sys.argv[2]) if l.strip() and "N/A" not in l]
+busy = [r for r in rows if r[1] > 200]   # samples under load
+print(f"clocks during {sys.argv[1]}: {len(rows)} samples, {len(busy)} above 200 W; under load median SM "
+      f"{statistics.median(r[0] for r in busy) if busy else float('nan'):.0f} MHz, min "
+      f"{min((r[0] for r in busy), default=float('nan')):.0f} MHz, median "
+      f"{statistics.median(r[1] for r in busy) if busy else float('nan'):.0f} W")
+PY
+    done
     python3 scripts/device/diag_vs_bench.py "$OUT/diagnostic_h100.json" /tmp/bench_diag_shape.json
     tail -12 "$OUT/diagnostic_h100.txt"
     grep -E "^  (PASS|WARN|FAIL)" /tmp/diag_quick_cold.txt | head -30
+    python3 - "$OUT/diag_quick_cold.json" <<'PY' || true
+import json, sys
+checks = sorted(json.load(open(sys.argv[1]))["checks"], key=lambda c: -c.get("elapsed_s", 0))[:6]
+print("quick cold, slowest checks:", ", ".join(f"{c['name']} {c.get('elapsed_s', 0):.2f} s" for c in checks))
+PY
     for run in cold warm; do
         echo "quick $run: wall $(cat /tmp/wall_$run) s, internal $(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['elapsed_s'])" "$OUT/diag_quick_$run.json") s"
     done ;;
