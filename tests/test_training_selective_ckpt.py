@@ -31,7 +31,8 @@ def small_k(monkeypatch):
 
 
 class _CountGemms(TorchDispatchMode):
-    """Counts GEMMs with K >= MIN_SAVED_K that actually run (ops served from the selective cache never get here)."""
+    """Counts base+LoRA operators and GEMMs with K >= MIN_SAVED_K that actually run (ops served from the selective
+    cache never get here; the operator's inner GEMMs run below this mode)."""
 
     def __init__(self, sc):
         super().__init__()
@@ -39,7 +40,7 @@ class _CountGemms(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         i = self.sc._GEMM_LHS.get(func)
-        if i is not None and args[i].shape[-1] >= self.sc.MIN_SAVED_K:
+        if func is self.sc._LORA_LINEAR or (i is not None and args[i].shape[-1] >= self.sc.MIN_SAVED_K):
             self.n += 1
         return func(*args, **(kwargs or {}))
 

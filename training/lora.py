@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .lora_linear_op import lora_linear
+
 # (path inside a block, kohya "type" used for per-type ranks)
 DOUBLE_TARGETS = (
     ("img_mod.lin", "img_mod"),
@@ -158,6 +160,12 @@ def linear_forward(self, x):
     else:
         p = self._parameters  # skips Module.__getattr__ (two lookups per call)
         w, b = p["weight"], p.get("bias")
+        lora = d.get("_lora")
+        if lora is not None and lora.enabled and x2.dtype == w.dtype:
+            # base and LoRA as one operator (lora_linear_op.py: no copy of the base output, one kept output)
+            down_t, up_t = lora.compute_weights(x2.dtype)
+            y = lora_linear(x2, w, b, down_t, up_t, lora.scale)[0]
+            return y.view(*shape[:-1], y.shape[-1])
         if b is None:
             y = torch.mm(x2, w.t())
         else:

@@ -20,6 +20,8 @@ import logging
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from . import lora_linear_op
+
 log = logging.getLogger(__name__)
 MODES = ("auto", "on", "off")
 ENV = "SEEDVR2BW_TRAIN_SELECTIVE_CKPT"
@@ -42,12 +44,14 @@ def _ops(*names):
 _ATTENTION = _ops("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
                   "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
                   "_flash_attention_forward", "_efficient_attention_forward")
+_LORA_LINEAR = lora_linear_op.lora_linear._opoverload   # torch.ops.seedvr2bw.lora_linear.default
 _GEMM_LHS = {op: i for names, i in ((("mm", "_scaled_mm"), 0), (("addmm",), 1)) for op in _ops(*names)}
 
 
 def save_policy(ctx, func, *args, **kwargs):
-    """MUST_SAVE for attention forwards and for GEMMs contracting over K >= MIN_SAVED_K; recompute the rest."""
-    if func in _ATTENTION:
+    """MUST_SAVE for attention forwards, the base+LoRA operator (``lora_linear_op``) and GEMMs contracting over
+    K >= MIN_SAVED_K; recompute the rest."""
+    if func in _ATTENTION or func is _LORA_LINEAR:
         return CheckpointPolicy.MUST_SAVE
     i = _GEMM_LHS.get(func)
     if i is not None and args[i].shape[-1] >= MIN_SAVED_K:

@@ -56,11 +56,7 @@ FIDELITY_KERNELS = ("auto", "fused", "dequant", "pipelined", "pipelined_n", "tim
 #     chunk costs a Triton launch and the bias pre-fill of its output slice (as much traffic as it hides).
 #   run 2 (current tiles, K-split pipeline, cached launcher):
 #     M=256:  fused beat dequant on 5 of 6 shapes (e.g. 3072x9216 0.128 vs 0.209, 3072x12288 0.081 vs 0.115;
-#             lost 2560x6912 0.122 vs 0.102)  -> #   run 3 (session 2, tile x SPLIT_K sweep, single calls with the L2 flushed): at M=256 dequant + cuBLAS
-#     (0.027-0.092 ms of GPU time) beat the best fused tile on 4 of 6 shapes; but with calls queued back to back
-#     (--inner 8, as in a model) the dequant path is host-bound at M=256 (0.063-0.164 ms: no launch plan, two
-#     launches + an allocation) where the fused kernel runs from a cached plan  -> FUSED_MAX_M stays 256
-FUSED_MAX_M = 256
+#             lost 2560x6912 0.122 vs 0.102)
 #     M=1024: dequant beat fused on 4 of 6 (3072x12288 0.158 vs 0.245, 12288x3072 0.155 vs 0.310)
 #     M=4096: dequant 0.83-0.98x bf16; K-split pipeline (2/4/8) 0.77-0.91x on the big shapes, never faster than
 #             dequant beyond noise; M=16384: all ~1.0x  -> PIPELINE_MIN_M = None (opt-in only)

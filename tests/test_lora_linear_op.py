@@ -1,0 +1,27 @@
+"""torch.ops.seedvr2bw.lora_linear (training/lora_linear_op.py): value and gradients equal the plain formula
+y = x @ W.T + bias + scale * (x @ down) @ up, with and without bias, and no gradient for the frozen base."""
+import pytest
+import torch
+
+from seedvr2bw.training.lora_linear_op import lora_linear
+
+
+@pytest.mark.parametrize("bias,scale,x_grad", [(True, 0.5, True), (False, 2.0, True), (True, 1.0, False)])
+def test_value_and_grads_match_plain_formula(bias, scale, x_grad):
+    g = torch.Generator().manual_seed(0)
+    m, k, n, r = 7, 24, 10, 3
+    x = torch.randn(m, k, generator=g, dtype=torch.float64, requires_grad=x_grad)
+    w = torch.randn(n, k, generator=g, dtype=torch.float64)
+    b = torch.randn(n, generator=g, dtype=torch.float64) if bias else None
+    d = torch.randn(k, r, generator=g, dtype=torch.float64, requires_grad=True)
+    u = torch.randn(r, n, generator=g, dtype=torch.float64, requires_grad=True)
+    gy = torch.randn(m, n, generator=g, dtype=torch.float64)
+    y, h = lora_linear(x, w, b, d, u, scale)
+    ref = x @ w.t() + scale * (x @ d) @ u + (b if bias else 0)
+    assert torch.allclose(y, ref, rtol=1e-12, atol=1e-12) and torch.allclose(h, x @ d)
+    ins = [t for t in (x, d, u) if t.requires_grad]
+    got = torch.autograd.grad(y, ins, gy)
+    want = torch.autograd.grad(ref, ins, gy)
+    for a, e in zip(got, want):
+        assert torch.allclose(a, e, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda d_, u_: lora_linear(x.detach(), w, b, d_, u_, scale)[0], (d, u))
