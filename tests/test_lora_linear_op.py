@@ -25,3 +25,19 @@ def test_value_and_grads_match_plain_formula(bias, scale, x_grad):
     for a, e in zip(got, want):
         assert torch.allclose(a, e, rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(lambda d_, u_: lora_linear(x.detach(), w, b, d_, u_, scale)[0], (d, u))
+
+
+def test_weight_grads_reach_the_lora_weights_contiguous():
+    """down_t/up_t are transposed views of the LoRA weights: their gradients must arrive contiguous (fused AdamW
+    refuses a gradient whose layout differs from its parameter's)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 20, generator=g)
+    w = torch.randn(9, 20, generator=g)
+    down = torch.randn(4, 20, generator=g, requires_grad=True)   # nn.Linear(20, 4).weight
+    up = torch.randn(9, 4, generator=g, requires_grad=True)      # nn.Linear(4, 9).weight
+    y, _ = lora_linear(x, w, None, down.t(), up.t(), 0.5)
+    gd, gu = torch.autograd.grad(y.square().sum(), (down, up))
+    assert gd.is_contiguous() and gu.is_contiguous()
+    ref = x @ w.t() + 0.5 * (x @ down.t()) @ up.t()
+    rd, ru = torch.autograd.grad(ref.square().sum(), (down, up))
+    assert torch.allclose(gd, rd, rtol=1e-5, atol=1e-5) and torch.allclose(gu, ru, rtol=1e-5, atol=1e-5)

@@ -43,17 +43,25 @@ def _setup_context(ctx, inputs, output):
     ctx.scale = scale
 
 
+def _mm_like(a, b, like):
+    """``a @ b`` laid out as ``like``: column-major when ``like`` is (``down_t``/``up_t`` are transposed views of
+    the LoRA weights, so their gradients then reach the weights contiguous, as fused optimizers require)."""
+    if like.dim() == 2 and like.stride(0) == 1 and like.shape[1] > 1:
+        return torch.mm(b.t(), a.t()).t()
+    return torch.mm(a, b)
+
+
 def _backward(ctx, gy, gh):
     x2, weight, down_t, up_t, h = ctx.saved_tensors
     s = ctx.scale
     need_x, _, _, need_down, need_up, _ = ctx.needs_input_grad
-    g_up = torch.mm(h.t(), gy).mul_(s) if need_up else None
+    g_up = _mm_like(h.t(), gy, up_t).mul_(s) if need_up else None
     dh = torch.mm(gy, up_t.t())
     if s != 1.0:
         dh.mul_(s)
     if gh is not None:
         dh.add_(gh)
-    g_down = torch.mm(x2.t(), dh) if need_down else None
+    g_down = _mm_like(x2.t(), dh, down_t) if need_down else None
     dx = None
     if need_x:
         dx = torch.mm(dh, down_t.t())

@@ -65,7 +65,7 @@ diag)
         --json /tmp/bench_diag_shape.json > /dev/null 2>&1
     kill "$pid" 2>/dev/null
     for ph in diag bench; do
-        python3 - "$ph" "/tmp/clk_$ph.csv" <<'PY' || true
+        python3 - "$ph" "/tmp/clk_$ph.csv" <<'PY' 2>&1 | tee -a "$OUT/diag_vs_bench.txt" || true
 import statistics, sys
 rows = [[float(v) for v in l.split(",")] for l in open(sys.argv[2]) if l.strip() and "N/A" not in l]
 busy = [r for r in rows if r[1] > 200]   # samples under load
@@ -75,10 +75,11 @@ print(f"clocks during {sys.argv[1]}: {len(rows)} samples, {len(busy)} above 200 
       f"{statistics.median(r[1] for r in busy) if busy else float('nan'):.0f} W")
 PY
     done
-    python3 scripts/device/diag_vs_bench.py "$OUT/diagnostic_h100.json" /tmp/bench_diag_shape.json
+    python3 scripts/device/diag_vs_bench.py "$OUT/diagnostic_h100.json" /tmp/bench_diag_shape.json \
+        2>&1 | tee "$OUT/diag_vs_bench.txt"
     tail -12 "$OUT/diagnostic_h100.txt"
     grep -E "^  (PASS|WARN|FAIL)" /tmp/diag_quick_cold.txt | head -30
-    python3 - "$OUT/diag_quick_cold.json" <<'PY' || true
+    python3 - "$OUT/diag_quick_cold.json" <<'PY' 2>&1 | tee -a "$OUT/diag_vs_bench.txt" || true
 import json, sys
 checks = sorted(json.load(open(sys.argv[1]))["checks"], key=lambda c: -c.get("elapsed_s", 0))[:6]
 print("quick cold, slowest checks:", ", ".join(f"{c['name']} {c.get('elapsed_s', 0):.2f} s" for c in checks))
