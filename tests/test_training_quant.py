@@ -187,3 +187,33 @@ def test_nvfp4_dequant_falls_back_when_triton_fails(monkeypatch):
     t = fmt.quantize_nvfp4(torch.randn(24, 32), return_tensor=True)
     assert torch.equal(Q.dequantize_weight(t, torch.float32), t.dequantize(torch.float32))
     assert Q._TRITON_BROKEN and "no kernel image" in Q._TRITON_BROKEN[0]
+
+
+@needs_triton
+def test_fp8_weight_transpose_kernel_interpreted():
+    """The Triton transpose used by the FP8 input gradient equals ``w.t().contiguous()`` bit for bit (ragged
+    tile edges included) and refuses what it does not handle."""
+    code = textwrap.dedent(f"""
+        import os, sys
+        os.environ["TRITON_INTERPRET"] = "1"
+        sys.path.insert(0, {str(ROOT)!r})
+        from pack_import import import_pack
+        import_pack()
+        import torch
+        from seedvr2bw.optimization.nvfp4 import kernels as K
+        g = torch.Generator().manual_seed(0)
+        for shape in ((64, 64), (70, 130), (1, 5), (129, 63)):
+            w = (torch.randn(shape, generator=g) * 50).to(torch.float8_e4m3fn)
+            t = K.transpose_2d(w)
+            assert t.dtype == w.dtype and t.shape == (shape[1], shape[0])
+            assert torch.equal(t.view(torch.uint8), w.t().contiguous().view(torch.uint8)), shape
+        try:
+            K.transpose_2d(torch.randn(4, 4))
+            raise SystemExit("fp32 accepted")
+        except ValueError as e:
+            assert "1-byte" in str(e)
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr

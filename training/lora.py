@@ -154,6 +154,12 @@ def linear_forward(self, x):
     x2 = x.reshape(-1, shape[-1])
     qb = d.get("_q_base")
     if qb is not None:
+        lora = d.get("_lora")
+        with_lora = d.get("_q_with_lora")   # the quantized base and the LoRA as one operator, where it applies
+        if with_lora is not None and lora is not None and lora.enabled:
+            y = with_lora(self, x2, lora)
+            if y is not None:
+                return y.view(*shape[:-1], y.shape[-1])
         y = qb(self, x2)
     elif d.get("_l_comfy_op") and _comfy_cast(self):  # read per call: ComfyUI toggles it (lowvram, patches)
         y = type(self).forward(self, x2)

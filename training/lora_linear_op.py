@@ -70,3 +70,54 @@ def _backward(ctx, gy, gh):
 
 
 lora_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------- fp8 base (FP8 tensor cores) ----------------
+@torch.library.custom_op("seedvr2bw::fp8_lora_linear", mutates_args=())
+def fp8_lora_linear(x2: torch.Tensor, wq: torch.Tensor, scale_n: torch.Tensor, scale_k: torch.Tensor,
+                    bias: Optional[torch.Tensor], down_t: torch.Tensor, up_t: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lora_linear`` with an e4m3 base weight ``wq`` [N, K] (per-tensor scale as the rows ``scale_n`` [1, N] /
+    ``scale_k`` [1, K], ``training.quant.fp8_scale_rows``): x quantized per token, ``torch._scaled_mm``, then the
+    LoRA accumulates into its output (``addmm_``, no copy). M must be a multiple of 16."""
+    from .quant import _quant_rows
+    xq, xs = _quant_rows(x2)
+    y = torch._scaled_mm(xq, wq.t(), scale_a=xs.reshape(-1, 1), scale_b=scale_n, bias=bias, out_dtype=x2.dtype)
+    h = torch.mm(x2, down_t)
+    y.addmm_(h, up_t, alpha=scale)
+    return y, h
+
+
+@fp8_lora_linear.register_fake
+def _(x2, wq, scale_n, scale_k, bias, down_t, up_t, scale):
+    return x2.new_empty(x2.shape[0], wq.shape[0]), x2.new_empty(x2.shape[0], down_t.shape[1])
+
+
+def _fp8_setup_context(ctx, inputs, output):
+    x2, wq, _scale_n, scale_k, _bias, down_t, up_t, scale = inputs
+    ctx.save_for_backward(x2, wq, scale_k, down_t, up_t, output[1])
+    ctx.scale = scale
+
+
+def _fp8_backward(ctx, gy, gh):
+    from .quant import _quant_rows, _transposed
+    x2, wq, scale_k, down_t, up_t, h = ctx.saved_tensors
+    s = ctx.scale
+    need_x, _, _, _, _, need_down, need_up, _ = ctx.needs_input_grad
+    g_up = _mm_like(h.t(), gy, up_t).mul_(s) if need_up else None
+    dh = torch.mm(gy, up_t.t())
+    if s != 1.0:
+        dh.mul_(s)
+    if gh is not None:
+        dh.add_(gh)
+    g_down = _mm_like(x2.t(), dh, down_t) if need_down else None
+    dx = None
+    if need_x:
+        gq, gs = _quant_rows(gy.contiguous())
+        dx = torch._scaled_mm(gq, _transposed(wq).t(), scale_a=gs.reshape(-1, 1), scale_b=scale_k,
+                              out_dtype=gy.dtype)
+        dx.addmm_(dh, down_t.t())
+    return dx, None, None, None, None, g_down, g_up, None
+
+
+fp8_lora_linear.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)

@@ -55,6 +55,14 @@ def _quant_rows(x2):
     return (x2.float() / s[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), s
 
 
+def _transposed(wq):
+    """``wq.t().contiguous()``: by the pack's Triton tile kernel on CUDA (torch's strided copy of an fp8 weight
+    is ~8x slower), else torch."""
+    if nvfp4_kernels.triton_usable(wq) and wq.is_contiguous():
+        return nvfp4_kernels.transpose_2d(wq)
+    return wq.t().contiguous()
+
+
 def _pad16(t):
     m = t.shape[0]
     if m % 16 == 0:
@@ -102,7 +110,7 @@ class _FP8LinearFn(torch.autograd.Function):
         if ctx.tensorcores and (M % 16 == 0 or M < 256):
             gp, M0 = _pad16(g2)
             gq, gs = _quant_rows(gp)
-            wt = wq.t().contiguous()  # [K, N] row-major -> .t() is column-major [N, K] as _scaled_mm wants
+            wt = _transposed(wq)  # [K, N] row-major -> .t() is column-major [N, K] as _scaled_mm wants
             dx = torch._scaled_mm(gq, wt.t(), scale_a=gs.reshape(-1, 1), scale_b=ctx.scale_rows[1], out_dtype=g.dtype)
             if dx.shape[0] != M0:
                 dx = dx[:M0]
@@ -129,6 +137,21 @@ def fp8_scale_rows(wq, wscale):
 @torch.compiler.disable
 def _fp8_forward(self, x):
     return _FP8LinearFn.apply(x, self._q_weight, self._q_scale, self.bias, self._q_tensorcores, self._q_scale_rows)
+
+
+@torch.compiler.disable
+def _fp8_with_lora(self, x2, lora):
+    """The fp8 base and its LoRA as one operator (``lora_linear_op.fp8_lora_linear``) on FP8 tensor cores with
+    M % 16 == 0; None otherwise (then the base and the LoRA run one after the other)."""
+    if not self._q_tensorcores or x2.shape[0] % 16 or x2.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    from .lora_linear_op import fp8_lora_linear
+    down_t, up_t = lora.compute_weights(x2.dtype)
+    bias = self.bias
+    if bias is not None and bias.dtype != x2.dtype:
+        bias = bias.to(x2.dtype)
+    scale_n, scale_k = self._q_scale_rows
+    return fp8_lora_linear(x2, self._q_weight, scale_n, scale_k, bias, down_t, up_t, lora.scale)[0]
 
 
 # ---------------- NVFP4 ----------------
@@ -185,7 +208,7 @@ def block_linears(dm):
                     yield f"{kind}.{i}.{name}", mod
 
 
-_Q_ATTRS = ("_q_weight", "_q_scale", "_q_scale_rows", "_q_tensorcores", "_q_nvfp4", "_q_base")
+_Q_ATTRS = ("_q_weight", "_q_scale", "_q_scale_rows", "_q_tensorcores", "_q_nvfp4", "_q_base", "_q_with_lora")
 
 
 class QuantizedBase:
@@ -217,6 +240,7 @@ class QuantizedBase:
                     lin._q_tensorcores = fp8_gemm[dev] and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
                     lin._q_scale_rows = fp8_scale_rows(q, lin._q_scale) if lin._q_tensorcores else None
                     lin._q_base = _fp8_forward
+                    lin._q_with_lora = _fp8_with_lora
                     install_forward(lin)
                 else:
                     src = w.data if w.dtype not in (E4M3, E5M2) else w.data.float() * (

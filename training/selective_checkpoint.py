@@ -45,13 +45,14 @@ _ATTENTION = _ops("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fl
                   "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
                   "_flash_attention_forward", "_efficient_attention_forward")
 _LORA_LINEAR = lora_linear_op.lora_linear._opoverload   # torch.ops.seedvr2bw.lora_linear.default
+_LORA_OPS = frozenset((_LORA_LINEAR, lora_linear_op.fp8_lora_linear._opoverload))
 _GEMM_LHS = {op: i for names, i in ((("mm", "_scaled_mm"), 0), (("addmm",), 1)) for op in _ops(*names)}
 
 
 def save_policy(ctx, func, *args, **kwargs):
-    """MUST_SAVE for attention forwards, the base+LoRA operator (``lora_linear_op``) and GEMMs contracting over
+    """MUST_SAVE for attention forwards, the base+LoRA operators (``lora_linear_op``) and GEMMs contracting over
     K >= MIN_SAVED_K; recompute the rest."""
-    if func in _ATTENTION or func is _LORA_LINEAR:
+    if func in _ATTENTION or func in _LORA_OPS:
         return CheckpointPolicy.MUST_SAVE
     i = _GEMM_LHS.get(func)
     if i is not None and args[i].shape[-1] >= MIN_SAVED_K:
