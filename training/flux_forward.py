@@ -49,19 +49,11 @@ def _rot(x, cos, sin):
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(x.dtype)
 
 
-_rot_fast = None
-
-
-def _rot_impl(x):
-    global _rot_fast
-    if x.device.type != "cuda":
-        return _rot
-    if _rot_fast is None:
-        try:
-            _rot_fast = torch.compile(_rot, dynamic=False, fullgraph=True)
-        except Exception:  # noqa: BLE001
-            _rot_fast = _rot
-    return _rot_fast
+def _rotate(x, cos, sin, sign=1.0):
+    from . import rope_kernel
+    if rope_kernel.usable(x, cos):
+        return rope_kernel.rope_pairs(x, cos, sin, sign)
+    return _rot(x, cos, sin if sign > 0 else -sin)
 
 
 class _Rope(torch.autograd.Function):
@@ -73,12 +65,12 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return _rot_impl(x)(x, cos, sin)
+        return _rotate(x, cos, sin)
 
     @staticmethod
     def backward(ctx, g):
         cos, sin = ctx.saved_tensors
-        return _rot_impl(g)(g.contiguous(), cos, -sin), None, None
+        return _rotate(g, cos, sin, -1.0), None, None
 
 
 _CS = [None, -1, None]  # (pe, pe._version, (cos, sin)) of the last call: every block of a step shares one pe
