@@ -183,6 +183,7 @@ def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir, cuda_graph="a
     finally:
         tr.close()
     return {"impl": "ours", "mode": mode, "res": res, "median_s": statistics.median(times), "min_s": min(times),
+            "step_s": [round(t, 4) for t in times],
             "peak_gib": peak, "cuda_graph": graphed, "compiled": compiled, "selective_blocks": selective_blocks,
             "sdpa": [b.name for b in tr.sdpa_backends or []][:1],
             "cuda_graph_error": tr.graphed.failed if tr.graphed is not None else None, "loss_first": losses[0], "loss_last": losses[-1],
