@@ -17,7 +17,6 @@ the trainer then logs why and runs eagerly from then on.
 """
 from __future__ import annotations
 
-import gc
 import logging
 
 import torch
@@ -88,11 +87,6 @@ class GraphedLossAndGrads:
             torch.cuda.empty_cache()
             return loss, grads
         self.graphs[key] = (graph, static_in, s_loss, s_grads)
-        # Python's full collections walk every object alive (model, autograd and graph state: millions of objects)
-        # and land between replays as 50-60 ms pauses; what is alive now lives as long as training does
-        gc.collect()
-        gc.freeze()
-        self._froze = True
         log.info("[FluxLoraTrain] CUDA graph captured for input shapes %s (%d so far)", [k[0] for k in key],
                  len(self.graphs))
         return loss, grads
@@ -100,6 +94,3 @@ class GraphedLossAndGrads:
     def close(self):
         self.graphs.clear()
         self.pool = None
-        if getattr(self, "_froze", False):
-            gc.unfreeze()   # the frozen objects are collectable again once training ends
-            self._froze = False
