@@ -17,6 +17,7 @@ import os
 import platform
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -313,14 +314,17 @@ def decide(info: DeviceInfo, overrides: Mapping | None = None,
     for path in chain:
         if path == "reference":
             break
+        t0 = time.perf_counter()
         ok, why = selftests["nvfp4"](path, info)
+        took = time.perf_counter() - t0
         if ok:
             nvfp4 = path
             break
         failures.append(f"{path} failed self-test ({why})")
     if "nvfp4_gemm" not in reasons:
         origin = "override" if "nvfp4_gemm" in overrides else f"{profile} default"
-        reasons["nvfp4_gemm"] = "; ".join(failures + [f"{nvfp4} ({origin}{', self-test passed' if nvfp4 != 'reference' else ''})"])
+        passed = f", self-test passed in {took:.2f} s" if nvfp4 != "reference" else ""
+        reasons["nvfp4_gemm"] = "; ".join(failures + [f"{nvfp4} ({origin}{passed})"])
     if failures:
         for f in failures:
             log.warning("[SeedVR2-BW] NVFP4 %s; falling back", f)
@@ -329,9 +333,11 @@ def decide(info: DeviceInfo, overrides: Mapping | None = None,
     want_fp8 = overrides.get("fp8_gemm", profile in _FP8_TENSOR_CORES) and usable_gpu and info.type == "cuda"
     fp8 = False
     if want_fp8:
+        t0 = time.perf_counter()
         ok, why = selftests["fp8"]("fp8", info)
         fp8 = ok
-        reasons["fp8_gemm"] = "self-test passed" if ok else f"self-test failed ({why})"
+        reasons["fp8_gemm"] = f"self-test passed in {time.perf_counter() - t0:.2f} s" if ok else \
+            f"self-test failed ({why})"
         if not ok:
             log.warning("[SeedVR2-BW] FP8 GEMM self-test failed (%s); FP8 GEMM off", why)
     elif not usable_gpu:
