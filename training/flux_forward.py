@@ -265,6 +265,10 @@ def _block_loras(block):
     return out
 
 
+def _shape_key(x_t, context):
+    return tuple(x_t.shape), tuple(context.shape), x_t.dtype
+
+
 class FluxTrainForward:
     """Runs ``dm(x_t, sigma, context, y, guidance)`` with per-block checkpointing.
 
@@ -378,7 +382,7 @@ class FluxTrainForward:
         of a shape (so a CUDA graph's warm-up and capture agree) and logged once."""
         if self.selective == "off" or not self.gradient_checkpointing:
             return 0
-        key = (tuple(x_t.shape), tuple(context.shape), x_t.dtype)
+        key = _shape_key(x_t, context)
         n = self._selective_n.get(key)
         if n is None:
             from . import selective_checkpoint as sc
@@ -404,7 +408,7 @@ class FluxTrainForward:
     def fall_back_to_full(self, x_t, context) -> bool:
         """After an out-of-memory error: full per-block checkpointing for this input shape from now on.
         Returns whether anything changed (False: the error did not come from selective checkpointing)."""
-        key = (tuple(x_t.shape), tuple(context.shape), x_t.dtype)
+        key = _shape_key(x_t, context)
         if not self._selective_n.get(key):
             return False
         self._selective_n[key] = 0

@@ -144,19 +144,22 @@ def _comfy_cast(lin) -> bool:
 
 
 def linear_forward(self, x):
-    """Per-instance ``forward`` of a trained block Linear: base product (bf16: one ``addmm``; fp8/NVFP4: the
-    ``quant`` autograd function set as ``_q_base``) plus the LoRA (``_lora``), both on one 2-D view of ``x``.
+    """Per-instance ``forward`` of a trained block Linear: base product plus the LoRA (``_lora``), on one 2-D view
+    of ``x``. With an enabled LoRA the bf16/fp32 base, and the fp8 base on FP8 tensor cores (``_q_with_lora``),
+    run as one operator with it (``lora_linear_op``); otherwise the base (``addmm``, the ``quant`` autograd
+    function set as ``_q_base``, or ComfyUI's own cast forward) and then ``LoraModule.add_to``.
 
-    Replaces a forward hook: no hook dispatch in ``Module.__call__``, no reshape/view pair per hook, and the same
-    arithmetic (``F.linear`` on a 2-D input is ``addmm(bias, x, W.T)``; the LoRA is ``mm`` + ``addmm`` as before)."""
+    Replaces a forward hook: no hook dispatch in ``Module.__call__``, no reshape/view pair per hook."""
     d = self.__dict__
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     qb = d.get("_q_base")
+    lora = d.get("_lora")
+    if lora is not None and not lora.enabled:
+        lora = None
     if qb is not None:
-        lora = d.get("_lora")
         with_lora = d.get("_q_with_lora")   # the quantized base and the LoRA as one operator, where it applies
-        if with_lora is not None and lora is not None and lora.enabled:
+        if with_lora is not None and lora is not None:
             y = with_lora(self, x2, lora)
             if y is not None:
                 return y.view(*shape[:-1], y.shape[-1])
@@ -166,18 +169,13 @@ def linear_forward(self, x):
     else:
         p = self._parameters  # skips Module.__getattr__ (two lookups per call)
         w, b = p["weight"], p.get("bias")
-        lora = d.get("_lora")
-        if lora is not None and lora.enabled and x2.dtype == w.dtype:
+        if lora is not None and x2.dtype == w.dtype:
             # base and LoRA as one operator (lora_linear_op.py: no copy of the base output, one kept output)
             down_t, up_t = lora.compute_weights(x2.dtype)
             y = lora_linear(x2, w, b, down_t, up_t, lora.scale)[0]
             return y.view(*shape[:-1], y.shape[-1])
-        if b is None:
-            y = torch.mm(x2, w.t())
-        else:
-            y = torch.addmm(b, x2, w.t())
-    lora = d.get("_lora")
-    if lora is not None and lora.enabled:
+        y = torch.mm(x2, w.t()) if b is None else torch.addmm(b, x2, w.t())
+    if lora is not None:
         y = lora.add_to(x2, y)
     return y.view(*shape[:-1], y.shape[-1])
 

@@ -51,10 +51,9 @@ def _mm_like(a, b, like):
     return torch.mm(a, b)
 
 
-def _backward(ctx, gy, gh):
-    x2, weight, down_t, up_t, h = ctx.saved_tensors
-    s = ctx.scale
-    need_x, _, _, need_down, need_up, _ = ctx.needs_input_grad
+def _lora_grads(x2, down_t, up_t, h, s, gy, gh, need_down, need_up):
+    """Gradients of ``y = ... + s·h @ up`` with ``h = x2 @ down``: (d down_t, d up_t, dh), dh for the input
+    gradient ``dh @ down_t.T``."""
     g_up = _mm_like(h.t(), gy, up_t).mul_(s) if need_up else None
     dh = torch.mm(gy, up_t.t())
     if s != 1.0:
@@ -62,6 +61,13 @@ def _backward(ctx, gy, gh):
     if gh is not None:
         dh.add_(gh)
     g_down = _mm_like(x2.t(), dh, down_t) if need_down else None
+    return g_down, g_up, dh
+
+
+def _backward(ctx, gy, gh):
+    x2, weight, down_t, up_t, h = ctx.saved_tensors
+    need_x, _, _, need_down, need_up, _ = ctx.needs_input_grad
+    g_down, g_up, dh = _lora_grads(x2, down_t, up_t, h, ctx.scale, gy, gh, need_down, need_up)
     dx = None
     if need_x:
         dx = torch.mm(dh, down_t.t())
@@ -102,15 +108,8 @@ def _fp8_setup_context(ctx, inputs, output):
 def _fp8_backward(ctx, gy, gh):
     from .quant import _quant_rows, _transposed
     x2, wq, scale_k, down_t, up_t, h = ctx.saved_tensors
-    s = ctx.scale
     need_x, _, _, _, _, need_down, need_up, _ = ctx.needs_input_grad
-    g_up = _mm_like(h.t(), gy, up_t).mul_(s) if need_up else None
-    dh = torch.mm(gy, up_t.t())
-    if s != 1.0:
-        dh.mul_(s)
-    if gh is not None:
-        dh.add_(gh)
-    g_down = _mm_like(x2.t(), dh, down_t) if need_down else None
+    g_down, g_up, dh = _lora_grads(x2, down_t, up_t, h, ctx.scale, gy, gh, need_down, need_up)
     dx = None
     if need_x:
         gq, gs = _quant_rows(gy.contiguous())
