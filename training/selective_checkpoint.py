@@ -44,15 +44,17 @@ def _ops(*names):
 _ATTENTION = _ops("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
                   "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
                   "_flash_attention_forward", "_efficient_attention_forward")
-_LORA_LINEAR = lora_linear_op.lora_linear._opoverload   # torch.ops.seedvr2bw.lora_linear.default
-_LORA_OPS = frozenset((_LORA_LINEAR, lora_linear_op.fp8_lora_linear._opoverload))
+# by name, not by object: importing the pack a second time under another package name (ComfyUI loads it from its
+# folder, scripts and tests as ``seedvr2bw``) registers the operators again, and the dispatcher then hands out new
+# OpOverload objects
+_LORA_OP_NAMES = frozenset(op._opoverload.name() for op in (lora_linear_op.lora_linear, lora_linear_op.fp8_lora_linear))
 _GEMM_LHS = {op: i for names, i in ((("mm", "_scaled_mm"), 0), (("addmm",), 1)) for op in _ops(*names)}
 
 
 def save_policy(ctx, func, *args, **kwargs):
     """MUST_SAVE for attention forwards, the base+LoRA operators (``lora_linear_op``) and GEMMs contracting over
     K >= MIN_SAVED_K; recompute the rest."""
-    if func in _ATTENTION or func in _LORA_OPS:
+    if func in _ATTENTION or func.name() in _LORA_OP_NAMES:
         return CheckpointPolicy.MUST_SAVE
     i = _GEMM_LHS.get(func)
     if i is not None and args[i].shape[-1] >= MIN_SAVED_K:
