@@ -77,6 +77,26 @@ def test_tiny_flux_trains_on_cuda(tmp_path):
         assert last < first
 
 
+def _train_and_collect(tr, steps, check=None):
+    """``steps`` training steps, then (losses, LoRA weights on the CPU); ``check(tr)`` runs before closing."""
+    try:
+        for _ in range(steps):
+            tr.train_step()
+        if check is not None:
+            check(tr)
+        return list(tr.losses), {k: v.detach().float().cpu().clone() for k, v in tr.network.state_dict().items()}
+    finally:
+        tr.close()
+
+
+def _same_training(a, b, loss_rtol, weight_rel, label):
+    (l_a, w_a), (l_b, w_b) = a, b
+    assert torch.allclose(torch.tensor(l_a), torch.tensor(l_b), rtol=loss_rtol, atol=1e-4), (l_a, l_b)
+    worst = max(_rel(w_a[k], w_b[k]) for k in w_b if w_b[k].norm() > 0)
+    print(label, "losses", l_a[-3:], l_b[-3:], "worst LoRA rel diff", worst)
+    assert worst < weight_rel
+
+
 @pytest.mark.parametrize("mode", ["bf16", "fp8", "nvfp4"])
 def test_cuda_graph_step_matches_eager(tmp_path, mode):
     """The graphed step (captured once per shape, replayed after) trains like the eager step: same losses and
@@ -97,22 +117,13 @@ def test_cuda_graph_step_matches_eager(tmp_path, mode):
                           output_name=f"g_{graph}", base_precision="auto" if mode == "bf16" else mode,
                           cuda_graph=graph, grad_accum=2 if mode == "bf16" else 1, compile_blocks="off")
         tr = FluxLoraTrainer(mp.model.diffusion_model, cfg, ds, latent_format=mp.model.latent_format, device="cuda")
-        try:
-            for _ in range(cfg.steps):
-                tr.train_step()
+
+        def check(tr, graph=graph):
             if graph == "on":
                 assert tr.graphed is not None and tr.graphed.failed is None, tr.graphed and tr.graphed.failed
                 assert len(tr.graphed.graphs) == 2   # both bucket shapes were captured and replayed
-            runs[graph] = (list(tr.losses), {k: v.detach().float().cpu().clone()
-                                             for k, v in tr.network.state_dict().items()})
-        finally:
-            tr.close()
-    (l_off, w_off), (l_on, w_on) = runs["off"], runs["on"]
-    assert torch.allclose(torch.tensor(l_on), torch.tensor(l_off), rtol=2e-2, atol=1e-4), (l_on, l_off)
-    worst = max(_rel(w_on[k], w_off[k]) for k in w_off if w_off[k].norm() > 0)
-    print(mode, "losses", l_on[-3:], l_off[-3:], "worst LoRA rel diff", worst)
-    assert worst < 2e-2
-
+        runs[graph] = _train_and_collect(tr, cfg.steps, check)
+    _same_training(runs["on"], runs["off"], 2e-2, 2e-2, f"{mode} graphed vs eager:")
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
@@ -131,18 +142,10 @@ def test_selective_checkpointing_matches_full_on_cuda(tmp_path, mode, monkeypatc
                           output_name=f"s_{sel}", base_precision="auto" if mode == "bf16" else mode,
                           selective_checkpointing=sel)
         tr = FluxLoraTrainer(mp.model.diffusion_model, cfg, ds, latent_format=mp.model.latent_format, device="cuda")
-        try:
-            for _ in range(cfg.steps):
-                tr.train_step()
+
+        def check(tr, sel=sel):
             n = len(tr.dm.double_blocks) + len(tr.dm.single_blocks)
             assert list(tr.forward._selective_n.values()) == ([n] if sel == "on" else [])
             assert tr.graphed is not None and tr.graphed.failed is None
-            runs[sel] = (list(tr.losses), {k: v.detach().float().cpu().clone()
-                                           for k, v in tr.network.state_dict().items()})
-        finally:
-            tr.close()
-    (l_off, w_off), (l_on, w_on) = runs["off"], runs["on"]
-    assert torch.allclose(torch.tensor(l_on), torch.tensor(l_off), rtol=1e-2, atol=1e-4), (l_on, l_off)
-    worst = max(_rel(w_on[k], w_off[k]) for k in w_off if w_off[k].norm() > 0)
-    print(mode, "selective vs full: losses", l_on[-2:], l_off[-2:], "worst LoRA rel diff", worst)
-    assert worst < 1e-2
+        runs[sel] = _train_and_collect(tr, cfg.steps, check)
+    _same_training(runs["on"], runs["off"], 1e-2, 1e-2, f"{mode} selective vs full:")
