@@ -17,6 +17,9 @@ import logging
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from . import rope_kernel
+from .selective_checkpoint import context_fn as selective_context_fn
+
 
 def _attention_override():
     try:
@@ -50,7 +53,6 @@ def _rot(x, cos, sin):
 
 
 def _rotate(x, cos, sin, sign=1.0):
-    from . import rope_kernel
     if rope_kernel.usable(x, cos):
         return rope_kernel.rope_pairs(x, cos, sin, sign)
     return _rot(x, cos, sin if sign > 0 else -sin)
@@ -319,8 +321,8 @@ class FluxTrainForward:
     def _ckpt(self, fn, *tensors, block=None, closed=(), order=0):
         if self.gradient_checkpointing and torch.is_grad_enabled():
             if order < self._n_sel:
-                from .selective_checkpoint import context_fn
-                return checkpoint(fn, *tensors, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn)
+                return checkpoint(fn, *tensors, use_reentrant=False, preserve_rng_state=False,
+                                  context_fn=selective_context_fn)
             if block is not None and self.fast_checkpoint and self.block_runner is None and \
                     not any(getattr(t, "requires_grad", False) for t in closed):
                 loras = self._loras.get(id(block))

@@ -66,8 +66,9 @@ context_fn = functools.partial(create_selective_checkpoint_contexts, save_policy
 
 
 def _linears(block):
+    # a Linear's LoRA is not a submodule (``lin.__dict__["_lora"]``): only the block's own Linears are seen here
     for name, m in block.named_modules():
-        if hasattr(m, "in_features") and hasattr(m, "out_features") and not name.endswith(("lora_down", "lora_up")):
+        if hasattr(m, "in_features") and hasattr(m, "out_features"):
             yield name, m
 
 
