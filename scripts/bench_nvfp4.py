@@ -52,18 +52,24 @@ def _ck_setup():
 
 
 
-SWEEP_CONFIGS = {   # (BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages), each tried with every SPLIT_K that divides
-    16: [(128, 16, 128, 4, 4), (64, 16, 256, 4, 4), (256, 16, 64, 8, 3)],
-    64: [(128, 64, 128, 4, 3), (128, 64, 64, 4, 4), (256, 64, 64, 8, 3)],
-    128: [(128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3)],
-    256: [(128, 128, 64, 8, 3), (128, 64, 128, 4, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 3)],
+# (BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages, PTX decode, transposed store) per M bucket; each tried
+# with every SPLIT_K that splits the K tiles evenly (only SPLIT_K = 1 from M = 2048 on)
+SWEEP_CONFIGS = {
+    16: [(128, 16, 128, 4, 4, 1, 0), (64, 16, 256, 4, 4, 1, 0), (64, 16, 256, 4, 4, 0, 0)],
+    64: [(128, 64, 128, 4, 3, 1, 0), (128, 64, 64, 4, 4, 1, 0), (128, 64, 64, 4, 4, 0, 0)],
+    256: [(64, 128, 64, 4, 3, 0, 0), (64, 128, 64, 4, 3, 1, 0), (64, 128, 128, 4, 3, 1, 0),
+          (128, 128, 64, 8, 3, 1, 0), (64, 256, 64, 4, 3, 1, 0), (128, 256, 64, 8, 3, 1, 0)],
+    1 << 30: [(64, 128, 64, 4, 3, 0, 0), (64, 128, 64, 4, 3, 1, 0), (64, 256, 64, 4, 3, 1, 0),
+              (128, 128, 64, 8, 3, 1, 0), (128, 256, 64, 8, 3, 1, 0), (128, 256, 64, 8, 4, 1, 0),
+              (128, 128, 128, 8, 3, 1, 0), (64, 256, 128, 4, 3, 1, 0), (128, 256, 64, 8, 3, 1, 1),
+              (256, 128, 64, 8, 3, 1, 0)],
 }
 SWEEP_SPLIT_K = (1, 2, 3, 4, 6, 8, 12)
 
 
-def sweep_w4a16(dev, args, shapes, ms):
-    """Fused W4A16 kernel over tile configs x SPLIT_K per M (one row each), vs bf16 cuBLAS and vs dequantize +
-    bf16 cuBLAS (the fidelity path's other kernel)."""
+def sweep_w4a16(dev, args, shapes, ms, ck=None):
+    """Fused W4A16 kernel over tile configs x SPLIT_K per M (one row each), vs bf16 cuBLAS, vs dequantize +
+    bf16 cuBLAS (the fidelity path's other kernel) and vs comfy-kitchen (when given), all single calls."""
     out = []
     gen = torch.Generator(device="cpu").manual_seed(1)
     for (k, n) in shapes:
@@ -77,32 +83,44 @@ def sweep_w4a16(dev, args, shapes, ms):
             wd = torch.empty((n, k), device=dev, dtype=torch.bfloat16)
             t_deq = _bench(lambda: F.linear(x, K.dequantize_nvfp4_triton(t.packed, t.block_scale, t.global_scale,
                                                                          (n, k), out=wd)), rep_ms=args.rep_ms)
+            t_ck = None
+            if ck is not None:
+                t_ck = _bench(lambda: F.linear(x, ck.dequantize_nvfp4(t.packed, t.global_scale, t.block_scale,
+                                                                      torch.bfloat16)[:n, :k]), rep_ms=args.rep_ms)
             ref = F.linear(x.float(), t.dequantize(torch.float32)[:n, :k])
             best = None
-            for (bn, bm, bk, nw, st) in cfgs:
+            for (bn, bm, bk, nw, st, asm, trans) in cfgs:
                 k_tiles = -(-k // bk)
-                for sk in SWEEP_SPLIT_K:
-                    if k_tiles % sk or k_tiles // sk < 2:
+                for sk in (SWEEP_SPLIT_K if m < 2048 else (1,)):
+                    if k_tiles % sk or k_tiles // sk < 2 or (trans and sk > 1):
                         continue
-                    cfg = (bn, bm, bk, sk, nw, st)
+                    cfg = (bn, bm, bk, sk, nw, st, asm, trans)
                     try:
                         y = K.w4a16_linear(x, t.packed, t.block_scale, t.global_scale, n, None, config=cfg)
                         err = ((y.float() - ref).norm() / ref.norm()).item()
                         ms_ = _bench(lambda: K.w4a16_linear(x, t.packed, t.block_scale, t.global_scale, n, None,
                                                             config=cfg), rep_ms=args.rep_ms)
                         row = {"K": k, "N": n, "M": m, "config": list(cfg), "ms": ms_, "bf16_ms": t_bf16,
-                               "dequant_bf16_ms": t_deq, "vs_bf16": t_bf16 / ms_, "rel_err": err,
-                               "default": list(cfg) == list(K.w4a16_config(m, n, k, dev))}
-                        if best is None or ms_ < best["ms"]:
+                               "dequant_bf16_ms": t_deq, "ck_ms": t_ck, "vs_bf16": t_bf16 / ms_, "rel_err": err,
+                               "default": list(cfg[:6]) == list(K.w4a16_config(m, n, k, dev))
+                               and bool(asm) == K.W4A16_ASM_DECODE and not trans}
+                        if err > 5e-3:
+                            row["error"] = f"relative error {err:.2e} vs the dequantized product"
+                        elif best is None or ms_ < best["ms"]:
                             best = row
                     except Exception as exc:  # noqa: BLE001
                         row = {"K": k, "N": n, "M": m, "config": list(cfg), "error": str(exc).splitlines()[0][:200]}
                     out.append(row)
             dflt = next((r for r in out if r.get("default") and r["K"] == k and r["N"] == n and r["M"] == m), None)
+            bad = [r for r in out if "error" in r and r["K"] == k and r["N"] == n and r["M"] == m]
+            nan = float("nan")
+            b_ms = best["ms"] if best else nan
+            vs_ck = f", {t_ck / b_ms:.2f}x ck" if t_ck else ""
             print(f"sweep K={k} N={n} M={m}: bf16 {t_bf16:.4f} ms, dequant+bf16 {t_deq:.4f} ms, "
-                  f"fused default {dflt['ms'] if dflt else float('nan'):.4f} ms {dflt['config'] if dflt else ''}, "
-                  f"fused best {best['ms'] if best else float('nan'):.4f} ms {best['config'] if best else ''}",
-                  flush=True)
+                  f"ck {t_ck if t_ck is not None else nan:.4f} ms, "
+                  f"fused default {dflt['ms'] if dflt else nan:.4f} ms {dflt['config'] if dflt else ''}, "
+                  f"fused best {b_ms:.4f} ms {best['config'] if best else ''} ({t_bf16 / b_ms:.2f}x bf16{vs_ck}); "
+                  f"{len(bad)} failed" + (f": {bad[0]['config']} {bad[0]['error']}" if bad else ""), flush=True)
         del w, t, wb
     return out
 
@@ -289,7 +307,7 @@ def main(argv=None):
         print(f"| {r['K']} | {r['N']} | {r['M']} | " + " | ".join(cells) + " | " + " | ".join(ratios) +
               f" | {r.get('fidelity_vs_ck', float('nan')):.2f} | {r.get('fidelity_kernel', '')} |")
     if args.sweep:
-        results_sweep = sweep_w4a16(dev, args, shapes, [int(v) for v in args.sweep_m.split(",")])
+        results_sweep = sweep_w4a16(dev, args, shapes, [int(v) for v in args.sweep_m.split(",")], ck)
     else:
         results_sweep = []
     if args.json:

@@ -103,6 +103,68 @@ if HAS_TRITON:
         lo = ((v >> 16) << 16).to(tl.float32, bitcast=True)
         return hi, lo
 
+    # Byte tables for ``_e2m1_pairs_scaled``: the bf16 / fp16 bit pattern of each E2M1 magnitude 0..7
+    # (0, .5, 1, 1.5, 2, 3, 4, 6), split into a high-byte and a low-byte table of 8 bytes each (two 32-bit
+    # registers, the operand pair of one PRMT). fp16's low bytes are all zero.
+    _E2M1_BF16_HI = (0x3F3F3F00, 0x40404040)
+    _E2M1_BF16_LO = (0xC0800000, 0xC0804000)
+    _E2M1_F16_HI = (0x3E3C3800, 0x46444240)
+    _E2M1_F16_LO = (0x00000000, 0x00000000)
+
+    def _e2m1_asm(hi_tab, lo_tab, f16: bool) -> str:
+        """PTX for 4 packed bytes ($4, hi_first nibbles) and their 4 block scales ($5 = [s0, s1], $6 = [s2, s3],
+        16-bit floats) -> $0 = [hi0, hi1], $1 = [hi2, hi3], $2 = [lo0, lo1], $3 = [lo2, lo3]: each nibble's
+        E2M1 value times its byte's scale, exact (<= 5 significant bits, in range for every E4M3 scale).
+        Magnitudes come from two byte-table PRMTs (index = the 3 magnitude bits of a nibble), a third PRMT
+        pairs low and high bytes into 16-bit values, a sign-replicating PRMT + LOP3 sets the sign bit; ~3
+        instructions per value instead of ~20 for the arithmetic decode."""
+        fma = "fma.rn.f16x2" if f16 else "fma.rn.bf16x2"
+        return f"""{{
+        .reg .b32 sa, sb, ha, la, hb, lb, w4, t, th0, th1, tl0, tl1, z, nz;
+        mov.b32 th0, {hi_tab[0]:#010x}; mov.b32 th1, {hi_tab[1]:#010x};
+        mov.b32 tl0, {lo_tab[0]:#010x}; mov.b32 tl1, {lo_tab[1]:#010x};
+        mov.b32 z, 0; mov.b32 nz, 0x80008000;
+        and.b32 sa, $4, 0x7777;
+        shr.u32 sb, $4, 16;
+        and.b32 sb, sb, 0x7777;
+        prmt.b32 ha, th0, th1, sa;
+        prmt.b32 la, tl0, tl1, sa;
+        prmt.b32 hb, th0, th1, sb;
+        prmt.b32 lb, tl0, tl1, sb;
+        shl.b32 w4, $4, 4;
+        prmt.b32 $0, la, ha, 0x7351;
+        prmt.b32 t, $4, z, 0x9484;
+        lop3.b32 $0, $0, t, nz, 0xF8;
+        prmt.b32 $1, lb, hb, 0x7351;
+        prmt.b32 t, $4, z, 0xB4A4;
+        lop3.b32 $1, $1, t, nz, 0xF8;
+        prmt.b32 $2, la, ha, 0x6240;
+        prmt.b32 t, w4, z, 0x9484;
+        lop3.b32 $2, $2, t, nz, 0xF8;
+        prmt.b32 $3, lb, hb, 0x6240;
+        prmt.b32 t, w4, z, 0xB4A4;
+        lop3.b32 $3, $3, t, nz, 0xF8;
+        {fma} $0, $0, $5, nz;
+        {fma} $1, $1, $6, nz;
+        {fma} $2, $2, $5, nz;
+        {fma} $3, $3, $6, nz;
+        }}"""
+
+    _E2M1_ASM_BF16 = tl.constexpr(_e2m1_asm(_E2M1_BF16_HI, _E2M1_BF16_LO, False))
+    _E2M1_ASM_F16 = tl.constexpr(_e2m1_asm(_E2M1_F16_HI, _E2M1_F16_LO, True))
+
+    @triton.jit
+    def _e2m1_pairs_scaled(p, s, F16: tl.constexpr):
+        """packed bytes p (uint8) and per-byte scales s (bf16 or fp16, p's shape) -> (value of the high nibble,
+        value of the low nibble) * s in s's dtype, exact. CUDA only (inline PTX; sm_80+)."""
+        if F16:
+            hv, lv = tl.inline_asm_elementwise(_E2M1_ASM_F16, "=r,=r,=r,=r,r,r,r", [p, s],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        else:
+            hv, lv = tl.inline_asm_elementwise(_E2M1_ASM_BF16, "=r,=r,=r,=r,r,r,r", [p, s],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return hv, lv
+
     @triton.jit
     def _swz_offset(row, col, NCB4):
         return ((row // 128) * NCB4 + col // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4 + col % 4
@@ -198,7 +260,8 @@ if HAS_TRITON:
     @triton.jit
     def _w4a16_swab_kernel(x_ptr, p_ptr, s_ptr, g_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, NCB4, TILES_PER,
                            HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                           ASM_DECODE: tl.constexpr, TRANS_STORE: tl.constexpr):
         """y^T[N, M] = dequant(W)[N, K] @ x^T[K, M] ("swap AB": the weight tile, decoded in registers, is the
         MMA's wide operand; the few activation rows are the narrow one, so BLOCK_M can be 16).
         The packed weight is read once per M tile (0.5 B/weight + scales). fp32 accumulation; the global
@@ -233,20 +296,30 @@ if HAS_TRITON:
                 kk = k0 + rk
                 xt = tl.load(x_base + kk[:, None], mask=kk[:, None] < K, other=0.0)
                 sv = tl.load(s_ptr + soff, mask=kb[None, :] < K // 16, other=0.0)
-            p = p.to(tl.int32)
-            hv = _e2m1_value((p >> 4) & 15)
-            lv = _e2m1_value(p & 15)
-            w = tl.reshape(tl.join(hv, lv), (BLOCK_N, BLOCK_K // 16, 16))
-            sf = sv.to(tl.float32)
-            w = tl.reshape(w * sf[:, :, None], (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
+            if ASM_DECODE:
+                sb = tl.broadcast_to(sv.to(x_ptr.dtype.element_ty)[:, :, None], (BLOCK_N, BLOCK_K // 16, 8))
+                hv, lv = _e2m1_pairs_scaled(p, tl.reshape(sb, (BLOCK_N, BLOCK_K // 2)),
+                                            x_ptr.dtype.element_ty == tl.float16)
+                w = tl.reshape(tl.join(hv, lv), (BLOCK_N, BLOCK_K))
+            else:
+                p = p.to(tl.int32)
+                hv = _e2m1_value((p >> 4) & 15)
+                lv = _e2m1_value(p & 15)
+                w = tl.reshape(tl.join(hv, lv), (BLOCK_N, BLOCK_K // 16, 16))
+                sf = sv.to(tl.float32)
+                w = tl.reshape(w * sf[:, :, None], (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
             acc = tl.dot(w, xt, acc)
         omask = (rn[:, None] < N) & (rm[None, :] < M)
         if SPLIT_K == 1:
             acc = acc * tl.load(g_ptr)
             if HAS_BIAS:
                 acc += tl.load(b_ptr + rn_l).to(tl.float32)[:, None]
-            tl.store(y_ptr + rm[None, :].to(tl.int64) * N + rn[:, None], acc.to(y_ptr.dtype.element_ty),
-                     mask=omask)
+            if TRANS_STORE:    # transpose in the kernel (through shared memory): rows of y stored contiguously
+                tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :],
+                         tl.trans(acc.to(y_ptr.dtype.element_ty)), mask=tl.trans(omask))
+            else:
+                tl.store(y_ptr + rm[None, :].to(tl.int64) * N + rn[:, None], acc.to(y_ptr.dtype.element_ty),
+                         mask=omask)
         else:
             tl.store(ws_ptr + (pid_k * M + rm[None, :]).to(tl.int64) * N + rn[:, None], acc, mask=omask)
 
@@ -512,6 +585,9 @@ W4A16_CONFIGS = [
     (1 << 30, 64, 128, 64, 4, 3),
 ]
 _SM_COUNT: dict = {}
+# decode the weight with the PTX byte-table routine (``_e2m1_pairs_scaled``); off = the arithmetic decode (the
+# only one the Triton interpreter can run). SEEDVR2BW_W4A16_ASM=0 turns it off on a GPU.
+W4A16_ASM_DECODE = os.environ.get("SEEDVR2BW_W4A16_ASM", "1") != "0"
 
 
 def _sm_count(device) -> int:
@@ -557,17 +633,21 @@ def w4a16_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bia
     if M == 0:
         return y
     g = global_scale.to(device=x.device, dtype=torch.float32).reshape(1)
-    bn, bm, bk, sk, w, st = config or w4a16_config(M, n, K, x.device)
+    config = tuple(config or w4a16_config(M, n, K, x.device))
+    sk = config[3]
     ws = torch.empty((sk, M, n), dtype=torch.float32, device=x.device) if sk > 1 else y
     for fn, grid, args, consts, nw, ns in _w4a16_launches(x, packed, block_scale, g, bias, y, ws, M, n, K,
-                                                          (bn, bm, bk, sk, w, st)):
+                                                          config):
         _launch(fn, grid, args, consts, nw, ns)
     return y
 
 
 def _w4a16_launches(x, packed, block_scale, g, bias, y, ws, M, n, K, config):
     """The (kernel, grid, args, constexprs, num_warps, num_stages) launches of one ``w4a16_linear`` call."""
-    bn, bm, bk, sk, w, st = config
+    bn, bm, bk, sk, w, st = config[:6]
+    # optional 7th / 8th entries (the benchmark's sweep): PTX decode, transposed store
+    asm = bool(config[6]) if len(config) > 6 else W4A16_ASM_DECODE
+    trans = bool(config[7]) if len(config) > 7 else False
     has_bias = bias is not None
     b = bias if has_bias else g
     k_tiles = -(-K // bk)
@@ -576,7 +656,8 @@ def _w4a16_launches(x, packed, block_scale, g, bias, y, ws, M, n, K, config):
     grid = (-(-n // bn), -(-M // bm), sk)
     out = [(_w4a16_swab_kernel, grid, (x, packed, block_scale, g, b, y, ws, M, n, K, x.stride(0),
                                        block_scale.shape[1] // 4, k_tiles // sk),
-            dict(HAS_BIAS=has_bias, EVEN_K=(K % bk == 0), BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, SPLIT_K=sk), w, st)]
+            dict(HAS_BIAS=has_bias, EVEN_K=(K % bk == 0), BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, SPLIT_K=sk,
+                 ASM_DECODE=asm and not _INTERPRET, TRANS_STORE=trans and sk == 1), w, st)]
     if sk > 1:
         mn = M * n
         out.append((_splitk_reduce_kernel, (-(-mn // 1024), 1, 1), (ws, g, b, y, mn, n),

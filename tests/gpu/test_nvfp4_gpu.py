@@ -179,6 +179,60 @@ def test_pipelined_matches_expected_and_is_stream_safe(split, chunks, n, k, bias
         assert err < 1e-2, err
 
 
+if K.HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _decode_probe(p_ptr, s_ptr, hi_ptr, lo_ptr, R: tl.constexpr, C: tl.constexpr, F16: tl.constexpr):
+        offs = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+        hv, lv = K._e2m1_pairs_scaled(tl.load(p_ptr + offs), tl.load(s_ptr + offs), F16)
+        tl.store(hi_ptr + offs, hv)
+        tl.store(lo_ptr + offs, lv)
+
+
+@cuda
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ptx_e2m1_decode_exhaustive(dtype):
+    """The PTX byte-table decode of the fused kernel: every byte (both nibbles, both signs) times every kind of
+    E4M3 block scale (smallest subnormal, normal, 448, zero), each byte with its own scale: exact."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(64)[torch.randperm(256 * 64)].reshape(128, 128)
+    scales = torch.tensor([2.0 ** -9, 2.0 ** -6, 0.4375, 1.0, 1.125, 13.0, 240.0, 448.0, 0.0])
+    s = scales[torch.randint(0, len(scales), codes.shape)].to(torch.float8_e4m3fn).float()
+    values = torch.tensor(fmt.E2M1_VALUES)
+    want_hi = values[(codes >> 4).long()] * s
+    want_lo = values[(codes & 15).long()] * s
+    hi = torch.empty(codes.shape, dtype=dtype, device=DEV)
+    lo = torch.empty_like(hi)
+    _decode_probe[(1,)](codes.to(DEV), s.to(dtype).to(DEV), hi, lo, R=128, C=128, F16=dtype == torch.float16)
+    assert torch.equal(hi.float().cpu(), want_hi.to(dtype).float())       # both exact in dtype
+    assert torch.equal(lo.float().cpu(), want_lo.to(dtype).float())
+    assert torch.equal(want_hi.to(dtype).float(), want_hi)                 # ... and the products need no rounding
+    neg_zero = (codes >> 4 == 8) & (s > 0)
+    assert torch.signbit(hi.float().cpu()[neg_zero]).all()                 # -0 keeps its sign
+
+
+@cuda
+@needs_triton
+@pytest.mark.parametrize("cfg", [(64, 128, 64, 1, 4, 3, 0, 0), (64, 128, 64, 1, 4, 3, 1, 0),
+                                 (128, 256, 64, 1, 8, 3, 1, 0), (128, 256, 64, 1, 8, 3, 1, 1),
+                                 (64, 256, 128, 2, 4, 3, 1, 0), (128, 128, 64, 4, 8, 3, 1, 0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a16_large_tiles_and_decodes(cfg, dtype):
+    """The large-M tiles, the PTX and the arithmetic decode, the transposed store: all equal the exact product
+    (M, N not multiples of the tile; bias)."""
+    m, n, k = 700, 333, 1024
+    t = fmt.quantize_nvfp4(torch.randn(n, k) * 0.1, return_tensor=True)
+    x = torch.randn(m, k).to(dtype)
+    b = torch.randn(n).to(dtype)
+    want = x.double() @ t.dequantize().double().t() + b.double()
+    got = K.w4a16_linear(x.to(DEV), t.packed.to(DEV), t.block_scale.to(DEV), t.global_scale.to(DEV), n,
+                         b.to(DEV), config=cfg)
+    err = ((got.double().cpu() - want).norm() / want.norm()).item()
+    assert err < 5e-3, (err, cfg)
+
+
 @cuda
 @needs_triton
 def test_w4a16_kernel_matches_exact_product():
