@@ -569,20 +569,18 @@ def _m_bucket(m: int) -> int:
 
 
 # (max M, BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages) for the swap-AB W4A16 kernel; first row whose max M
-# covers M is used. SPLIT_K is then chosen so that the grid has >= ~2 programs per SM with >= 4 K tiles each.
+# covers M is used. SPLIT_K then comes from ``splitk_for`` (a wave / partial-sum cost model).
 W4A16_CONFIGS = [
     # H100, bench_nvfp4 --sweep (do_bench median, one launch per sample), K=3072:
     #   M=16:  (64,16,256)  0.023 ms N=3072 / 0.040 ms N=12288 (0.75x / 0.99x bf16) vs (128,16,128) 0.153 / 0.048
     #   M=64:  (128,64,64)  0.024 / 0.052 ms (0.65x / 0.78x bf16)                  vs (128,64,128)  0.032 / 0.082
-    #   M=256: (128,256,64) 0.080 / 0.090 ms (0.23x / 0.49x bf16); (128,128,64)    0.071 / 0.134
     (16, 64, 16, 256, 4, 4),
     (32, 64, 32, 256, 4, 4),
     (64, 128, 64, 64, 4, 4),
-    # M=128/256, 6 SeedVR2 shapes x 4 tiles x SPLIT_K 1..12 (bench_nvfp4 --sweep --sweep-m 128,256, commit 686dc17):
-    #   (64,128,64) 4 warps was the fastest tile on 9 of 12; at M=128 0.024-0.054 ms, 1.0-1.6x faster than
-    #   dequantize + cuBLAS; the old (128,128,64)/(128,256,64) rows ran 0.034-0.131 ms (too few programs: split-K
-    #   was capped by the partials rule below)
-    (1 << 30, 64, 128, 64, 4, 3),
+    # M=256, 6 SeedVR2 shapes x 6 tiles x SPLIT_K 1..12, PTX decode (bench_nvfp4 --sweep --sweep-m 256,4096, commit
+    # fa97e0e): (64,128,128) 4 warps fastest on all 6 shapes, 0.026-0.068 ms (0.58-0.82x bf16 cuBLAS); the former
+    # (64,128,64) row 0.029-0.077 ms at its best SPLIT_K; 128-row and 256-token tiles 10-40 % slower
+    (1 << 30, 64, 128, 128, 4, 3),
 ]
 _SM_COUNT: dict = {}
 # decode the weight with the PTX byte-table routine (``_e2m1_pairs_scaled``); off = the arithmetic decode (the
@@ -597,6 +595,23 @@ def _sm_count(device) -> int:
     return _SM_COUNT[key]
 
 
+def splitk_for(tiles: int, k_tiles: int, m: int, n: int, sms: int) -> int:
+    """SPLIT_K for ``tiles`` output tiles of ``k_tiles`` K tiles each on ``sms`` SMs: the smallest estimated
+    time, in K-tile steps (~0.9 us each on the H100 at the M=256 tile): waves x K tiles per split, plus for a split
+    ~3 steps (the reduce launch) and its fp32 partials (written and read: 8 B per output per split, ~4 TB/s).
+    Fits the M=256 sweep of commit fa97e0e on all six SeedVR2 shapes (chooses 1, 3, 1, 4, 1, 1; measured best)."""
+    best, best_est = 1, None
+    for sk in (1, 2, 3, 4, 6, 8, 12):
+        if k_tiles % sk or (sk > 1 and k_tiles // sk < 4):
+            continue
+        est = -(-tiles * sk // sms) * (k_tiles // sk)
+        if sk > 1:
+            est += 3 + sk * m * n * 8 / 4e6
+        if best_est is None or est < best_est:
+            best, best_est = sk, est
+    return best
+
+
 def w4a16_config(m: int, n: int, k: int, device, configs=None):
     """(BLOCK_N, BLOCK_M, BLOCK_K, SPLIT_K, num_warps, num_stages) for an [m, k] x [n, k]^T product."""
     for row in (configs or W4A16_CONFIGS):
@@ -604,17 +619,7 @@ def w4a16_config(m: int, n: int, k: int, device, configs=None):
             _, bn, bm, bk, w, st = row
             break
     tiles = -(-n // bn) * -(-m // bm)
-    k_tiles = -(-k // bk)
-    sk = 1
-    target = 2 * _sm_count(torch.device(device))
-    # fp32 partials (sk * m * n * 4 B, written once, read once, mostly from L2) <= 4x the packed weight; the
-    # tighter "<= 1x" rule of before kept M=128-256 at 24-96 programs on 132 SMs (0.06-0.13 ms instead of 0.02-0.05)
-    max_sk = max(1, k // (2 * m))
-    for cand in (2, 3, 4, 6, 8):   # K tiles must split evenly (each split a whole number of tiles, >= 4)
-        if tiles * sk >= target or cand > max_sk:
-            break
-        if k_tiles % cand == 0 and k_tiles // cand >= 4:
-            sk = cand
+    sk = splitk_for(tiles, -(-k // bk), m, n, _sm_count(torch.device(device)))
     return bn, bm, bk, sk, w, st
 
 
