@@ -47,9 +47,11 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(K, "_FAST_LAUNCH", [True])
     monkeypatch.setattr(K, "_FAST_CACHE", {})
     jits = {}
-    for name in ("_w4a16_swab_kernel", "_splitk_reduce_kernel", "_act_fp8_row_kernel"):
+    for name in ("_w4a16_swab_kernel", "_splitk_reduce_kernel", "_act_fp8_row_kernel", "_dequant_kernel"):
         jits[name] = _Jit(name, log)
         monkeypatch.setattr(K, name, jits[name])
+    # the dequantize kernel is autotuned: the cached relaunch keys on the config the autotuner chose
+    jits["_dequant_kernel"].best_config = type("Cfg", (), {"kwargs": {"BLOCK_R": 32, "BLOCK_C": 64}})()
 
     def fake_scaled_mm(a, b, scale_a=None, scale_b=None, out_dtype=torch.bfloat16, bias=None, use_fast_accum=False):
         log.append(("scaled_mm", (a, b, scale_a, scale_b, out_dtype, bias, use_fast_accum)))
@@ -142,7 +144,7 @@ def test_fp8_plan_launches_and_calls_scaled_mm_like_the_full_forward(fake_gpu):
 
 def test_no_plan_where_the_call_is_not_a_single_fused_launch(fake_gpu):
     layer = _layer(256, 512)
-    x = torch.randn(300, 512).to(torch.bfloat16)      # M > FUSED_MAX_M: dequant + cuBLAS, no plan
+    x = torch.randn(300, 512).to(torch.bfloat16)
     layer._plans[(x.shape, x.dtype, x.get_device())] = None
     layer.pre_quant_scale = torch.ones(512)
     assert not layer._plans                           # assigning a buffer clears the plans
@@ -153,6 +155,39 @@ def test_no_plan_where_the_call_is_not_a_single_fused_launch(fake_gpu):
     xo = torch.randn(4, 72).to(torch.bfloat16)
     odd(xo)
     assert odd._plans[(xo.shape, xo.dtype, xo.get_device())] is None
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_dequant_plan_launches_and_multiplies_like_the_full_forward(fake_gpu, monkeypatch, bias):
+    """M > FUSED_MAX_M: dequantize + cuBLAS. The plan launches the dequantize kernel as the full forward does
+    (same grid, integers, constexprs, weight-side tensors; a fresh output) and multiplies by what it wrote."""
+    log, _ = fake_gpu
+    products = []
+    real_linear = torch.nn.functional.linear
+
+    def spy_linear(x, w, b=None):
+        products.append((x, w, b))
+        return real_linear(x, w, b)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy_linear)
+    layer = _layer(256, 512, bias=bias)
+    x = torch.randn(2, 300, 512).to(torch.bfloat16)
+    mark = len(log)
+    y0 = layer(x)                                     # full forward: binds (autotunes) the kernel, makes the plan
+    assert callable(layer._plans[(x.shape, x.dtype, x.get_device())])
+    full = [e for e in log[mark:] if e[0] == "bind"]
+    mark = len(log)
+    y = layer(x)
+    (run,) = _runs(log, mark)
+    assert run[1] == "_dequant_kernel" and not [e for e in log[mark:] if e[0] == "bind"]
+    grid = full[0][2]({"BLOCK_R": 32, "BLOCK_C": 64})
+    assert tuple(run[2][:3]) == tuple(grid) + (1,) * (3 - len(grid))
+    assert _norm(full[0][3], layer) == _norm(run[2][9:9 + len(full[0][3])], layer)
+    assert run[2][9 + len(full[0][3]):] == (32, 64)
+    (xp, wp, bp), (xf, wf, bf) = products[-1], products[0]
+    assert wp is run[2][9 + 4] and wp.shape == wf.shape == (256, 512) and wp.dtype == wf.dtype
+    assert bp is layer.bias and (bf is None) == (not bias)
+    assert y.shape == y0.shape == (2, 300, 256)
 
 
 def test_plans_are_dropped_when_their_inputs_change(fake_gpu):
@@ -217,7 +252,8 @@ def test_hook_detection_understands_hook_chains():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bit equality of plan and full forward)")
 @pytest.mark.parametrize("path", ["fidelity", "fp8_speed"])
-@pytest.mark.parametrize("m,n,k", [(1, 3072, 3072), (16, 6912, 2560), (64, 640, 2560), (256, 1000, 3072)])
+@pytest.mark.parametrize("m,n,k", [(1, 3072, 3072), (16, 6912, 2560), (64, 640, 2560), (256, 1000, 3072),
+                                   (1100, 640, 2560), (4096, 3072, 3072)])
 def test_plan_gives_the_same_bits_as_the_full_forward_on_cuda(path, m, n, k):
     from seedvr2bw.optimization.nvfp4 import format as fmt
     if path == "fp8_speed" and torch.cuda.get_device_capability() < (8, 9):

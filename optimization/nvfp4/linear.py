@@ -427,7 +427,10 @@ class NVFP4Linear(_QuantLinearBase):
         out_shape = tuple(x.shape[:-1]) + (self.out_features,)
         try:
             if path == "fidelity":
-                if self._fidelity_kernel_for(x2) != "fused":
+                kern = self._fidelity_kernel_for(x2)
+                if kern == "dequant":
+                    return self._dequant_plan(x2, out_shape)
+                if kern != "fused":
                     return None
                 return K.w4a16_plan(x2, self.weight, self.weight_scale, self.weight_scale_2, self.out_features,
                                     self.bias, out_shape)
@@ -435,6 +438,25 @@ class NVFP4Linear(_QuantLinearBase):
         except Exception as exc:  # noqa: BLE001 - no plan: the full forward keeps working
             log.debug("NVFP4 launch plan not made: %s: %s", type(exc).__name__, exc)
             return None
+
+    def _dequant_plan(self, x2, out_shape):
+        """Dequantize (cached launch) + cuBLAS for inputs like x2: what ``_fidelity_dequant`` does, decided once."""
+        dtype = x2.dtype
+        if dtype not in (torch.bfloat16, torch.float16) or (self.bias is not None and self.bias.dtype != dtype):
+            return None
+        dq = K.dequant_plan(self.weight, self.weight_scale, self.weight_scale_2,
+                            (self.out_features, self.in_features), dtype)
+        if dq is None:
+            return None
+        bias, flat, linear = self.bias, len(out_shape) == 2, F.linear
+
+        def plan(xc):
+            w = dq()
+            if w is None:
+                return None
+            y = linear(xc, w, bias)
+            return y if flat else y.view(out_shape)
+        return plan
 
     def _fp8_plan(self, x2, out_shape):
         if x2.dtype != torch.bfloat16 or (self.bias is not None and self.bias.dtype != torch.bfloat16):
