@@ -93,3 +93,4 @@ def test_w4a16_config_splits_k_evenly(m, n, k):
     k_tiles = -(-k // bk)
     assert k_tiles % sk == 0 and (sk == 1 or k_tiles // sk >= 4)
     assert bm >= 16 and bn >= 16 and bk % 16 == 0
+

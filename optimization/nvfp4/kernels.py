@@ -280,12 +280,16 @@ if HAS_TRITON:
         HALF = K // 2
         p_base = p_ptr + rn_l[:, None].to(tl.int64) * HALF
         x_base = x_ptr + rm_l[None, :].to(tl.int64) * stride_xm
-        s_row = rn_l[:, None].to(tl.int64)
+        # swizzled 128x4 scale layout (``_swz_offset``) split into a row part and a column part: a K tile's scales
+        # are then runs of 4 contiguous bytes per row, which Triton's pipeliner copies ahead asynchronously
+        # (the per-element offset it could not analyse cost a synchronous load + a layout shuffle per K tile)
+        s_row = ((rn_l // 128).to(tl.int64) * NCB4 * 512 + (rn_l % 32) * 16 + ((rn_l % 128) // 32) * 4)[:, None]
+        s_col = ((rb // 4) * 512 + rb % 4)[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for t in range(0, TILES_PER):
-            k0 = (pid_k * TILES_PER + t) * BLOCK_K
+            k0 = (pid_k * TILES_PER + t) * BLOCK_K      # a multiple of 64 (BLOCK_K is)
             kb = k0 // 16 + rb
-            soff = _swz_offset(s_row, kb[None, :], NCB4)
+            soff = s_row + (k0 // 64) * 512 + s_col
             if EVEN_K:
                 p = tl.load(p_base + (k0 // 2 + rkp)[None, :])
                 xt = tl.load(x_base + (k0 + rk)[:, None])
@@ -613,7 +617,9 @@ W4A16_CONFIGS = [
     #   M=64:  (128,64,64)  0.024 / 0.052 ms (0.65x / 0.78x bf16)                  vs (128,64,128)  0.032 / 0.082
     (16, 64, 16, 256, 4, 4),
     (32, 64, 32, 256, 4, 4),
-    (64, 128, 64, 64, 4, 4),
+    # M=64 (sweep of commit 881aff9, PTX decode): (64,64,128) 4 warps 3 stages faster than (128,64,64) on all six
+    # SeedVR2 shapes, 0.017-0.033 ms vs 0.020-0.050 ms (0.91-1.30x bf16 cuBLAS)
+    (64, 64, 64, 128, 4, 3),
     # M=256, 6 SeedVR2 shapes x 6 tiles x SPLIT_K 1..12, PTX decode (bench_nvfp4 --sweep --sweep-m 256,4096, commit
     # fa97e0e): (64,128,128) 4 warps fastest on all 6 shapes, 0.026-0.068 ms (0.58-0.82x bf16 cuBLAS); the former
     # (64,128,64) row 0.029-0.077 ms at its best SPLIT_K; 128-row and 256-token tiles 10-40 % slower
@@ -693,6 +699,8 @@ def _w4a16_launches(x, packed, block_scale, g, bias, y, ws, M, n, K, config):
     has_bias = bias is not None
     b = bias if has_bias else g
     k_tiles = -(-K // bk)
+    if bk % 64:
+        raise ValueError(f"BLOCK_K={bk} is not a multiple of 64 (a K tile must cover whole 128x4 scale groups)")
     if k_tiles % sk:
         raise ValueError(f"SPLIT_K={sk} does not divide the {k_tiles} K tiles")
     grid = (-(-n // bn), -(-M // bm), sk)
