@@ -5,7 +5,9 @@ Times, at M = 4096 on SeedVR2 shapes, one swap-AB Triton kernel in several varia
   noscale  PTX decode, block scales skipped (the decode's own cost)
   perm     PTX decode + block scales read as one contiguous run per tile (weight rows permuted in the tile so
            the swizzled 128x4 scale layout becomes row-major; the output store un-permutes)
+  tile_scales  PTX decode + block scales as a [BLOCK_N, BLOCK_K/16] tile of 4-byte runs (what the kernel does now)
   current  kernels.w4a16_linear (production kernel)
+(Commit 57bd339 also had scales gathered per packed byte, as bf16 and as raw bytes decoded in PTX: 2-3x slower.)
 Each variant is checked against the dequantized product first (noscale against its own reference).
     python scripts/device/w4a16_probe.py [--m 4096] [--shapes 3072x12288,...]
 """
@@ -24,56 +26,6 @@ from triton.testing import do_bench  # noqa: E402
 
 from seedvr2bw.optimization.nvfp4 import format as fmt  # noqa: E402
 from seedvr2bw.optimization.nvfp4 import kernels as K  # noqa: E402
-
-
-def _raw_scale_asm() -> str:
-    """PTX: 4 packed bytes ($4) and the raw E4M3 scale byte of each ($5) -> bf16 pairs as in
-    kernels._e2m1_pairs_scaled. The E2M1 tables hold q * 2^120 and the scale bytes are re-based into bf16 bit
-    patterns worth s * 2^-120 (E4M3 subnormals become bf16 subnormals with the same factor), so the product is
-    q * s exactly with no conversion instruction."""
-    return """{
-    .reg .b32 sa, sb, ha, la, hb, lb, w4, t, th0, th1, tl0, tl1, z, nz, u, v, s01, s23;
-    mov.b32 th0, 0x7b7b7b00; mov.b32 th1, 0x7c7c7c7c;
-    mov.b32 tl0, 0xc0800000; mov.b32 tl1, 0xc0804000;
-    mov.b32 z, 0; mov.b32 nz, 0x80008000;
-    prmt.b32 u, $5, z, 0x4140;
-    shl.b32 v, u, 4;
-    shl.b32 u, u, 8;
-    and.b32 v, v, 0x07f007f0;
-    lop3.b32 s01, v, u, nz, 0xF8;
-    prmt.b32 u, $5, z, 0x4342;
-    shl.b32 v, u, 4;
-    shl.b32 u, u, 8;
-    and.b32 v, v, 0x07f007f0;
-    lop3.b32 s23, v, u, nz, 0xF8;
-    and.b32 sa, $4, 0x7777;
-    shr.u32 sb, $4, 16;
-    and.b32 sb, sb, 0x7777;
-    prmt.b32 ha, th0, th1, sa;
-    prmt.b32 la, tl0, tl1, sa;
-    prmt.b32 hb, th0, th1, sb;
-    prmt.b32 lb, tl0, tl1, sb;
-    shl.b32 w4, $4, 4;
-    prmt.b32 $0, la, ha, 0x7351;
-    prmt.b32 t, $4, z, 0x9484;
-    lop3.b32 $0, $0, t, nz, 0xF8;
-    prmt.b32 $1, lb, hb, 0x7351;
-    prmt.b32 t, $4, z, 0xB4A4;
-    lop3.b32 $1, $1, t, nz, 0xF8;
-    prmt.b32 $2, la, ha, 0x6240;
-    prmt.b32 t, w4, z, 0x9484;
-    lop3.b32 $2, $2, t, nz, 0xF8;
-    prmt.b32 $3, lb, hb, 0x6240;
-    prmt.b32 t, w4, z, 0xB4A4;
-    lop3.b32 $3, $3, t, nz, 0xF8;
-    fma.rn.bf16x2 $0, $0, s01, nz;
-    fma.rn.bf16x2 $1, $1, s23, nz;
-    fma.rn.bf16x2 $2, $2, s01, nz;
-    fma.rn.bf16x2 $3, $3, s23, nz;
-    }"""
-
-
-_RAW_ASM = tl.constexpr(_raw_scale_asm())
 
 
 @triton.jit
@@ -125,16 +77,7 @@ def _probe_kernel(x_ptr, p_ptr, s_ptr, wb_ptr, y_ptr, g, M, N, Kd, NCB4, TILES,
             w = tl.load(wb_base + k0)
         else:
             p = tl.load(p_base + k0 // 2)
-            if V == 3 or V == 4:   # scales gathered straight into p's layout (one per packed byte)
-                sp = s_row + ((k0 + 2 * rkp) // 64 * 512 + ((2 * rkp) // 16) % 4)[None, :]
-                if V == 3:
-                    sb = tl.load(s_ptr + sp).to(tl.bfloat16)
-                    hv, lv = K._e2m1_pairs_scaled(p, sb, False)
-                else:
-                    sr = tl.load(s_ptr + sp).to(tl.uint8, bitcast=True)
-                    hv, lv = tl.inline_asm_elementwise(_RAW_ASM, "=r,=r,=r,=r,r,r", [p, sr],
-                                                       dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-            elif V == 1:
+            if V == 1:
                 sb = tl.full((BLOCK_N, BLOCK_K // 2), 1.0, tl.bfloat16)
                 hv, lv = K._e2m1_pairs_scaled(p, sb, False)
             elif V == 5:   # scales as a [BLOCK_N, BLOCK_K/16] tile whose offsets are provably 4-byte runs
@@ -162,7 +105,7 @@ def main():
     args = ap.parse_args()
     dev = torch.device("cuda")
     out = []
-    variants = {"plain": 0, "noscale": 1, "gather_bf16": 3, "gather_raw": 4, "tile_scales": 5}
+    variants = {"plain": 0, "noscale": 1, "perm": 2, "tile_scales": 5}
     if args.m <= 512:
         tiles = [(64, 128, 128, 4, 3, 0), (64, 128, 64, 4, 3, 0), (64, 256, 128, 4, 3, 0)]
     else:
