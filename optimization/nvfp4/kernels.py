@@ -524,31 +524,35 @@ def act_fp8_config(K: int) -> tuple[int, int]:
     return block_k, max(4, min(16, block_k // 512))
 
 
+def _dequant_args(packed, block_scale, g, out, n: int, k: int, col0: int):
+    """(arguments of ``_dequant_kernel``, its cached-relaunch key, half_c) for one dequantize call; shared by
+    ``dequantize_nvfp4_triton`` and ``dequant_plan`` so the plan finds what the full call cached."""
+    R, HALF = packed.shape
+    c0 = col0 // 2
+    half_c = min(HALF - c0, (k + 1) // 2)
+    args = (packed, block_scale, byte_lut(packed.device), g, out, R, HALF, n, k, block_scale.shape[1] // 4, c0,
+            half_c)
+    return args, ("dq", packed.device.index, R, HALF, half_c, out.dtype, _spec_key(args)), half_c
+
+
 def dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype=torch.bfloat16, out=None,
                             col0: int = 0):
     """NVFP4 (internal convention) -> ``dtype`` [shape], bit-exact with ``format.dequantize_nvfp4``.
     ``col0`` (a multiple of 16): dequantize columns [col0, col0 + shape[1]) of the weight only."""
     _check_triton(packed)
-    R, HALF = packed.shape
     n, k = shape
     if col0 % 16:
         raise ValueError(f"col0={col0} is not a multiple of 16")
     if out is None:
         out = torch.empty((n, k), dtype=dtype, device=packed.device)
-    sc = block_scale.shape[1]
     g = global_scale.to(device=packed.device, dtype=torch.float32).reshape(1)
-    c0 = col0 // 2
-    half_c = min(HALF - c0, (k + 1) // 2)
-    kh = half_c
+    args, key, kh = _dequant_args(packed, block_scale, g, out, n, k, col0)
     if _INTERPRET:
-        _dequant_kernel.fn[(triton.cdiv(n, 32), triton.cdiv(kh, 64))](packed, block_scale, byte_lut(packed.device),
-                                                                       g, out, R, HALF, n, k, sc // 4, c0, half_c,
-                                                                       BLOCK_R=32, BLOCK_C=64)
+        _dequant_kernel.fn[(triton.cdiv(n, 32), triton.cdiv(kh, 64))](*args, BLOCK_R=32, BLOCK_C=64)
     else:
-        args = (packed, block_scale, byte_lut(packed.device), g, out, R, HALF, n, k, sc // 4, c0, half_c)
-        key = None
-        if _FAST_LAUNCH[0]:
-            key = ("dq", packed.device.index, R, HALF, half_c, out.dtype, _spec_key(args))
+        if not _FAST_LAUNCH[0]:
+            key = None
+        else:
             ent = _FAST_CACHE.get(key)
             if ent is not None:
                 kern, br, bc = ent
@@ -574,23 +578,19 @@ def dequant_plan(packed, block_scale, global_scale, shape, dtype):
     if (not _FAST_LAUNCH[0] or _INTERPRET or global_scale.dtype != torch.float32 or global_scale.numel() != 1
             or global_scale.device != packed.device):
         return None
-    R, HALF = packed.shape
     n, k = shape
-    half_c = min(HALF, (k + 1) // 2)
     dev = packed.device
-    lut = byte_lut(dev)
-    out = torch.empty((n, k), dtype=dtype, device=dev)
-    args = (packed, block_scale, lut, global_scale.reshape(1), out, R, HALF, n, k, block_scale.shape[1] // 4, 0,
-            half_c)
-    ent = _FAST_CACHE.get(("dq", dev.index, R, HALF, half_c, dtype, _spec_key(args)))
+    args, key, half_c = _dequant_args(packed, block_scale, global_scale.reshape(1),
+                                      torch.empty((n, k), dtype=dtype, device=dev), n, k, 0)
+    ent = _FAST_CACHE.get(key)
     if ent is None:
         return None
     kern, br, bc = ent
     run, fn, md = kern.run, kern.function, kern.packed_metadata
     grid = (-(-n // br), -(-half_c // bc), 1)
-    tail = (R, HALF, n, k, block_scale.shape[1] // 4, 0, half_c, br, bc)
+    lut, tail = args[2], tuple(args[5:]) + (br, bc)
     index = dev.index
-    del out, args
+    del args
 
     def plan():
         if (packed.data_ptr() | block_scale.data_ptr() | global_scale.data_ptr()) & 15:
