@@ -1,6 +1,6 @@
 """Device probe (H100), two questions left open by session 5 for the NVFP4 fidelity path:
 
-A. M = 256: is the fused W4A16 kernel bound by re-reading the activations from L2? Each (BLOCK_N x BLOCK_M)
+A. M = 256 (CUDA-graph times): is the fused W4A16 kernel bound by re-reading the activations from L2? Each (BLOCK_N x BLOCK_M)
    tile reads its BLOCK_M tokens over the whole K, so the activation traffic is (N / BLOCK_N) x M x K x 2 bytes
    (295 MB for 3072 x 12288: 5 TB/s at the kernel's 0.059 ms). Tiles with 128 or 256 weight rows halve or
    quarter it; 4-warp variants keep 2-3 CTAs per SM. Timed against the production config and bf16 cuBLAS.
@@ -80,7 +80,7 @@ def part_a(dev, shapes, m, inner, out):
         wb = w.to(torch.bfloat16)
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         ref = F.linear(x.float(), t.dequantize(torch.float32)[:n, :k])
-        t_bf16 = timed(lambda: F.linear(x, wb), inner)
+        t_bf16 = graphed(lambda: F.linear(x, wb), inner)
         dflt = K.w4a16_config(m, n, k, dev)
         rows = []
         for bn, bm, bk, nw, st in TILES_A:
@@ -95,8 +95,9 @@ def part_a(dev, shapes, m, inner, out):
                     if err > 5e-3:
                         rows.append({"config": cfg, "error": f"rel err {err:.2e}"})
                         continue
-                    ms = timed(lambda: K.w4a16_linear(x, t.packed, t.block_scale, t.global_scale, n, None,
-                                                      config=cfg), inner)
+                    # CUDA-graph replays: the GPU time (the eager call here has no launch plan: host-bound)
+                    ms = graphed(lambda: K.w4a16_linear(x, t.packed, t.block_scale, t.global_scale, n, None,
+                                                        config=cfg), inner)
                     rows.append({"config": cfg, "ms": ms, "vs_bf16": t_bf16 / ms, "default": cfg == tuple(dflt)})
                 except Exception as exc:  # noqa: BLE001
                     rows.append({"config": cfg, "error": str(exc).splitlines()[0][:160]})
