@@ -257,6 +257,40 @@ if HAS_TRITON:
         tl.store(o_ptr + rows[:, None].to(tl.int64) * K_OUT + ocols[None, :], vals.to(o_ptr.dtype.element_ty),
                  mask=omask)
 
+    @triton.autotune(configs=[triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
+                              for r, c, w in ((32, 64, 4), (16, 128, 4), (32, 128, 8), (8, 256, 4), (64, 64, 8),
+                                              (16, 256, 8), (4, 512, 4), (64, 128, 8), (128, 64, 8))],
+                     key=["R", "HALF", "HALF_C", "ASM_DECODE"], **_AUTOTUNE_DISK_CACHE)
+    @triton.jit
+    def _dequant_blocks_kernel(p_ptr, s_ptr, lut_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4, C0, HALF_C,
+                               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ASM_DECODE: tl.constexpr):
+        """``_dequant_kernel`` with the tile as [rows, 16-blocks, 8 bytes]: one scale load per block (not per
+        byte) and, with ASM_DECODE, the PRMT byte-table decode instead of the table gather."""
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        NB: tl.constexpr = BLOCK_C // 8
+        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        blk = pid_c * NB + tl.arange(0, NB)
+        pcol = blk[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+        rmask = rows < R
+        mask = rmask[:, None, None] & (pcol < HALF_C)
+        p = tl.load(p_ptr + rows[:, None, None].to(tl.int64) * HALF + C0 + pcol, mask=mask, other=0)
+        g = tl.load(g_ptr)
+        soff = _swz_offset(rows[:, None].to(tl.int64), (C0 // 8 + blk)[None, :], NCB4)
+        s = tl.load(s_ptr + soff, mask=rmask[:, None] & (blk[None, :] * 8 < HALF_C), other=0.0).to(tl.float32)
+        total = (g * s)[:, :, None]
+        if ASM_DECODE:
+            hb, lb = _e2m1_pairs_scaled(p, tl.full(p.shape, 1.0, tl.bfloat16), False)
+            hv = hb.to(tl.float32)
+            lv = lb.to(tl.float32)
+        else:
+            hv, lv = _e2m1_pair_f32(p.to(tl.int32), lut_ptr)
+        vals = tl.reshape(tl.join(hv * total, lv * total), (BLOCK_R, BLOCK_C * 2))
+        ocols = pid_c * BLOCK_C * 2 + tl.arange(0, BLOCK_C * 2)
+        omask = (rows[:, None] < N_OUT) & (ocols[None, :] < K_OUT)
+        tl.store(o_ptr + rows[:, None].to(tl.int64) * K_OUT + ocols[None, :], vals.to(o_ptr.dtype.element_ty),
+                 mask=omask)
+
     @triton.jit
     def _w4a16_swab_kernel(x_ptr, p_ptr, s_ptr, g_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, NCB4, TILES_PER,
                            HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
