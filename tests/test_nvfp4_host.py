@@ -183,7 +183,9 @@ def test_dequant_plan_launches_and_multiplies_like_the_full_forward(fake_gpu, mo
     grid = full[0][2]({"BLOCK_R": 32, "BLOCK_C": 64})
     assert tuple(run[2][:3]) == tuple(grid) + (1,) * (3 - len(grid))
     assert _norm(full[0][3], layer) == _norm(run[2][9:9 + len(full[0][3])], layer)
-    assert run[2][9 + len(full[0][3]):] == (32, 64)
+    # the tuned block sizes, then the constexprs the full call passed (the decode choice)
+    assert run[2][9 + len(full[0][3]):] == (32, 64) + tuple(full[0][4].values())
+    assert full[0][4] == {"ASM_DECODE": K.W4A16_ASM_DECODE}
     (xp, wp, bp), (xf, wf, bf) = products[-1], products[0]
     assert wp is run[2][9 + 4] and wp.shape == wf.shape == (256, 512) and wp.dtype == wf.dtype
     assert bp is layer.bias and (bf is None) == (not bias)

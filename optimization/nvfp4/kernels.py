@@ -227,45 +227,21 @@ if HAS_TRITON:
         tl.store(q_ptr + row * K + cols, q.to(tl.float8e4nv), mask=mask)
         tl.store(s_ptr + row, scale)
 
+    # H100 (scripts/device/dequant_probe.py, commit 062f86d): (16,128,4), (8,256,4), (16,256,8) won on the six
+    # SeedVR2 shapes, 2.5-3.0 TB/s (bytes read + written; a bf16 copy moves 2.7-2.9 TB/s in the same run)
     @triton.autotune(configs=[triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
-                              for r, c, w in ((32, 64, 4), (16, 256, 4), (32, 256, 8), (8, 512, 4), (64, 128, 8),
-                                              (16, 512, 8), (4, 1024, 4))],
-                     key=["R", "HALF", "HALF_C"], **_AUTOTUNE_DISK_CACHE)
-    @triton.jit
-    def _dequant_kernel(p_ptr, s_ptr, lut_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4, C0, HALF_C,
-                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """Packed columns [C0, C0 + HALF_C) of every row (C0 a multiple of 8: whole 16-blocks) ->
-        o[N_OUT, K_OUT] (K_OUT <= 2 * HALF_C)."""
-        pid_r = tl.program_id(0)
-        pid_c = tl.program_id(1)
-        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        pcols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask = (rows[:, None] < R) & (pcols[None, :] < HALF_C)
-        p = tl.load(p_ptr + rows[:, None].to(tl.int64) * HALF + C0 + pcols[None, :], mask=mask,
-                    other=0).to(tl.int32)
-        g = tl.load(g_ptr)
-        blk = ((C0 + pcols) * 2) // 16
-        soff = _swz_offset(rows[:, None].to(tl.int64), blk[None, :], NCB4)
-        s = tl.load(s_ptr + soff, mask=mask, other=0.0).to(tl.float32)
-        total = g * s
-        hv, lv = _e2m1_pair_f32(p, lut_ptr)
-        hi = hv * total
-        lo = lv * total
-        vals = tl.reshape(tl.join(hi, lo), (BLOCK_R, BLOCK_C * 2))
-        ocols = pid_c * BLOCK_C * 2 + tl.arange(0, BLOCK_C * 2)
-        omask = (rows[:, None] < N_OUT) & (ocols[None, :] < K_OUT)
-        tl.store(o_ptr + rows[:, None].to(tl.int64) * K_OUT + ocols[None, :], vals.to(o_ptr.dtype.element_ty),
-                 mask=omask)
-
-    @triton.autotune(configs=[triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
-                              for r, c, w in ((32, 64, 4), (16, 128, 4), (32, 128, 8), (8, 256, 4), (64, 64, 8),
-                                              (16, 256, 8), (4, 512, 4), (64, 128, 8), (128, 64, 8))],
+                              for r, c, w in ((16, 128, 4), (8, 256, 4), (16, 256, 8), (4, 512, 4), (32, 64, 4),
+                                              (32, 128, 8))],
                      key=["R", "HALF", "HALF_C", "ASM_DECODE"], **_AUTOTUNE_DISK_CACHE)
     @triton.jit
-    def _dequant_blocks_kernel(p_ptr, s_ptr, lut_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4, C0, HALF_C,
-                               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ASM_DECODE: tl.constexpr):
-        """``_dequant_kernel`` with the tile as [rows, 16-blocks, 8 bytes]: one scale load per block (not per
-        byte) and, with ASM_DECODE, the PRMT byte-table decode instead of the table gather."""
+    def _dequant_kernel(p_ptr, s_ptr, lut_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4, C0, HALF_C,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ASM_DECODE: tl.constexpr):
+        """Packed columns [C0, C0 + HALF_C) of every row (C0 a multiple of 8: whole 16-blocks) ->
+        o[N_OUT, K_OUT] (K_OUT <= 2 * HALF_C), ``code_value * (g * block_scale)`` in fp32 then one cast (as
+        ``format.dequantize_nvfp4``). The tile is [rows, 16-blocks, 8 bytes]: one scale load per block. Codes
+        decode by the PRMT byte tables (ASM_DECODE; exact, the value times 1.0) or by the 256-entry table
+        gather (the Triton interpreter). The PTX decode and the per-block scales: 1.05-1.5x the per-byte
+        version, at the HBM copy rate (H100, commit 062f86d)."""
         pid_r = tl.program_id(0)
         pid_c = tl.program_id(1)
         NB: tl.constexpr = BLOCK_C // 8
@@ -566,7 +542,8 @@ def _dequant_args(packed, block_scale, g, out, n: int, k: int, col0: int):
     half_c = min(HALF - c0, (k + 1) // 2)
     args = (packed, block_scale, byte_lut(packed.device), g, out, R, HALF, n, k, block_scale.shape[1] // 4, c0,
             half_c)
-    return args, ("dq", packed.device.index, R, HALF, half_c, out.dtype, _spec_key(args)), half_c
+    key = ("dq", packed.device.index, R, HALF, half_c, out.dtype, W4A16_ASM_DECODE, _spec_key(args))
+    return args, key, half_c
 
 
 def dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype=torch.bfloat16, out=None,
@@ -582,7 +559,8 @@ def dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype=torc
     g = global_scale.to(device=packed.device, dtype=torch.float32).reshape(1)
     args, key, kh = _dequant_args(packed, block_scale, g, out, n, k, col0)
     if _INTERPRET:
-        _dequant_kernel.fn[(triton.cdiv(n, 32), triton.cdiv(kh, 64))](*args, BLOCK_R=32, BLOCK_C=64)
+        _dequant_kernel.fn[(triton.cdiv(n, 32), triton.cdiv(kh, 64))](*args, BLOCK_R=32, BLOCK_C=64,
+                                                                        ASM_DECODE=False)
     else:
         if not _FAST_LAUNCH[0]:
             key = None
@@ -590,10 +568,11 @@ def dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype=torc
             ent = _FAST_CACHE.get(key)
             if ent is not None:
                 kern, br, bc = ent
-                if _relaunch(kern, (-(-n // br), -(-kh // bc), 1), args, (br, bc), packed.device):
+                if _relaunch(kern, (-(-n // br), -(-kh // bc), 1), args, (br, bc, W4A16_ASM_DECODE),
+                             packed.device):
                     return out
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_R"]), triton.cdiv(kh, meta["BLOCK_C"]))  # noqa: E731
-        kern = _dequant_kernel[grid](*args)
+        kern = _dequant_kernel[grid](*args, ASM_DECODE=W4A16_ASM_DECODE)
         if hasattr(kern, "result"):
             kern = kern.result()
         cfg = getattr(_dequant_kernel, "best_config", None)
@@ -622,7 +601,7 @@ def dequant_plan(packed, block_scale, global_scale, shape, dtype):
     kern, br, bc = ent
     run, fn, md = kern.run, kern.function, kern.packed_metadata
     grid = (-(-n // br), -(-half_c // bc), 1)
-    lut, tail = args[2], tuple(args[5:]) + (br, bc)
+    lut, tail = args[2], tuple(args[5:]) + (br, bc, W4A16_ASM_DECODE)
     index = dev.index
     del args
 
@@ -660,8 +639,9 @@ W4A16_CONFIGS = [
     (1 << 30, 64, 128, 128, 4, 3),
 ]
 _SM_COUNT: dict = {}
-# decode the weight with the PTX byte-table routine (``_e2m1_pairs_scaled``); off = the arithmetic decode (the
-# only one the Triton interpreter can run). SEEDVR2BW_W4A16_ASM=0 turns it off on a GPU.
+# decode NVFP4 codes with the PTX byte-table routine (``_e2m1_pairs_scaled``) in the fused W4A16 kernel and the
+# dequantize kernel; off = the arithmetic decode / the table gather (the only ones the Triton interpreter can
+# run). SEEDVR2BW_W4A16_ASM=0 turns it off on a GPU.
 W4A16_ASM_DECODE = os.environ.get("SEEDVR2BW_W4A16_ASM", "1") != "0"
 
 
