@@ -79,6 +79,7 @@ _PLAN_INPUTS = frozenset({"weight", "weight_scale", "weight_scale_2", "bias", "i
                           "fidelity_kernel", "pipeline_chunks", "fp8_fast_accum", "in_features", "out_features"})
 _WEIGHT_NAMES = frozenset({"weight", "weight_scale", "weight_scale_2"})
 _FUSED_BROKEN: list = []   # reason the fused W4A16 kernel failed to build/run here (then never tried again)
+_FP8_NO_FAST_ACCUM: set = set()   # (M, K, N, device) where cuBLASLt refused bias + fast accumulation (fp8_speed)
 
 
 def plan_chunks(n: int, chunks: int, align: int = PIPELINE_ALIGN) -> list[tuple[int, int]]:
@@ -472,7 +473,7 @@ class NVFP4Linear(_QuantLinearBase):
             return None
         w8, sw = self._fp8_weight(dev)
         w8t, swr = w8.t(), sw.reshape(1, -1)
-        b, fast_accum = self.bias, self.fp8_fast_accum
+        b, fast_accum = self.bias, self._fp8_fast_accum_for(m, dev)
         run, f, md = kern.run, kern.function, kern.packed_metadata
         tail = (k, x2.stride(0), block_k)
         q_shape, s_shape, index = (m, k), (m, 1), dev.index
@@ -679,6 +680,10 @@ class NVFP4Linear(_QuantLinearBase):
             self._derived[key] = fmt.nvfp4_to_fp8_rowwise(self.nvfp4)
         return self._derived[key]
 
+    def _fp8_fast_accum_for(self, m: int, device) -> bool:
+        key = (m, self.in_features, self.out_features, str(device))
+        return self.fp8_fast_accum and key not in _FP8_NO_FAST_ACCUM
+
     def _forward_fp8_speed(self, x2):
         w8, sw = self._fp8_weight(x2.device)
         if K.triton_usable(x2):
@@ -686,8 +691,24 @@ class NVFP4Linear(_QuantLinearBase):
         else:
             xq, sx = fmt.quantize_act_fp8_rowwise_reference(x2)
         b = self.bias.to(torch.bfloat16) if self.bias is not None else None
-        y = torch._scaled_mm(xq, w8.t(), scale_a=sx.reshape(-1, 1), scale_b=sw.reshape(1, -1),
-                             out_dtype=torch.bfloat16, bias=b, use_fast_accum=self.fp8_fast_accum)
+        fast = self._fp8_fast_accum_for(x2.shape[0], x2.device)
+
+        def mm(fast_accum):
+            return torch._scaled_mm(xq, w8.t(), scale_a=sx.reshape(-1, 1), scale_b=sw.reshape(1, -1),
+                                    out_dtype=torch.bfloat16, bias=b, use_fast_accum=fast_accum)
+        try:
+            y = mm(fast)
+        except RuntimeError as exc:
+            # cuBLASLt (H100, torch 2.11 / CUDA 13) has no row-wise FP8 kernel with a bias epilogue and fast
+            # accumulation for M <= 48 at K >= 6912 (scripts/device/fp8_small_m_probe.py); it does have one with
+            # full-precision accumulation, so this shape uses that from now on (the launch plan too)
+            if not (fast and b is not None and "NOT_SUPPORTED" in str(exc)):
+                raise
+            _FP8_NO_FAST_ACCUM.add((x2.shape[0], self.in_features, self.out_features, str(x2.device)))
+            log.info("[SeedVR2-BW] NVFP4 fp8_speed: cuBLASLt has no FP8 GEMM with bias and fast accumulation for "
+                     "%dx%dx%d; this shape accumulates in full precision", x2.shape[0], self.in_features,
+                     self.out_features)
+            y = mm(False)
         return y.to(x2.dtype)
 
     def _forward_fp4_tensorcore(self, x2):
