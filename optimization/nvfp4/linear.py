@@ -680,9 +680,11 @@ class NVFP4Linear(_QuantLinearBase):
             self._derived[key] = fmt.nvfp4_to_fp8_rowwise(self.nvfp4)
         return self._derived[key]
 
+    def _fp8_shape(self, m: int, device) -> tuple:
+        return (m, self.in_features, self.out_features, str(device))
+
     def _fp8_fast_accum_for(self, m: int, device) -> bool:
-        key = (m, self.in_features, self.out_features, str(device))
-        return self.fp8_fast_accum and key not in _FP8_NO_FAST_ACCUM
+        return self.fp8_fast_accum and self._fp8_shape(m, device) not in _FP8_NO_FAST_ACCUM
 
     def _forward_fp8_speed(self, x2):
         w8, sw = self._fp8_weight(x2.device)
@@ -704,7 +706,7 @@ class NVFP4Linear(_QuantLinearBase):
             # full-precision accumulation, so this shape uses that from now on (the launch plan too)
             if not (fast and b is not None and "NOT_SUPPORTED" in str(exc)):
                 raise
-            _FP8_NO_FAST_ACCUM.add((x2.shape[0], self.in_features, self.out_features, str(x2.device)))
+            _FP8_NO_FAST_ACCUM.add(self._fp8_shape(x2.shape[0], x2.device))
             log.info("[SeedVR2-BW] NVFP4 fp8_speed: cuBLASLt has no FP8 GEMM with bias and fast accumulation for "
                      "%dx%dx%d; this shape accumulates in full precision", x2.shape[0], self.in_features,
                      self.out_features)
