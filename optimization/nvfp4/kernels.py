@@ -6,7 +6,8 @@
 * ``quantize_act_fp8_rowwise``: per-token FP8 E4M3 quantization (amax, scale, cast) in one kernel.
   Bit-exact with ``format.quantize_act_fp8_rowwise_reference``. Used by the sm_89/sm_90 speed path.
 * ``dequantize_nvfp4_triton``: NVFP4 -> bf16/fp16/fp32 weight, bit-exact with ``format.dequantize_nvfp4``.
-* ``w4a16_linear``: fused NVFP4-weight x bf16-activation GEMM, "swap AB" (the decoded weight tile is the wide
+* ``w4a16_linear``: fused NVFP4-weight x bf16-activation GEMM (on Hopper with bf16, M > 64: the CUDA wgmma
+  kernel of ``wgmma_w4a16.py``; otherwise this Triton kernel), "swap AB" (the decoded weight tile is the wide
   MMA operand, so BLOCK_M can be 16), tiles from ``W4A16_CONFIGS`` by M, split-K into fp32 partials + one
   reduce kernel (no atomics, no zero fill); global scale and bias in the epilogue. Fidelity path, small M.
 * ``_launch``: relaunches a compiled kernel through its launcher (skips Triton's binder / autotuner per call).
@@ -22,6 +23,7 @@ None of these kernels uses FP4 instructions, so they run (and are tested) on any
 
 import torch
 
+from . import wgmma_w4a16 as W
 from .format import F8_E4M3_MAX, roundup
 
 try:  # pragma: no cover - exercised on GPU machines
@@ -691,6 +693,10 @@ def w4a16_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bia
         x = x.to(torch.bfloat16)
     if x.stride(1) != 1:
         x = x.contiguous()
+    if config is None and W.usable(x, n, K):      # Hopper: the CUDA wgmma kernel (see wgmma_w4a16.py)
+        y = W.wgmma_linear(x, packed, block_scale, global_scale, n, bias)
+        if y is not None:
+            return y
     y = torch.empty((M, n), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
@@ -742,6 +748,8 @@ def w4a16_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
         return None
     M, K = x.shape
     dev = x.device
+    if M and packed.shape[1] * 2 == K and W.usable(x, n, K):
+        return W.wgmma_plan(x, packed, block_scale, global_scale, n, bias, out_shape)
     if (M == 0 or packed.shape[1] * 2 != K or x.dtype not in (torch.bfloat16, torch.float16)
             or global_scale.dtype != torch.float32 or global_scale.numel() != 1 or global_scale.device != dev
             or (bias is not None and bias.dtype != x.dtype)):

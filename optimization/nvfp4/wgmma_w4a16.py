@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 _SOURCE_PATH = Path(__file__).with_name("w4a16_wgmma.cu")
 ENABLED = [os.environ.get("SEEDVR2BW_WGMMA", "1") != "0"]
+# M <= 64: the Triton kernel's 16/32/64-token tiles fit better than this kernel's 128-token tile
+MIN_M = 65
 _KERNELS: dict = {}          # config key -> _Kernel, or None after a failure
 _DISABLED_REASON: list = []
 
@@ -93,30 +95,17 @@ def get_kernel(wg, bm, stages, min_blocks, split, has_bias):
 
 
 def supported(x: torch.Tensor, n: int, k: int) -> bool:
-    """Shapes, dtype and device this kernel takes (the policy decides whether to use it)."""
-    if not ENABLED[0] or not x.is_cuda or x.dtype != torch.bfloat16:
+    """Shapes, dtype and device this kernel takes (``usable`` adds the switch, M and the self-test)."""
+    if not x.is_cuda or x.dtype != torch.bfloat16 or x.dim() != 2:
         return False
-    if k % 64 or n % 64 or x.shape[-1] != k or x.stride(-1) != 1 or x.stride(0) % 8:
+    if k % 64 or n % 64 or x.shape[1] != k or x.stride(1) != 1 or x.stride(0) % 8:
         return False
-    major, minor = torch.cuda.get_device_capability(x.device)
-    return (major, minor) == (9, 0)
+    return torch.cuda.get_device_capability(x.device) == (9, 0)
 
 
-def launches(x, packed, block_scale, g, bias, y, ws, M, n, K, cfg):
-    """(kernel, grid, arg keepalive, arg array) for one product; cfg = (wg, bm, stages, min_blocks, split_k)."""
-    wg, bm, stages, minb, sk = cfg
-    tiles = K // 64
-    if tiles % sk:
-        raise ValueError(f"SPLIT_K={sk} does not divide the {tiles} K tiles")
-    if n % (64 * wg):
-        raise ValueError(f"N={n} is not a multiple of the {64 * wg}-row tile")
-    kern = get_kernel(wg, bm, stages, minb, sk > 1, bias is not None)
-    if kern is None:
-        return None
-    grid = (n // (64 * wg), -(-M // bm), sk)
-    vals, arr = kern.args(x, packed, block_scale, g, bias if bias is not None else g, y, ws, M, n, K,
-                          block_scale.shape[1] // 4, tiles // sk)
-    return kern, grid, vals, arr
+def usable(x: torch.Tensor, n: int, k: int) -> bool:
+    """Whether the fused W4A16 product of x [M, k] with an [n, k] NVFP4 weight runs on this kernel."""
+    return (ENABLED[0] and x.shape[0] >= MIN_M and supported(x, n, k) and selftest(x.device))
 
 
 def default_min_blocks(wg: int, bm: int) -> int:
@@ -124,28 +113,153 @@ def default_min_blocks(wg: int, bm: int) -> int:
     return 1 if wg * bm >= 512 else (2 if wg * bm >= 256 else 3)
 
 
+def config_for(m: int, n: int, k: int, device) -> tuple:
+    """(wg, bm, stages, split_k). H100, scripts/device/wgmma_probe.py at M = 256 on the six SeedVR2 shapes
+    (commit e8b3e3a): one warpgroup x 128 tokens x 3 stages (3 CTAs per SM) was the fastest or within 5 % of it
+    on every shape; SPLIT_K from the wave model of the Triton kernel with 3 CTA slots per SM picks the measured
+    best split on 5 of 6 (1 / 3-4 / 1 / 4 / 1 / 4)."""
+    from . import kernels as K
+    wg, bm, stages = 1, 128, 3
+    tiles = (n // (64 * wg)) * -(-m // bm)
+    sk = K.splitk_for(tiles, k // 64, m, n, 3 * K._sm_count(torch.device(device)))
+    return wg, bm, stages, sk
+
+
+def _prepare(x, packed, block_scale, global_scale, n, bias, config, y, ws):
+    wg, bm, stages, sk = config
+    M, Kd = x.shape
+    tiles = Kd // 64
+    if tiles % sk:
+        raise ValueError(f"SPLIT_K={sk} does not divide the {tiles} K tiles")
+    if n % (64 * wg):
+        raise ValueError(f"N={n} is not a multiple of the {64 * wg}-row tile")
+    kern = get_kernel(wg, bm, stages, default_min_blocks(wg, bm), sk > 1, bias is not None)
+    if kern is None:
+        return None
+    g = global_scale.reshape(1)
+    grid = (n // (64 * wg), -(-M // bm), sk)
+    vals, arr = kern.args(x, packed, block_scale, g, bias if bias is not None else g, y, ws, M, n, Kd,
+                          block_scale.shape[1] // 4, tiles // sk)
+    return kern, grid, vals, arr
+
+
+def _reduce_launch(ws, g, bias, y, M, n, sk):
+    from . import kernels as K
+    b = bias if bias is not None else g
+    return (K._splitk_reduce_kernel, (-(-(M * n) // 1024), 1, 1), (ws, g, b, y, M * n, n),
+            dict(HAS_BIAS=bias is not None, SPLIT_K=sk, BLOCK=1024), 4, 3)
+
+
 def wgmma_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=None, config=None):
-    """y[M, n] = x[M, K] @ dequant(W)^T (+ bias) with the wgmma kernel; config = (wg, bm, stages, split_k).
-    Returns None when this kernel cannot run (shape, dtype, device or compile failure)."""
+    """y[M, n] = x[M, K] @ dequant(W)^T (+ bias, x's dtype) with this kernel; config = (wg, bm, stages, split_k),
+    default ``config_for``. x: bf16, contiguous rows, K = the packed weight's K. None when it cannot run here
+    (``supported`` is false, or the kernel did not compile)."""
     from . import kernels as K
     M, Kd = x.shape
     if not supported(x, n, Kd) or packed.shape[1] * 2 != Kd:
         return None
-    wg, bm, stages, sk = config
+    config = tuple(config or config_for(M, n, Kd, x.device))
+    sk = config[3]
     y = torch.empty((M, n), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
     g = global_scale.to(device=x.device, dtype=torch.float32).reshape(1)
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
     ws = torch.empty((sk, M, n), dtype=torch.float32, device=x.device) if sk > 1 else y
-    got = launches(x, packed, block_scale, g, bias, y, ws, M, n, Kd,
-                   (wg, bm, stages, default_min_blocks(wg, bm), sk))
+    got = _prepare(x, packed, block_scale, g, n, bias, config, y, ws)
     if got is None:
         return None
     kern, grid, _keep, arr = got
-    kern.launch(grid, arr, torch.cuda.current_stream(x.device).cuda_stream)
+    kern.launch(grid, arr, K.raw_stream(x.device.index))
     if sk > 1:
-        b = bias if bias is not None else g
-        mn = M * n
-        K._launch(K._splitk_reduce_kernel, (-(-mn // 1024), 1, 1), (ws, g, b, y, mn, n),
-                  dict(HAS_BIAS=bias is not None, SPLIT_K=sk, BLOCK=1024), 4, 3)
+        K._launch(*_reduce_launch(ws, g, bias, y, M, n, sk))
     return y
+
+
+def wgmma_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
+    """Like ``kernels.w4a16_plan`` for this kernel: a launcher for later calls with inputs like x (same shape,
+    dtype, device, contiguous), made after ``wgmma_linear`` ran this exact call once. Per call: an alignment
+    check, the output (and split-K partials) allocation, the weight-side pointers re-read from the tensor objects
+    (block swap replaces their storage), one cuLaunchKernel (+ the reduce). None when no plan can be made."""
+    from . import kernels as K
+    M, Kd = x.shape
+    if (not usable(x, n, Kd) or not x.is_contiguous() or global_scale.dtype != torch.float32
+            or global_scale.numel() != 1 or global_scale.device != x.device
+            or (bias is not None and bias.dtype != x.dtype)):
+        return None
+    config = config_for(M, n, Kd, x.device)
+    sk = config[3]
+    y = torch.empty((M, n), dtype=x.dtype, device=x.device)
+    ws = torch.empty((sk, M, n), dtype=torch.float32, device=x.device) if sk > 1 else y
+    got = _prepare(x, packed, block_scale, global_scale, n, bias, config, y, ws)
+    if got is None:
+        return None
+    kern, grid, vals, arr = got
+    b = bias if bias is not None else global_scale
+    reduce = None
+    if sk > 1:
+        fn, rgrid, rargs, consts, nw, ns = _reduce_launch(ws, global_scale.reshape(1), bias, y, M, n, sk)
+        rk = K.cached_kernel(fn, rargs, consts, nw, ns)
+        if rk is None:
+            return None
+        reduce = (rk.run, rk.function, rk.packed_metadata, rgrid, tuple(rargs[4:]) + tuple(consts.values()))
+    p_x, p_w, p_s, p_g, p_b, p_y, p_ws = vals[:7]
+    index, out_shape, ws_shape, f32 = x.device.index, tuple(out_shape), (sk, M, n), torch.float32
+    del y, ws
+
+    def plan(xc):
+        if (xc.data_ptr() | packed.data_ptr() | block_scale.data_ptr() | global_scale.data_ptr()
+                | b.data_ptr()) & 15:
+            return None
+        out = xc.new_empty(out_shape)
+        part = xc.new_empty(ws_shape, dtype=f32) if reduce is not None else out
+        p_x.value, p_w.value, p_s.value = xc.data_ptr(), packed.data_ptr(), block_scale.data_ptr()
+        p_g.value, p_b.value, p_y.value, p_ws.value = (global_scale.data_ptr(), b.data_ptr(), out.data_ptr(),
+                                                       part.data_ptr())
+        stream = K.raw_stream(index)
+        kern.launch(grid, arr, stream)
+        if reduce is not None:
+            run, f, md, (ga, gb, gc), tail = reduce
+            run(ga, gb, gc, stream, f, md, None, None, None, part, global_scale, b, out, *tail)
+        return out
+    return plan
+
+
+_SELFTEST: dict = {}
+
+
+def selftest(device) -> bool:
+    """Once per device: the kernel (plain and split-K, with bias) against the fp32 product of the dequantized
+    weight on a small problem with edge rows and subnormal / zero block scales. Logs one line either way; a
+    failure turns the kernel off for this device (the Triton kernel takes its place)."""
+    key = str(device)
+    if key in _SELFTEST:
+        return _SELFTEST[key]
+    _SELFTEST[key] = False                       # re-entrancy: the check itself calls wgmma_linear directly
+    from . import format as fmt
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(7)
+        w = torch.randn(128, 256, generator=gen) * 0.02
+        w[0, :16] = 0.0
+        w[1, 16:32] *= 1e-5
+        t = fmt.quantize_nvfp4(w, return_tensor=True).to(device)
+        x = torch.randn(130, 256, generator=gen).to(device, torch.bfloat16)
+        bias = (torch.randn(128, generator=gen) * 0.1).to(device, torch.bfloat16)
+        ref = torch.nn.functional.linear(x.float(), t.dequantize(torch.float32), bias.float())
+        worst = 0.0
+        for cfg in ((1, 128, 3, 1), (1, 128, 3, 2)):
+            y = wgmma_linear(x, t.packed, t.block_scale, t.global_scale, 128, bias, cfg)
+            if y is None:
+                raise RuntimeError(_DISABLED_REASON[-1] if _DISABLED_REASON else "kernel unavailable")
+            worst = max(worst, ((y.float() - ref).norm() / ref.norm()).item())
+        if not worst < 1e-2:
+            raise RuntimeError(f"self-test relative error {worst:.3g} (expected ~2e-3)")
+        _SELFTEST[key] = True
+        log.info("[SeedVR2-BW] NVFP4 fidelity: sm_90a wgmma W4A16 kernel on for %s (self-test rel err %.2e; "
+                 "SEEDVR2BW_WGMMA=0 turns it off)", key, worst)
+    except Exception as exc:  # noqa: BLE001
+        _DISABLED_REASON.append(f"self-test: {type(exc).__name__}: {str(exc)[:300]}")
+        log.warning("[SeedVR2-BW] NVFP4 fidelity: sm_90a wgmma W4A16 kernel off for %s, the Triton kernel is "
+                    "used (%s)", key, _DISABLED_REASON[-1])
+    return _SELFTEST[key]
