@@ -75,6 +75,7 @@ class _Kernel:
         vals = [ctypes.c_void_p(t.data_ptr()) for t in (x, wp, wsc, g, bias, y, part)]
         vals += [ctypes.c_int(v) for v in (M, N, K, x.stride(0), ncb4, tiles)]
         arr = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
+        arr._values = vals          # the array holds bare addresses: the values must live as long as it does
         return vals, arr
 
     def launch(self, grid, arr, stream: int):
