@@ -4,6 +4,7 @@ bf16 multiply) and compared with the format's reference for every code; one thre
 rebuilt for every thread of a warpgroup and compared with the dequantized tile at their fragment positions.
 The kernel itself runs in tests/gpu/test_nvfp4_wgmma_gpu.py; nvcc (when present) compiles every shipped config
 here and ptxas must report no spills and no serialized wgmma."""
+import ctypes
 import shutil
 import struct
 import subprocess
@@ -162,3 +163,17 @@ def test_compiles_for_sm90a_without_spills_or_serialized_wgmma(cfg, tmp_path):
     assert r.returncode == 0, log
     assert "0 bytes spill stores" in log and "0 bytes spill loads" in log, log
     assert "C7513" not in log and "serialized" not in log, log
+
+
+def test_launch_arguments_outlive_their_builder():
+    """The argument array holds addresses of ctypes values; a launch plan keeps only the array, so the values
+    must stay alive with it (they were once freed, and the kernel then read garbage M / N / K)."""
+    t = [torch.empty(64, dtype=torch.uint8) for _ in range(7)]
+    x = torch.empty(3, 320, dtype=torch.bfloat16)
+    vals, arr = W._Kernel.args(None, x, *t[1:], 300, 1024, 320, 5, 2)
+    del vals
+    churn = [ctypes.c_int(-1) for _ in range(20000)]              # would reuse freed value memory
+    ints = [ctypes.cast(arr[i], ctypes.POINTER(ctypes.c_int)).contents.value for i in range(7, 13)]
+    ptrs = [ctypes.cast(arr[i], ctypes.POINTER(ctypes.c_void_p)).contents.value for i in range(7)]
+    assert ints == [300, 1024, 320, 320, 5, 2] and len(churn) == 20000
+    assert ptrs == [x.data_ptr()] + [v.data_ptr() for v in t[1:]]
