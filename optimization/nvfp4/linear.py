@@ -9,8 +9,9 @@
 * ``fp8_speed`` (sm_89 / sm_90): the NVFP4 weight converted once (per device) to FP8 E4M3 with per-output-
   channel scales; activations quantized per token by a Triton kernel; ``torch._scaled_mm`` row-wise.
 * ``fidelity``: bf16 activations x NVFP4 weight, by rows M (``fidelity_kernel="auto"``, thresholds below):
-  M <= FUSED_MAX_M: a fused swap-AB W4A16 Triton kernel (reads the packed 4-bit weight, decodes in registers,
-  fp32 accumulation, split-K when the grid is small); larger M: Triton dequant to bf16 + one cuBLAS call.
+  M <= FUSED_MAX_M: a fused swap-AB W4A16 kernel (reads the packed 4-bit weight, decodes in registers,
+  fp32 accumulation, split-K when the grid is small): on sm_90 with bf16 and M > 64 the CUDA wgmma kernel of
+  ``wgmma_w4a16.py``, else the Triton kernel; larger M: Triton dequant to bf16 + one cuBLAS call.
   Opt-in: ``"pipelined"`` (dequant of most of the weight on a side stream, overlapped with a first K-part
   GEMM), ``"pipelined_n"`` (N chunks), ``"timed"`` (time the candidates once per shape).
 * ``reference``: exact dequantize (fp32) + fp32 matmul. The oracle for every test, and the CPU path.
@@ -66,6 +67,9 @@ FIDELITY_KERNELS = ("auto", "fused", "dequant", "pipelined", "pipelined_n", "tim
 #     (0.027-0.092 ms of GPU time) beat the best fused tile on 4 of 6 shapes; but with calls queued back to back
 #     (--inner 8, as in a model) the dequant path is host-bound at M=256 (0.063-0.164 ms: no launch plan, two
 #     launches + an allocation) where the fused kernel runs from a cached plan  -> FUSED_MAX_M stays 256
+#   run 4 (session 7, sm_90 wgmma kernel, scripts/device/wgmma_probe.py, CUDA-graph times, commit 613454a):
+#     M=512: the wgmma kernel's default config beat dequant on 3 of 6 shapes (a draw: 0.85-1.10x); M=1024:
+#     dequant faster on all 6 (0.0389-0.1446 vs 0.0437-0.1716 ms)  -> FUSED_MAX_M stays 256
 FUSED_MAX_M = 256
 PIPELINE_MIN_M = None        # set (e.g. 1024) to let "auto" time pipelined against dequant once per shape
 PIPELINE_CHUNKS = 4          # pipelined: first K part = Kp / PIPELINE_CHUNKS (exposed); N split: N chunks
