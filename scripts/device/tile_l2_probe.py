@@ -22,6 +22,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from _graph_timing import graphed, rel  # noqa: E402
+
 from seedvr2bw.optimization.nvfp4 import format as fmt  # noqa: E402
 from seedvr2bw.optimization.nvfp4 import kernels as K  # noqa: E402
 from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear  # noqa: E402
@@ -39,37 +41,6 @@ def timed(fn, inner, rep_ms=60):
         for _ in range(inner):
             fn()
     return do_bench(many, rep=rep_ms, return_mode="median") / inner
-
-
-def graphed(fn, inner, reps=25):
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
-    for _ in range(3):
-        g.replay()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / inner)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
-def rel(y, ref):
-    return ((y.float() - ref).norm() / ref.norm()).item()
 
 
 def part_a(dev, shapes, m, inner, out):

@@ -22,38 +22,9 @@ from seedvr2bw.optimization.nvfp4 import kernels as K  # noqa: E402
 from seedvr2bw.optimization.nvfp4 import wgmma_w4a16 as W  # noqa: E402
 from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear  # noqa: E402
 
+from _graph_timing import graphed, rel  # noqa: E402
+
 SHAPES = [(2560, 6912), (6912, 2560), (3072, 12288), (12288, 3072), (3072, 9216), (3072, 3072)]
-
-
-def graphed(fn, inner=8, reps=15):
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
-    for _ in range(3):
-        g.replay()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / inner)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
-def rel(y, ref):
-    return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def adversarial_weight(n, k, gen):
@@ -118,9 +89,9 @@ def time_shapes(dev, m_list, shapes, out):
         for m in m_list:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = F.linear(x.float(), layer.dequantize_weight(torch.float32), bias.float())
-            res = {"bf16": graphed(lambda: lin(x)), "layer": graphed(lambda: layer(x))}
+            res = {"bf16": graphed(lambda: lin(x), 8, 15), "layer": graphed(lambda: layer(x), 8, 15)}
             tcfg = K.w4a16_config(m, n, k, dev)
-            res["triton"] = graphed(lambda: K.w4a16_linear(x, packed, bscale, gscale, n, bias))
+            res["triton"] = graphed(lambda: K.w4a16_linear(x, packed, bscale, gscale, n, bias), 8, 15)
             if m <= 512:
                 cfgs = [(wg, bm, st, sk) for wg, bm in ((1, 128), (1, 256), (2, 128), (2, 256), (1, 64))
                         for st in (3, 4) for sk in (1, 2, 3, 4, 6)]
@@ -142,7 +113,7 @@ def time_shapes(dev, m_list, shapes, out):
                     if e > 5e-3:
                         errs[str(cfg)] = e
                         continue
-                    res[str(cfg)] = graphed(lambda: W.wgmma_linear(x, packed, bscale, gscale, n, bias, cfg))
+                    res[str(cfg)] = graphed(lambda: W.wgmma_linear(x, packed, bscale, gscale, n, bias, cfg), 8, 15)
                 except Exception as exc:  # noqa: BLE001
                     errs[str(cfg)] = str(exc)[:200]
             b = res["bf16"]
