@@ -13,10 +13,10 @@
 // The E4M3 block scale becomes bf16 the same way: code << 4 is scale x 2^-120 (subnormal scales included), times
 // 2^118 twice. The 2^-10 is undone in the epilogue with the global scale (a power of two: sums are unchanged).
 //
-// Pipeline: STAGES shared-memory slots filled by cp.async PREF k tiles ahead. Each k tile's 4 wgmma are waited
-// for before the next tile is decoded (WAITN 0): ptxas serializes every wgmma when registers feeding a later
-// wgmma are written while one is in flight (C7513), so the decode overlaps the tensor cores through the other
-// warpgroup / the other CTAs on the SM instead.
+// Pipeline: STAGES shared-memory slots filled by cp.async PREF = STAGES - 1 k tiles ahead. Each k tile's 4 wgmma
+// are waited for before the next tile is decoded: with one group left in flight while the next tile's A registers
+// are written, ptxas serializes every wgmma (C7513), so the decode overlaps the tensor cores through the other
+// CTAs on the SM instead (3 per SM at the shipped 128-token tile).
 
 #define BN (64 * WG)                 // weight rows per CTA
 #define NT (128 * WG)                // threads per CTA
@@ -24,10 +24,7 @@
 #define A_BYTES (BN * 32)            // packed weight tile: BN rows x 64 k (4 bit)
 #define S_BYTES 512                  // the block scales of one 128-row group for this k tile (swizzled layout)
 #define STAGE_BYTES ((B_BYTES + A_BYTES + S_BYTES + 1023) / 1024 * 1024)
-#ifndef WAITN
-#define WAITN 0
-#endif
-#define PREF (STAGES - 1 - WAITN)    // k tiles copied ahead (a slot is free once the wgmma reading it is done)
+#define PREF (STAGES - 1)         // k tiles copied ahead (a slot is free once the wgmma reading it is done)
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -176,7 +173,8 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
     auto step = [&](int t, u32* a) {
         cp_async_wait<PREF - 1>();                               // k tile t has landed (this thread's copies)
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();                                         // ... everyone's; and wgmma t-2 is done everywhere
+        __syncthreads();                                         // ... everyone's; and tile t-1's wgmma are done
+                                                                 // everywhere, so its slot can be refilled
         if (t + PREF < tiles) load_tile((t + PREF) % STAGES, kt0 + t + PREF);
         cp_async_commit();
         const int slot = t % STAGES;
@@ -187,16 +185,11 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
         for (int s = 0; s < 4; ++s)
             wgmma_bm(d, a[4 * s], a[4 * s + 1], a[4 * s + 2], a[4 * s + 3], desc_b(b0 + s * 32));
         wgmma_commit();
-        wgmma_wait<WAITN>();
+        wgmma_wait<0>();
     };
 
-    u32 a0[16], a1[16];
-    for (int t = 0; t < tiles; t += 2) {
-        step(t, a0);
-        if (t + 1 < tiles) step(t + 1, a1);
-    }
-    wgmma_wait<0>();
-
+    u32 a[16];
+    for (int t = 0; t < tiles; ++t) step(t, a);
     // ---- epilogue: d[i] is (row 16 warp + lane/4 + 8 ((i/2)%2), token 8 (i/4) + 2 (lane%4) + i%2)
     const float mult = SPLIT ? 1024.f : g[0] * 1024.f;
 #pragma unroll
