@@ -67,7 +67,6 @@ class _Kernel:
         self.smem = smem_bytes(wg, bm, stages)
         self.kernel.set_shared_memory_config(self.smem)
         self.threads = 128 * wg
-        self.wg, self.bm = wg, bm
         self._launch = cu._get_gpu_runtime_library().cuLaunchKernel
         self._check = cu._check_cuda
 
