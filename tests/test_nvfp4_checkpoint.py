@@ -176,7 +176,7 @@ def test_converter_peak_memory_is_about_one_tensor(tmp_path):
     base, peak = map(int, r.stdout.split())
     model = os.path.getsize(src)
     # anonymous memory (file pages of the memory-mapped source are page cache, not copies)
-    assert peak - base < 0.75 * model, (peak - base, model)      # well under two model copies
+    assert peak - base < 0.5 * model, (peak - base, model)       # well under two model copies
 
 
 # ---------------------------------------------------------------- ComfyUI format: our file -> ComfyUI loader

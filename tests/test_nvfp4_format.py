@@ -128,6 +128,18 @@ def test_dequantize_bf16_close_to_comfy_kitchen():
     assert torch.allclose(ours, theirs, rtol=2 ** -6, atol=0)
 
 
+@pytest.mark.parametrize("pad_rows", [1, 16, 128])
+@pytest.mark.parametrize("name,x,g", CASES, ids=[c[0] for c in CASES])
+def test_slab_by_slab_quantization_equals_one_slab(monkeypatch, name, x, g, pad_rows):
+    """quantize_nvfp4 works through bounded slabs of rows; slab edges (and all-padding slabs) change no bit."""
+    monkeypatch.setattr(fmt, "QUANT_SLAB_ELEMENTS", 1 << 30)
+    whole = fmt.quantize_nvfp4(x, g, pad_rows=pad_rows)
+    monkeypatch.setattr(fmt, "QUANT_SLAB_ELEMENTS", 3 * x.shape[1])     # 3 rows per slab: ragged last slab
+    slabs = fmt.quantize_nvfp4(x, g, pad_rows=pad_rows)
+    assert torch.equal(whole[0], slabs[0]) and torch.equal(_u8(whole[1]), _u8(slabs[1])), name
+    assert torch.equal(whole[2], slabs[2])
+
+
 def test_default_global_scale_and_zero_tensor():
     x = torch.randn(16, 32)
     assert torch.equal(fmt.global_scale_for(x), x.abs().amax() / (6 * 448))

@@ -171,9 +171,14 @@ def swizzled_scale_index(row: torch.Tensor, col: torch.Tensor, n_col_blocks4: in
 # ----------------------------------------------------------------------------------------------------------
 # Quantize / dequantize
 # ----------------------------------------------------------------------------------------------------------
+# Elements quantized per slab of rows in ``quantize_nvfp4`` on the CPU (float32 temporaries of ~4 MiB each).
+QUANT_SLAB_ELEMENTS = 1 << 20
+
+
 def global_scale_for(x: torch.Tensor) -> torch.Tensor:
     """``amax(|x|) / (6 * 448)`` in float32 (1.0 for an all-zero tensor, so nothing divides by zero)."""
-    amax = x.detach().abs().amax().float()
+    lo, hi = x.detach().aminmax()          # no |x| copy of a large weight
+    amax = torch.maximum(-lo, hi).float()
     g = amax / (F4_E2M1_MAX * F8_E4M3_MAX)
     return torch.where(g > 0, g, torch.ones_like(g))
 
@@ -253,11 +258,19 @@ def quantize_nvfp4(w: torch.Tensor, global_scale: torch.Tensor | float | None = 
     else:
         g = torch.as_tensor(global_scale, dtype=torch.float32).to(w.device).reshape(())
     pr, pc = roundup(rows, max(pad_rows, 1)), roundup(cols, BLOCK)
-    x = w
-    if (pr, pc) != (rows, cols):
-        x = torch.nn.functional.pad(w, (0, pc - cols, 0, pr - rows))
-    codes, s8 = quantize_nvfp4_codes(x, g, recipe)
-    packed = pack_fp4(codes, nibble_order)
+    # Rows are independent once g is known, so quantize a bounded slab of rows at a time: the float32
+    # temporaries then stay a few MiB however large the weight (the converter's peak memory is one tensor).
+    packed = torch.empty(pr, pc // 2, dtype=torch.uint8, device=w.device)
+    s8 = torch.empty(pr, pc // BLOCK, dtype=torch.float8_e4m3fn, device=w.device)
+    slab = QUANT_SLAB_ELEMENTS * (1 if w.device.type == "cpu" else 16)    # fewer launches on a GPU
+    step = max(1, slab // pc)
+    for r0 in range(0, pr, step):
+        r1 = min(r0 + step, pr)
+        x = w[r0:min(r1, rows)]
+        if x.shape != (r1 - r0, pc):
+            x = torch.nn.functional.pad(x, (0, pc - cols, 0, (r1 - r0) - x.shape[0]))
+        codes, s8[r0:r1] = quantize_nvfp4_codes(x, g, recipe)
+        packed[r0:r1] = pack_fp4(codes, nibble_order)
     scales = swizzle_block_scales(s8) if swizzle else s8
     if return_tensor:
         if not swizzle or nibble_order != NIBBLE_ORDER:
