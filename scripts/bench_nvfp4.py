@@ -9,7 +9,9 @@ fid_pipe2/4/8 = pipelined with 2/4/8 N chunks), so the M thresholds in linear.py
 --sweep times the fused W4A16 kernel over a few tile configs (for kernels.W4A16_CONFIGS).
 
 Shapes are KxN (in x out): SeedVR2 3B hidden 2560 / MLP 6912, 7B hidden 3072 / MLP 12288, plus qkv/out.
-Timing: CUDA events via triton.testing.do_bench (median, warm-up first, rotating inputs); each path's
+Timing: CUDA events via triton.testing.do_bench (median, warm-up first, rotating inputs), in --rounds rounds
+that each time every path once in a rotating order (times: median over rounds; ratios: median of the per-round
+ratios, so a clock drift during the run does not enter them); each path's
 one-time weight preparation (NVFP4->FP8 conversion) happens before timing, per-call work (activation
 quantization, weight dequantization) is inside. Accuracy vs the fp32 product of the *unquantized* weights:
 relative error ||y - y_ref|| / ||y_ref|| and SNR dB on M=1024 (or the smallest M given).
@@ -22,6 +24,7 @@ import argparse
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 
@@ -40,6 +43,18 @@ DEFAULT_M = "64,256,1024,4096,16384,32768"
 def _bench(fn, warmup_ms=25, rep_ms=100):
     from triton.testing import do_bench
     return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def _timed_call(fn, xs, inner):
+    """``inner`` calls of fn over the rotating inputs xs (a model queues layers back to back)."""
+    it = [0]
+
+    def call():
+        for _ in range(inner):
+            it[0] = (it[0] + 1) % len(xs)
+            out = fn(xs[it[0]])
+        return out
+    return call
 
 
 def _ck_setup():
@@ -137,6 +152,9 @@ def main(argv=None):
                     help="calls per timed sample (time / calls). do_bench flushes L2 before each sample, so with 1 a "
                          "path's host-side launch overhead shows up when it exceeds the GPU time of the flush; a "
                          "model queues layers back to back, which --inner 8 reproduces")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="timing rounds per shape; each round times every path once (rotating order); the "
+                         "rep-ms budget is split between the rounds")
     ap.add_argument("--json", default=None)
     ap.add_argument("--components", action="store_true", help="also time dequant / act-quant / GEMM alone")
     ap.add_argument("--variants", action="store_true", help="also time each fidelity kernel forced")
@@ -163,7 +181,7 @@ def main(argv=None):
             "torch": torch.__version__, "cuda": torch.version.cuda, "commit": _pack.git_commit(),
             "python": platform.python_version(), "comfy_kitchen": str(ck_info),
             "triton": __import__("triton").__version__ if K.HAS_TRITON else None, "paths": paths,
-            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "inner": args.inner}
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "inner": args.inner, "rounds": args.rounds}
     if ck is not None:
         info["comfy_kitchen_version"] = getattr(ck, "__version__", "?")
     if args.variants:
@@ -208,28 +226,34 @@ def main(argv=None):
             xs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16) for _ in range(2 if m * k > 2 ** 26 else 4)]
             row = {"K": k, "N": n, "M": m, "weight_rel_err": wrel}
             flops = 2.0 * m * k * n
+            calls = {}
             for p in paths:
                 if p == "fid_fused" and m > 1024:
                     continue
-                fn = fns[p]
-                it = [0]
-
-                def call1():
-                    it[0] = (it[0] + 1) % len(xs)
-                    return fn(xs[it[0]])
-
-                def call():
-                    for _ in range(args.inner):
-                        out = call1()
-                    return out
+                calls[p] = _timed_call(fns[p], xs, args.inner)
                 try:
-                    call()
+                    calls[p]()
                     torch.cuda.synchronize()
-                    ms_ = _bench(call, rep_ms=args.rep_ms) / args.inner
-                    row[f"{p}_ms"] = ms_
-                    row[f"{p}_tflops"] = flops / ms_ / 1e9
                 except Exception as exc:  # noqa: BLE001
                     row[f"{p}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    del calls[p]
+            # R rounds, each timing every path once, in an order that rotates: a clock or power drift during
+            # the run then lands on every path alike. Path time = median over rounds; ratio = median of the
+            # per-round ratios (bf16 and the path timed minutes apart would carry the drift into the ratio).
+            samples = {p: [] for p in calls}
+            order = list(calls)
+            for r in range(args.rounds):
+                for p in order[r % len(order):] + order[: r % len(order)]:
+                    samples[p].append(_bench(calls[p], rep_ms=args.rep_ms / args.rounds) / args.inner)
+            for p, ts in samples.items():
+                row[f"{p}_ms"] = statistics.median(ts)
+                row[f"{p}_tflops"] = flops / row[f"{p}_ms"] / 1e9
+                row[f"{p}_spread"] = (max(ts) - min(ts)) / row[f"{p}_ms"]
+            for p in samples:
+                if p != "bf16" and "bf16" in samples:
+                    row[f"{p}_vs_bf16"] = statistics.median(b / t for b, t in zip(samples["bf16"], samples[p]))
+                if p not in ("bf16", "ck") and "ck" in samples:
+                    row[f"{p}_vs_ck"] = statistics.median(c / t for c, t in zip(samples["ck"], samples[p]))
             if args.components and K.HAS_TRITON:
                 x = xs[0]
                 try:
@@ -249,13 +273,6 @@ def main(argv=None):
                     row["c_error"] = str(exc).splitlines()[0]
                 print("   components: " + " ".join(f"{kk[2:]}={vv:.4f}" for kk, vv in row.items()
                                                   if kk.startswith("c_") and isinstance(vv, float)), flush=True)
-            for p in paths:
-                if p != "bf16" and f"{p}_ms" in row and "bf16_ms" in row:
-                    row[f"{p}_vs_bf16"] = row["bf16_ms"] / row[f"{p}_ms"]
-            if "ck_ms" in row:
-                for p in paths:
-                    if p not in ("bf16", "ck") and f"{p}_ms" in row:
-                        row[f"{p}_vs_ck"] = row["ck_ms"] / row[f"{p}_ms"]
             if m == args.acc_m or (args.acc_m not in ms and m == ms[0]):
                 x = xs[0]
                 ref = x.float() @ w.t() + bias.float()

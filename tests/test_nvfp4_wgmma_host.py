@@ -148,11 +148,13 @@ def test_generated_wgmma_wrapper():
         assert const in cu, const
 
 
-SHIPPED = [(1, 128, 3, W.default_min_blocks(1, 128), split, bias) for split in (False, True) for bias in (False, True)]
+SHIPPED = [(1, 128, 3, W.default_min_blocks(1, 128), split, bias, pipe) for split in (False, True)
+           for bias in (False, True) for pipe in (0, 1)]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) to compile for sm_90a")
-@pytest.mark.parametrize("cfg", SHIPPED + [(2, 256, 3, 1, False, True), (1, 256, 3, 2, False, True)])
+@pytest.mark.parametrize("cfg", SHIPPED + [(2, 256, 3, 1, False, True), (1, 256, 3, 2, False, True),
+                                 (2, 256, 5, 1, False, True), (2, 192, 4, 1, False, True), (2, 128, 4, 2, False, True)])
 def test_compiles_for_sm90a_without_spills_or_serialized_wgmma(cfg, tmp_path):
     name, src = W.kernel_source(*cfg)
     cu = tmp_path / f"{name}.cu"

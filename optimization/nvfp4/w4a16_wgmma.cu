@@ -44,6 +44,21 @@ static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence
 static __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
 static __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+static __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+static __device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// arrive on bar once this thread's earlier cp.async copies have landed (counted in the barrier's arrivals)
+static __device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+static __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n.reg .pred done;\nWAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
 static __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     u32 d;
     asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
@@ -128,11 +143,32 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) d[i] = 0.f;
 
+#if PIPE
+    // full[s]: every thread's copies into slot s have landed; empty[s]: every thread's wgmma reading it are done
+    __shared__ __align__(8) u64 bars[2 * STAGES];
+    const u32 full0 = smem_addr(bars), empty0 = full0 + 8 * STAGES;
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full0 + 8 * s, NT);
+            mbar_init(empty0 + 8 * s, NT);
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int p = 0; p < PREF; ++p) {
+        if (p < tiles) {
+            load_tile(p, kt0 + p);
+            cp_async_mbar_arrive(full0 + 8 * p);
+        }
+    }
+#else
 #pragma unroll
     for (int p = 0; p < PREF; ++p) {
         if (p < tiles) load_tile(p, kt0 + p);
         cp_async_commit();
     }
+#endif
 
     // decode k tile t's weights from its slot into the 16 A registers (4 k16 steps x a0..a3)
     auto decode = [&](int slot, u32* a) {
@@ -170,6 +206,32 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
         }
     };
 
+#if PIPE
+    // No CTA-wide barrier: each warpgroup waits only for its k tile's data and frees a slot when its own wgmma
+    // are done, so with two warpgroups one decodes while the other's wgmma run. The refill of the slot that
+    // tile t - 1 used is issued after this tile's wgmma, in their shadow.
+    auto step = [&](int t, u32* a) {
+        const int slot = t % STAGES;
+        mbar_wait(full0 + 8 * slot, (t / STAGES) & 1);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // cp.async data -> wgmma's proxy
+        decode(slot, a);
+        const u32 b0 = smem_addr(smem + slot * STAGE_BYTES);
+        wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < 4; ++s)
+            wgmma_bm(d, a[4 * s], a[4 * s + 1], a[4 * s + 2], a[4 * s + 3], desc_b(b0 + s * 32));
+        wgmma_commit();
+        const int u = t + PREF;
+        if (u < tiles) {
+            const int us = u % STAGES;
+            if (u >= STAGES) mbar_wait(empty0 + 8 * us, (u / STAGES - 1) & 1);
+            load_tile(us, kt0 + u);
+            cp_async_mbar_arrive(full0 + 8 * us);
+        }
+        wgmma_wait<0>();
+        mbar_arrive(empty0 + 8 * slot);
+    };
+#else
     auto step = [&](int t, u32* a) {
         cp_async_wait<PREF - 1>();                               // k tile t has landed (this thread's copies)
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -187,6 +249,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
         wgmma_commit();
         wgmma_wait<0>();
     };
+#endif
 
     u32 a[16];
     for (int t = 0; t < tiles; ++t) step(t, a);

@@ -25,6 +25,8 @@ _SOURCE_PATH = Path(__file__).with_name("w4a16_wgmma.cu")
 ENABLED = [os.environ.get("SEEDVR2BW_WGMMA", "1") != "0"]
 # M <= 64: the Triton kernel's 16/32/64-token tiles fit better than this kernel's 128-token tile
 MIN_M = 65
+# 1: mbarrier pipeline (each warpgroup runs on its own), 0: one __syncthreads per k tile (A/B probe switch)
+PIPELINE = [int(os.environ.get("SEEDVR2BW_WGMMA_PIPE", "1"))]
 _KERNELS: dict = {}          # config key -> _Kernel, or None after a failure
 _DISABLED_REASON: list = []
 
@@ -43,10 +45,11 @@ def wgmma_call(bm: int) -> str:
             f'        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));\n}}\n')
 
 
-def kernel_source(wg: int, bm: int, stages: int, min_blocks: int, split: bool, has_bias: bool) -> tuple[str, str]:
+def kernel_source(wg: int, bm: int, stages: int, min_blocks: int, split: bool, has_bias: bool,
+                  pipe: int = 1) -> tuple[str, str]:
     """(kernel name, CUDA source) for one configuration."""
-    name = f"w4a16_wgmma_{wg}_{bm}_{stages}_{min_blocks}_{int(split)}_{int(has_bias)}"
-    head = (f"#define WG {wg}\n#define BM {bm}\n#define STAGES {stages}\n#define MINB {min_blocks}\n"
+    name = f"w4a16_wgmma_{wg}_{bm}_{stages}_{min_blocks}_{int(split)}_{int(has_bias)}_{pipe}"
+    head = (f"#define WG {wg}\n#define BM {bm}\n#define STAGES {stages}\n#define MINB {min_blocks}\n#define PIPE {pipe}\n"
             f"#define SPLIT {int(split)}\n#define HAS_BIAS {int(has_bias)}\n#define KERNEL_NAME {name}\n")
     body = _SOURCE_PATH.read_text().replace("//%%WGMMA%%", wgmma_call(bm), 1)
     return name, head + body
@@ -60,9 +63,9 @@ def smem_bytes(wg: int, bm: int, stages: int) -> int:
 class _Kernel:
     """A compiled configuration and a cheap launcher (one cuLaunchKernel through ctypes)."""
 
-    def __init__(self, wg, bm, stages, min_blocks, split, has_bias):
+    def __init__(self, wg, bm, stages, min_blocks, split, has_bias, pipe):
         from torch.cuda import _utils as cu
-        name, src = kernel_source(wg, bm, stages, min_blocks, split, has_bias)
+        name, src = kernel_source(wg, bm, stages, min_blocks, split, has_bias, pipe)
         self.kernel = torch.cuda._compile_kernel(src, name, compute_capability="90a")
         self.smem = smem_bytes(wg, bm, stages)
         self.kernel.set_shared_memory_config(self.smem)
@@ -83,7 +86,7 @@ class _Kernel:
 
 
 def get_kernel(wg, bm, stages, min_blocks, split, has_bias):
-    key = (wg, bm, stages, min_blocks, split, has_bias)
+    key = (wg, bm, stages, min_blocks, split, has_bias, PIPELINE[0])
     if key not in _KERNELS:
         try:
             _KERNELS[key] = _Kernel(*key)
@@ -110,7 +113,7 @@ def usable(x: torch.Tensor, n: int, k: int) -> bool:
 
 def default_min_blocks(wg: int, bm: int) -> int:
     """CTAs per SM the register budget is set for (``__launch_bounds__``' second argument)."""
-    return 1 if wg * bm >= 512 else (2 if wg * bm >= 256 else 3)
+    return 1 if wg * bm >= 384 else (2 if wg * bm >= 256 else 3)
 
 
 def config_for(m: int, n: int, k: int, device) -> tuple:

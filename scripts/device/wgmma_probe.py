@@ -24,6 +24,7 @@ from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear  # noqa: E402
 
 from _graph_timing import graphed, rel  # noqa: E402
 
+PIPES = [1]
 SHAPES = [(2560, 6912), (6912, 2560), (3072, 12288), (12288, 3072), (3072, 9216), (3072, 3072)]
 
 
@@ -41,9 +42,10 @@ def check(dev, out):
     gen = torch.Generator(device="cpu").manual_seed(0)
     cases = [(1, 64, 64), (77, 128, 192), (256, 192, 320), (300, 256, 1024), (129, 3072, 640)]
     cfgs = [(1, 128, 4, 1), (1, 128, 3, 2), (1, 256, 3, 1), (2, 128, 4, 1), (2, 256, 3, 1), (1, 64, 4, 1),
-            (2, 256, 4, 2)]
+            (2, 256, 4, 2), (2, 256, 5, 1), (2, 192, 4, 1), (2, 128, 3, 3)]
     worst = 0.0
-    for m, n, k in cases:
+    for pipe, (m, n, k) in [(p, c) for p in PIPES for c in cases]:
+        W.PIPELINE[0] = pipe
         w = adversarial_weight(n, k, gen)
         t = fmt.quantize_nvfp4(w, return_tensor=True).to(dev)
         x = torch.randn(m, k, generator=gen).to(dev, torch.bfloat16)
@@ -60,7 +62,7 @@ def check(dev, out):
                 y = W.wgmma_linear(x, t.packed, t.block_scale, t.global_scale, n, b, cfg)
                 if y is None:
                     print("check", (m, n, k), cfg, "unavailable:", W._DISABLED_REASON[-1:], flush=True)
-                    out.append({"part": "check", "case": (m, n, k), "cfg": cfg, "error": "unavailable"})
+                    out.append({"part": "check", "case": (m, n, k), "cfg": cfg, "pipe": pipe, "error": "unavailable"})
                     continue
                 torch.cuda.synchronize()
                 e = rel(y, ref)
@@ -68,9 +70,9 @@ def check(dev, out):
                 yt = K.w4a16_linear(x, t.packed, t.block_scale, t.global_scale, n, b)
                 e_tr = rel(y, yt.float())
                 worst = max(worst, e, e_small)
-                out.append({"part": "check", "case": (m, n, k), "bias": has_bias, "cfg": cfg, "rel": e,
+                out.append({"part": "check", "case": (m, n, k), "bias": has_bias, "cfg": cfg, "pipe": pipe, "rel": e,
                             "rel_adversarial_rows": e_small, "rel_vs_triton": e_tr})
-                print(f"check M={m} N={n} K={k} bias={has_bias} cfg={cfg}: rel {e:.2e}, adversarial rows "
+                print(f"check M={m} N={n} K={k} bias={has_bias} cfg={cfg} pipe={pipe}: rel {e:.2e}, adversarial rows "
                       f"{e_small:.2e}, vs triton {e_tr:.2e}", flush=True)
     print(f"check worst rel {worst:.2e}", flush=True)
     return worst
@@ -93,17 +95,16 @@ def time_shapes(dev, m_list, shapes, out):
             tcfg = K.w4a16_config(m, n, k, dev)
             res["triton"] = graphed(lambda: K.w4a16_linear(x, packed, bscale, gscale, n, bias), 8, 15)
             if m <= 512:
-                cfgs = [(wg, bm, st, sk) for wg, bm in ((1, 128), (1, 256), (2, 128), (2, 256), (1, 64))
-                        for st in (3, 4) for sk in (1, 2, 3, 4, 6)]
+                cfgs = [(p, W.config_for(m, n, k, dev)) for p in PIPES]
             else:
-                cfgs = [(2, 256, 3, 1), (2, 256, 4, 1), (1, 256, 3, 1), (1, 256, 4, 1), (2, 128, 4, 1),
-                        (1, 128, 4, 1), (1, 128, 3, 1)]
+                cfgs = [(p, c) for p in PIPES for c in ((2, 256, 4, 1), (2, 256, 5, 1), (2, 192, 4, 1),
+                                                       (2, 128, 4, 1), (2, 128, 3, 1))]
             errs = {}
-            for cfg in cfgs:
+            for pipe, cfg in cfgs:
+                W.PIPELINE[0] = pipe
                 wg, bm, st, sk = cfg
+                label = f"{cfg}p{pipe}"
                 if n % (64 * wg) or (k // 64) % sk or (sk > 1 and k // 64 // sk < 4):
-                    continue
-                if bm > 2 * m and bm > 64:
                     continue
                 try:
                     y = W.wgmma_linear(x, packed, bscale, gscale, n, bias, cfg)
@@ -111,18 +112,19 @@ def time_shapes(dev, m_list, shapes, out):
                         continue
                     e = rel(y, ref)
                     if e > 5e-3:
-                        errs[str(cfg)] = e
+                        errs[label] = e
                         continue
-                    res[str(cfg)] = graphed(lambda: W.wgmma_linear(x, packed, bscale, gscale, n, bias, cfg), 8, 15)
+                    res[label] = graphed(lambda: W.wgmma_linear(x, packed, bscale, gscale, n, bias, cfg), 8, 15)
                 except Exception as exc:  # noqa: BLE001
-                    errs[str(cfg)] = str(exc)[:200]
+                    errs[label] = str(exc)[:200]
+            W.PIPELINE[0] = PIPES[-1]
             b = res["bf16"]
             wg_rows = sorted(((v, c) for c, v in res.items() if c.startswith("(")))
             best = wg_rows[0] if wg_rows else (float("nan"), None)
             print(f"time K={k} N={n} M={m}: bf16 {b:.4f} | layer {res['layer']:.4f} ({b / res['layer']:.2f}x) | "
                   f"triton{tcfg[:4]} {res['triton']:.4f} ({b / res['triton']:.2f}x) | wgmma best {best[1]} "
                   f"{best[0]:.4f} ({b / best[0]:.2f}x); next " +
-                  ", ".join(f"{c} {v:.4f}" for v, c in wg_rows[1:4]) + (f" | errors {errs}" if errs else ""),
+                  ", ".join(f"{c} {v:.4f}" for v, c in wg_rows[1:]) + (f" | errors {errs}" if errs else ""),
                   flush=True)
             out.append({"part": "time", "K": k, "N": n, "M": m, "ms": res, "errors": errs})
         del layer, lin
@@ -134,7 +136,9 @@ def main():
     ap.add_argument("--m", default="256,4096")
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--pipes", default="1", help="kernel pipelines to compare: 1 = mbarrier, 0 = __syncthreads")
     args = ap.parse_args()
+    PIPES[:] = [int(v) for v in args.pipes.split(",")]
     dev = torch.device("cuda")
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "commit": os.environ.get("GIT_COMMIT", "unknown")}
