@@ -18,11 +18,15 @@
 // are written, ptxas serializes every wgmma (C7513), so the decode overlaps the tensor cores through the other
 // CTAs on the SM instead (3 per SM at the shipped 128-token tile).
 
+#ifndef DIAG
+#define DIAG 0                       // probe-only knobs: 1 no proxy fence, 2 no decode, 4 no output stores
+#endif
 #define BN (64 * WG)                 // weight rows per CTA
 #define NT (128 * WG)                // threads per CTA
 #define B_BYTES (BM * 128)           // activation tile: BM tokens x 64 k (bf16), 128B-swizzled
 #define A_BYTES (BN * 32)            // packed weight tile: BN rows x 64 k (4 bit)
-#define S_BYTES 512                  // the block scales of one 128-row group for this k tile (swizzled layout)
+#define S_GROUPS ((BN + 127) / 128)  // 128-row groups of the swizzled block-scale layout in the tile
+#define S_BYTES (512 * S_GROUPS)     // their block scales for this k tile (512 B per group)
 #define STAGE_BYTES ((B_BYTES + A_BYTES + S_BYTES + 1023) / 1024 * 1024)
 #define PREF (STAGES - 1)         // k tiles copied ahead (a slot is free once the wgmma reading it is done)
 
@@ -119,7 +123,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
     const u32 x_dst = lr * 128 + ((lq ^ (lr & 7)) << 4);
     const u8* wrow = wp + (size_t)(n0 + (tid >> 1)) * half + (tid & 1) * 16;   // BN rows x 2 chunks (BN * 2 == NT)
     const u32 w_dst = B_BYTES + tid * 16;
-    const u8* srow = wsc + (size_t)(n0 >> 7) * ncb4 * 512 + (tid & 31) * 16;  // 512 B of the 128-row group
+    const u8* srow = wsc + (size_t)((n0 >> 7) + (tid >> 5)) * ncb4 * 512 + (tid & 31) * 16;  // 512 B per group
 
     auto load_tile = [&](int slot, int kt) {
         const u32 sb = smem_addr(smem + slot * STAGE_BYTES);
@@ -127,7 +131,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
         for (int j = 0; j < BM * 8 / NT; ++j)
             cp_async16(sb + x_dst + j * (NT / 8) * 128, xrow[j] + kt * 128);
         cp_async16(sb + w_dst, wrow + kt * 32);
-        if (tid < 32) cp_async16(sb + B_BYTES + A_BYTES + tid * 16, srow + kt * 512);
+        if (tid < 32 * S_GROUPS) cp_async16(sb + B_BYTES + A_BYTES + tid * 16, srow + kt * 512);
     };
 
     // ---- consumer geometry (wgmma fragment layout)
@@ -135,8 +139,8 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
     const int c = lane & 3;
     const int r0 = wg * 64 + warp * 16 + (lane >> 2);           // this thread's rows r0 and r0 + 8 in the tile
     const int gr0 = n0 + r0, gr1 = gr0 + 8;
-    const int s_off0 = (gr0 & 31) * 16 + ((gr0 & 127) >> 5) * 4;
-    const int s_off1 = (gr1 & 31) * 16 + ((gr1 & 127) >> 5) * 4;
+    const int s_off0 = (r0 >> 7) * 512 + (gr0 & 31) * 16 + ((gr0 & 127) >> 5) * 4;
+    const int s_off1 = (r0 >> 7) * 512 + (gr1 & 31) * 16 + ((gr1 & 127) >> 5) * 4;
     const u32 sel_c = c | ((c + 4) << 4);
 
     float d[BM / 2];
@@ -213,8 +217,13 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
     auto step = [&](int t, u32* a) {
         const int slot = t % STAGES;
         mbar_wait(full0 + 8 * slot, (t / STAGES) & 1);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // cp.async data -> wgmma's proxy
-        decode(slot, a);
+        if (!(DIAG & 1)) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // cp.async -> wgmma
+        if (DIAG & 2) {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) a[i] = 0x3F803F80u ^ (u32)t;
+        } else {
+            decode(slot, a);
+        }
         const u32 b0 = smem_addr(smem + slot * STAGE_BYTES);
         wgmma_fence();
 #pragma unroll
@@ -259,7 +268,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
     for (int i = 0; i < BM / 2; ++i) {
         const int n = gr0 + 8 * ((i >> 1) & 1);
         const int m = m0 + 8 * (i >> 2) + 2 * c + (i & 1);
-        if (m < M && n < N) {
+        if (m < M && n < N && (!(DIAG & 4) || d[i] == 12345.f)) {
             float v = d[i] * mult;
             if (SPLIT) {
                 part[((size_t)blockIdx.z * M + m) * N + n] = v;

@@ -27,6 +27,7 @@ ENABLED = [os.environ.get("SEEDVR2BW_WGMMA", "1") != "0"]
 MIN_M = 65
 # 1: mbarrier pipeline (each warpgroup runs on its own), 0: one __syncthreads per k tile (A/B probe switch)
 PIPELINE = [int(os.environ.get("SEEDVR2BW_WGMMA_PIPE", "1"))]
+DIAG = [0]                   # probe-only kernel knobs (see the .cu); 0 in production
 _KERNELS: dict = {}          # config key -> _Kernel, or None after a failure
 _DISABLED_REASON: list = []
 
@@ -46,26 +47,27 @@ def wgmma_call(bm: int) -> str:
 
 
 def kernel_source(wg: int, bm: int, stages: int, min_blocks: int, split: bool, has_bias: bool,
-                  pipe: int = 1) -> tuple[str, str]:
+                  pipe: int = 1, diag: int = 0) -> tuple[str, str]:
     """(kernel name, CUDA source) for one configuration."""
-    name = f"w4a16_wgmma_{wg}_{bm}_{stages}_{min_blocks}_{int(split)}_{int(has_bias)}_{pipe}"
+    name = f"w4a16_wgmma_{wg}_{bm}_{stages}_{min_blocks}_{int(split)}_{int(has_bias)}_{pipe}_{diag}"
     head = (f"#define WG {wg}\n#define BM {bm}\n#define STAGES {stages}\n#define MINB {min_blocks}\n#define PIPE {pipe}\n"
+            f"#define DIAG {diag}\n"
             f"#define SPLIT {int(split)}\n#define HAS_BIAS {int(has_bias)}\n#define KERNEL_NAME {name}\n")
     body = _SOURCE_PATH.read_text().replace("//%%WGMMA%%", wgmma_call(bm), 1)
     return name, head + body
 
 
 def smem_bytes(wg: int, bm: int, stages: int) -> int:
-    stage = -(-(bm * 128 + 64 * wg * 32 + 512) // 1024) * 1024
+    stage = -(-(bm * 128 + 64 * wg * 32 + 512 * -(-wg // 2)) // 1024) * 1024
     return stages * stage + 1024          # + alignment slack (the kernel rounds its base up to 1024)
 
 
 class _Kernel:
     """A compiled configuration and a cheap launcher (one cuLaunchKernel through ctypes)."""
 
-    def __init__(self, wg, bm, stages, min_blocks, split, has_bias, pipe):
+    def __init__(self, wg, bm, stages, min_blocks, split, has_bias, pipe, diag):
         from torch.cuda import _utils as cu
-        name, src = kernel_source(wg, bm, stages, min_blocks, split, has_bias, pipe)
+        name, src = kernel_source(wg, bm, stages, min_blocks, split, has_bias, pipe, diag)
         self.kernel = torch.cuda._compile_kernel(src, name, compute_capability="90a")
         self.smem = smem_bytes(wg, bm, stages)
         self.kernel.set_shared_memory_config(self.smem)
@@ -86,7 +88,7 @@ class _Kernel:
 
 
 def get_kernel(wg, bm, stages, min_blocks, split, has_bias):
-    key = (wg, bm, stages, min_blocks, split, has_bias, PIPELINE[0])
+    key = (wg, bm, stages, min_blocks, split, has_bias, PIPELINE[0], DIAG[0])
     if key not in _KERNELS:
         try:
             _KERNELS[key] = _Kernel(*key)
@@ -112,8 +114,9 @@ def usable(x: torch.Tensor, n: int, k: int) -> bool:
 
 
 def default_min_blocks(wg: int, bm: int) -> int:
-    """CTAs per SM the register budget is set for (``__launch_bounds__``' second argument)."""
-    return 1 if wg * bm >= 384 else (2 if wg * bm >= 256 else 3)
+    """CTAs per SM the register budget is set for (``__launch_bounds__``' second argument): bm / 2 accumulator
+    registers + ~56 others per thread (ptxas: 117-194 for the tiles in use), at most 3."""
+    return max(1, min(3, 65536 // (128 * wg * (bm // 2 + 56))))
 
 
 def config_for(m: int, n: int, k: int, device) -> tuple:
@@ -134,6 +137,8 @@ def _prepare(x, packed, block_scale, global_scale, n, bias, config, y, ws):
     tiles = Kd // 64
     if tiles % sk:
         raise ValueError(f"SPLIT_K={sk} does not divide the {tiles} K tiles")
+    if wg not in (1, 2, 4):     # a tile of more than one 128-row scale group must start on a group boundary
+        raise ValueError(f"{wg} warpgroups: the kernel takes 1, 2 or 4")
     if n % (64 * wg):
         raise ValueError(f"N={n} is not a multiple of the {64 * wg}-row tile")
     kern = get_kernel(wg, bm, stages, default_min_blocks(wg, bm), sk > 1, bias is not None)

@@ -42,7 +42,7 @@ def check(dev, out):
     gen = torch.Generator(device="cpu").manual_seed(0)
     cases = [(1, 64, 64), (77, 128, 192), (256, 192, 320), (300, 256, 1024), (129, 3072, 640)]
     cfgs = [(1, 128, 4, 1), (1, 128, 3, 2), (1, 256, 3, 1), (2, 128, 4, 1), (2, 256, 3, 1), (1, 64, 4, 1),
-            (2, 256, 4, 2), (2, 256, 5, 1), (2, 192, 4, 1), (2, 128, 3, 3)]
+            (2, 256, 4, 2), (2, 256, 5, 1), (2, 192, 4, 1), (2, 128, 3, 3), (4, 128, 4, 1), (4, 64, 4, 2)]
     worst = 0.0
     for pipe, (m, n, k) in [(p, c) for p in PIPES for c in cases]:
         W.PIPELINE[0] = pipe
@@ -98,7 +98,7 @@ def time_shapes(dev, m_list, shapes, out):
                 cfgs = [(p, W.config_for(m, n, k, dev)) for p in PIPES]
             else:
                 cfgs = [(p, c) for p in PIPES for c in ((2, 256, 4, 1), (2, 256, 5, 1), (2, 192, 4, 1),
-                                                       (2, 128, 4, 1), (2, 128, 3, 1))]
+                                                       (4, 128, 4, 1), (4, 128, 3, 1), (4, 64, 4, 1))]
             errs = {}
             for pipe, cfg in cfgs:
                 W.PIPELINE[0] = pipe
@@ -130,9 +130,43 @@ def time_shapes(dev, m_list, shapes, out):
         del layer, lin
 
 
+def bounds(dev, m_list, shapes, out):
+    """What limits the large-M tiles: each config with probe knobs that drop one part of the work (DIAG bits:
+    1 = no proxy fence, 2 = no decode (constant A), 4 = no output stores); results of 2 / 4 are not checked."""
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    for k, n in shapes:
+        t = fmt.quantize_nvfp4(torch.randn(n, k, generator=gen) * 0.02, return_tensor=True).to(dev)
+        lin_w = t.dequantize(torch.bfloat16)
+        for m in m_list:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            res = {"bf16": graphed(lambda: F.linear(x, lin_w), 8, 15)}
+            for cfg in ((2, 256, 4, 1), (4, 128, 4, 1), (4, 128, 3, 1), (4, 64, 4, 1)):
+                if n % (64 * cfg[0]):
+                    continue
+                for diag in ((0, 1, 2, 4, 7) if cfg[:2] in ((2, 256), (4, 128)) and cfg[2] == 4 else (0,)):
+                    W.DIAG[0] = diag
+                    try:
+                        if diag in (0, 1):
+                            y = W.wgmma_linear(x, t.packed, t.block_scale, t.global_scale, n, None, cfg)
+                            e = rel(y, F.linear(x.float(), lin_w.float()))
+                            if e > 5e-3:
+                                res[f"{cfg}d{diag}"] = f"rel {e:.2e}"
+                                continue
+                        res[f"{cfg}d{diag}"] = graphed(
+                            lambda: W.wgmma_linear(x, t.packed, t.block_scale, t.global_scale, n, None, cfg), 8, 15)
+                    except Exception as exc:  # noqa: BLE001
+                        res[f"{cfg}d{diag}"] = str(exc)[:200]
+            W.DIAG[0] = 0
+            b = res["bf16"]
+            print(f"bound K={k} N={n} M={m}: bf16 {b:.4f} | " + ", ".join(
+                f"{c} {v:.4f} ({b / v:.2f}x)" if isinstance(v, float) else f"{c} {v}" for c, v in res.items()
+                if c != "bf16"), flush=True)
+            out.append({"part": "bound", "K": k, "N": n, "M": m, "ms": res})
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", default="check,time")
+    ap.add_argument("--part", default="check,time", help="check, time, bound (comma-separated)")
     ap.add_argument("--m", default="256,4096")
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
     ap.add_argument("--json", default=None)
@@ -151,6 +185,9 @@ def main():
         if worst > 5e-3 and "time" in parts:
             print("check failed: timing skipped", flush=True)
             parts.remove("time")
+    if "bound" in parts:
+        bounds(dev, [int(v) for v in args.m.split(",")],
+               [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")], out)
     if "time" in parts:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
         time_shapes(dev, [int(v) for v in args.m.split(",")], shapes, out)

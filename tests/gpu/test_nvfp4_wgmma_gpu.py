@@ -13,7 +13,8 @@ DEV = "cuda"
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                                 reason="needs an sm_90 (Hopper) GPU: the kernel uses wgmma")
 CONFIGS = [(1, 128, 3, 1), (1, 128, 3, 2), (1, 128, 4, 1), (1, 256, 3, 1), (2, 128, 4, 1), (2, 256, 3, 1),
-           (1, 64, 4, 1), (2, 256, 4, 2), (2, 256, 5, 1), (2, 192, 4, 1), (2, 128, 3, 1)]
+           (1, 64, 4, 1), (2, 256, 4, 2), (2, 256, 5, 1), (2, 192, 4, 1), (2, 128, 3, 1), (4, 128, 4, 1),
+           (4, 64, 4, 2)]
 # E4M3 block scales of every kind: zero, smallest subnormal, subnormals, smallest normal, normals, the largest
 SCALES = [0.0, 2.0 ** -9, 3 * 2.0 ** -9, 2.0 ** -7, 2.0 ** -6, 0.4375, 1.0, 1.125, 13.0, 240.0, 448.0]
 
