@@ -28,7 +28,12 @@
 #define S_GROUPS ((BN + 127) / 128)  // 128-row groups of the swizzled block-scale layout in the tile
 #define S_BYTES (512 * S_GROUPS)     // their block scales for this k tile (512 B per group)
 #define STAGE_BYTES ((B_BYTES + A_BYTES + S_BYTES + 1023) / 1024 * 1024)
-#define PREF (STAGES - 1)         // k tiles copied ahead (a slot is free once the wgmma reading it is done)
+#if PIPE == 2
+#define PREF (STAGES - 2)            // k tiles copied ahead: tile t - 1's wgmma may still run while tile t + PREF
+                                     // is copied, so its slot is not reused
+#else
+#define PREF (STAGES - 1)            // k tiles copied ahead (a slot is free once the wgmma reading it is done)
+#endif
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -174,15 +179,15 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
     }
 #endif
 
-    // decode k tile t's weights from its slot into the 16 A registers (4 k16 steps x a0..a3)
-    auto decode = [&](int slot, u32* a) {
+    // decode k tile t's weights from its slot into the 16 A registers (4 k16 steps x a0..a3), in two parts:
+    // unpack (the packed bytes and the scale pairs of the whole tile) and make (the 4 A registers of one step)
+    auto unpack = [&](int slot, u32* qa, u32* qb, u32* pa, u32* pb) {
         const u8* st = smem + slot * STAGE_BYTES;
         const uint4 v0 = *(const uint4*)(st + B_BYTES + r0 * 32);
         const uint4 v1 = *(const uint4*)(st + B_BYTES + r0 * 32 + 16);
         const uint4 w0 = *(const uint4*)(st + B_BYTES + (r0 + 8) * 32);
         const uint4 w1 = *(const uint4*)(st + B_BYTES + (r0 + 8) * 32 + 16);
         // byte c of each 4-byte chunk (chunk j = k 8j..8j+7): the k pairs 2c, 2c+1 of this thread's fragment
-        u32 qa[2], qb[2];
         qa[0] = prmt(prmt(v0.x, v0.y, sel_c), prmt(v0.z, v0.w, sel_c), 0x5410u);
         qa[1] = prmt(prmt(v1.x, v1.y, sel_c), prmt(v1.z, v1.w, sel_c), 0x5410u);
         qb[0] = prmt(prmt(w0.x, w0.y, sel_c), prmt(w0.z, w0.w, sel_c), 0x5410u);
@@ -191,26 +196,88 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
         const u32 sb = *(const u32*)(st + B_BYTES + A_BYTES + s_off1);   // row r0 + 8
         const u32 fa01 = scale_pair(sa), fa23 = scale_pair(sa >> 16);
         const u32 fb01 = scale_pair(sb), fb23 = scale_pair(sb >> 16);
-        u32 pa[4], pb[4];
         pa[0] = prmt(fa01, fa01, 0x1010u); pa[1] = prmt(fa01, fa01, 0x3232u);
         pa[2] = prmt(fa23, fa23, 0x1010u); pa[3] = prmt(fa23, fa23, 0x3232u);
         pb[0] = prmt(fb01, fb01, 0x1010u); pb[1] = prmt(fb01, fb01, 0x3232u);
         pb[2] = prmt(fb23, fb23, 0x1010u); pb[3] = prmt(fb23, fb23, 0x3232u);
+    };
+    // k16 step s: chunks 2s (a0, a1) and 2s+1 (a2, a3) of the fragment, from word h = s / 2, bytes 2j, 2j + 1
+    auto make = [&](int s, const u32* qa, const u32* qb, const u32* pa, const u32* pb, u32* a4) {
+        const int h = s >> 1, j = s & 1;
+        const u32 qa4 = qa[h] << 4, qb4 = qb[h] << 4;
+        a4[0] = bf16x2_mul(e2m1x2(qa[h], qa4, 2 * j), pa[s]);
+        a4[1] = bf16x2_mul(e2m1x2(qb[h], qb4, 2 * j), pb[s]);
+        a4[2] = bf16x2_mul(e2m1x2(qa[h], qa4, 2 * j + 1), pa[s]);
+        a4[3] = bf16x2_mul(e2m1x2(qb[h], qb4, 2 * j + 1), pb[s]);
+    };
+    auto decode = [&](int slot, u32* a) {
+        u32 qa[2], qb[2], pa[4], pb[4];
+        unpack(slot, qa, qb, pa, pb);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const u32 qa4 = qa[h] << 4, qb4 = qb[h] << 4;
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int s = 2 * h + j;                         // k16 step: chunks 2s (a0, a1) and 2s+1 (a2, a3)
-                a[4 * s + 0] = bf16x2_mul(e2m1x2(qa[h], qa4, 2 * j), pa[s]);
-                a[4 * s + 1] = bf16x2_mul(e2m1x2(qb[h], qb4, 2 * j), pb[s]);
-                a[4 * s + 2] = bf16x2_mul(e2m1x2(qa[h], qa4, 2 * j + 1), pa[s]);
-                a[4 * s + 3] = bf16x2_mul(e2m1x2(qb[h], qb4, 2 * j + 1), pb[s]);
-            }
-        }
+        for (int s = 0; s < 4; ++s) make(s, qa, qb, pa, pb, a + 4 * s);
     };
 
-#if PIPE
+#if PIPE == 2
+    // Two A register sets: tile t is decoded into one while tile t - 1's wgmma (reading the other) run, so each
+    // warpgroup overlaps its own decode with its own tensor-core work (the loop below is unrolled by two so the
+    // sets are distinct registers). After tile t's wgmma are issued, waiting until one group is left in flight
+    // means tile t - 1's are done: its slot is freed and its A set may be overwritten by tile t + 1.
+    auto step = [&](int t, u32* a) {
+        const int slot = t % STAGES;
+        mbar_wait(full0 + 8 * slot, (t / STAGES) & 1);
+        if (!(DIAG & 1)) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // cp.async -> wgmma
+        decode(slot, a);
+        const u32 b0 = smem_addr(smem + slot * STAGE_BYTES);
+        wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < 4; ++s)
+            wgmma_bm(d, a[4 * s], a[4 * s + 1], a[4 * s + 2], a[4 * s + 3], desc_b(b0 + s * 32));
+        wgmma_commit();
+        wgmma_wait<1>();
+        if (t > 0) mbar_arrive(empty0 + 8 * ((t - 1) % STAGES));
+        const int u = t + PREF;
+        if (u < tiles) {
+            const int us = u % STAGES;
+            if (u >= STAGES) mbar_wait(empty0 + 8 * us, (u / STAGES - 1) & 1);
+            load_tile(us, kt0 + u);
+            cp_async_mbar_arrive(full0 + 8 * us);
+        }
+    };
+#elif PIPE == 3
+    // The decode overlaps this warpgroup's own wgmma: the A registers of k16 step s + 1 are made while step s's
+    // wgmma runs, and the next k tile's bytes and scales are unpacked (into registers wgmma does not read) while
+    // this tile's last wgmma run. Only step 0's make is exposed. q = packed words and scale pairs of a k tile.
+    u32 qa[2], qb[2], pa[4], pb[4];
+    auto step = [&](int t, u32* a) {
+        const int slot = t % STAGES;
+        const u32 b0 = smem_addr(smem + slot * STAGE_BYTES);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            make(s, qa, qb, pa, pb, a + 4 * s);
+            wgmma_fence();
+            wgmma_bm(d, a[4 * s], a[4 * s + 1], a[4 * s + 2], a[4 * s + 3], desc_b(b0 + s * 32));
+            wgmma_commit();
+        }
+        const int u = t + PREF;
+        if (u < tiles) {
+            const int us = u % STAGES;
+            if (u >= STAGES) mbar_wait(empty0 + 8 * us, (u / STAGES - 1) & 1);
+            load_tile(us, kt0 + u);
+            cp_async_mbar_arrive(full0 + 8 * us);
+        }
+        if (t + 1 < tiles) {
+            const int next = (t + 1) % STAGES;
+            mbar_wait(full0 + 8 * next, ((t + 1) / STAGES) & 1);
+            if (!(DIAG & 1)) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            unpack(next, qa, qb, pa, pb);
+        }
+        wgmma_wait<0>();
+        mbar_arrive(empty0 + 8 * slot);
+    };
+    mbar_wait(full0, 0);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    unpack(0, qa, qb, pa, pb);
+#elif PIPE
     // No CTA-wide barrier: each warpgroup waits only for its k tile's data and frees a slot when its own wgmma
     // are done, so with two warpgroups one decodes while the other's wgmma run. The refill of the slot that
     // tile t - 1 used is issued after this tile's wgmma, in their shadow.
@@ -260,8 +327,17 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
     };
 #endif
 
+#if PIPE == 2
+    u32 a0[16], a1[16];
+    for (int t = 0; t < tiles; t += 2) {
+        step(t, a0);
+        if (t + 1 < tiles) step(t + 1, a1);
+    }
+    wgmma_wait<0>();
+#else
     u32 a[16];
     for (int t = 0; t < tiles; ++t) step(t, a);
+#endif
     // ---- epilogue: d[i] is (row 16 warp + lane/4 + 8 ((i/2)%2), token 8 (i/4) + 2 (lane%4) + i%2)
     const float mult = SPLIT ? 1024.f : g[0] * 1024.f;
 #pragma unroll

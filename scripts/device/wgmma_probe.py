@@ -140,22 +140,26 @@ def bounds(dev, m_list, shapes, out):
         for m in m_list:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             res = {"bf16": graphed(lambda: F.linear(x, lin_w), 8, 15)}
-            for cfg in ((2, 256, 4, 1), (4, 128, 4, 1), (4, 128, 3, 1), (4, 64, 4, 1)):
+            for pipe, cfg in [(p, c) for p in PIPES for c in ((2, 256, 4, 1), (2, 256, 5, 1), (4, 128, 4, 1),
+                                                             (2, 192, 4, 1))]:
                 if n % (64 * cfg[0]):
                     continue
-                for diag in ((0, 1, 2, 4, 7) if cfg[:2] in ((2, 256), (4, 128)) and cfg[2] == 4 else (0,)):
+                W.PIPELINE[0] = pipe
+                for diag in (0, 2):
                     W.DIAG[0] = diag
+                    label = f"{cfg}p{pipe}d{diag}"
                     try:
                         if diag in (0, 1):
                             y = W.wgmma_linear(x, t.packed, t.block_scale, t.global_scale, n, None, cfg)
                             e = rel(y, F.linear(x.float(), lin_w.float()))
                             if e > 5e-3:
-                                res[f"{cfg}d{diag}"] = f"rel {e:.2e}"
+                                res[label] = f"rel {e:.2e}"
                                 continue
-                        res[f"{cfg}d{diag}"] = graphed(
+                        res[label] = graphed(
                             lambda: W.wgmma_linear(x, t.packed, t.block_scale, t.global_scale, n, None, cfg), 8, 15)
                     except Exception as exc:  # noqa: BLE001
-                        res[f"{cfg}d{diag}"] = str(exc)[:200]
+                        res[label] = str(exc)[:200]
+            W.PIPELINE[0] = PIPES[-1]
             W.DIAG[0] = 0
             b = res["bf16"]
             print(f"bound K={k} N={n} M={m}: bf16 {b:.4f} | " + ", ".join(
