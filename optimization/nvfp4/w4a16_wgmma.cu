@@ -28,7 +28,7 @@
 #define S_GROUPS ((BN + 127) / 128)  // 128-row groups of the swizzled block-scale layout in the tile
 #define S_BYTES (512 * S_GROUPS)     // their block scales for this k tile (512 B per group)
 #define STAGE_BYTES ((B_BYTES + A_BYTES + S_BYTES + 1023) / 1024 * 1024)
-#if PIPE == 2
+#if PIPE == 2 || PIPE == 4
 #define PREF (STAGES - 2)            // k tiles copied ahead: tile t - 1's wgmma may still run while tile t + PREF
                                      // is copied, so its slot is not reused
 #else
@@ -67,6 +67,13 @@ static __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     asm volatile("{\n.reg .pred done;\nWAIT:\n"
                  "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
                  "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// named barriers 1..WG pass the tensor-core turn from one warpgroup to the next (0 is __syncthreads')
+static __device__ __forceinline__ void turn_wait(int id) {
+    asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
+}
+static __device__ __forceinline__ void turn_pass(int id) {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
 }
 static __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     u32 d;
@@ -243,6 +250,42 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
             cp_async_mbar_arrive(full0 + 8 * us);
         }
     };
+#elif PIPE == 4
+    // Warpgroups take turns on the tensor cores, one k tile each, so that one decodes while another's wgmma run
+    // (left alone they issue at the same time, the tensor cores interleave both, and both then decode with the
+    // tensor cores idle). A warpgroup passes the turn when its last wgmma of the tile is still running, so the
+    // next one's wgmma queue behind it without a gap.
+    auto step = [&](int t, u32* a) {
+        const int slot = t % STAGES;
+        mbar_wait(full0 + 8 * slot, (t / STAGES) & 1);
+        if (!(DIAG & 1)) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // cp.async -> wgmma
+        if (DIAG & 2) {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) a[i] = 0x3F803F80u ^ (u32)t;
+        } else {
+            decode(slot, a);
+        }
+        const u32 b0 = smem_addr(smem + slot * STAGE_BYTES);
+        if (WG > 1 && (wg > 0 || t > 0)) turn_wait(1 + wg);
+        wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < 3; ++s)
+            wgmma_bm(d, a[4 * s], a[4 * s + 1], a[4 * s + 2], a[4 * s + 3], desc_b(b0 + s * 32));
+        wgmma_commit();
+        wgmma_bm(d, a[12], a[13], a[14], a[15], desc_b(b0 + 96));
+        wgmma_commit();
+        wgmma_wait<1>();
+        if (WG > 1) turn_pass(1 + (wg + 1) % WG);
+        const int u = t + PREF;
+        if (u < tiles) {
+            const int us = u % STAGES;
+            if (u >= STAGES) mbar_wait(empty0 + 8 * us, (u / STAGES - 1) & 1);
+            load_tile(us, kt0 + u);
+            cp_async_mbar_arrive(full0 + 8 * us);
+        }
+        wgmma_wait<0>();
+        mbar_arrive(empty0 + 8 * slot);
+    };
 #elif PIPE == 3
     // The decode overlaps this warpgroup's own wgmma: the A registers of k16 step s + 1 are made while step s's
     // wgmma runs, and the next k tile's bytes and scales are unpacked (into registers wgmma does not read) while
@@ -337,6 +380,9 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
 #else
     u32 a[16];
     for (int t = 0; t < tiles; ++t) step(t, a);
+#if PIPE == 4
+    if (WG > 1 && wg == 0) turn_wait(1);            // the last warpgroup's final pass (barriers end balanced)
+#endif
 #endif
     // ---- epilogue: d[i] is (row 16 warp + lane/4 + 8 ((i/2)%2), token 8 (i/4) + 2 (lane%4) + i%2)
     const float mult = SPLIT ? 1024.f : g[0] * 1024.f;

@@ -141,7 +141,7 @@ def bounds(dev, m_list, shapes, out):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             res = {"bf16": graphed(lambda: F.linear(x, lin_w), 8, 15)}
             for pipe, cfg in [(p, c) for p in PIPES for c in ((2, 256, 4, 1), (2, 256, 5, 1), (4, 128, 4, 1),
-                                                             (2, 192, 4, 1))]:
+                                                             (4, 128, 5, 1))]:
                 if n % (64 * cfg[0]):
                     continue
                 W.PIPELINE[0] = pipe
