@@ -13,14 +13,18 @@
 // The E4M3 block scale becomes bf16 the same way: code << 4 is scale x 2^-120 (subnormal scales included), times
 // 2^118 twice. The 2^-10 is undone in the epilogue with the global scale (a power of two: sums are unchanged).
 //
-// Pipeline: STAGES shared-memory slots filled by cp.async PREF = STAGES - 1 k tiles ahead. Each k tile's 4 wgmma
-// are waited for before the next tile is decoded: with one group left in flight while the next tile's A registers
-// are written, ptxas serializes every wgmma (C7513), so the decode overlaps the tensor cores through the other
-// CTAs on the SM instead (3 per SM at the shipped 128-token tile).
+// Pipeline: STAGES shared-memory slots filled by cp.async PREF = STAGES - 1 k tiles ahead, with two mbarriers per
+// slot instead of a CTA-wide barrier: full[s] completes when every thread's copies into s have landed (each thread
+// arrives through cp.async.mbarrier.arrive.noinc), empty[s] when every thread's wgmma reading s are done. Each
+// warpgroup runs on its own, and the copies of tile t + PREF are issued while tile t's wgmma run. Each k tile's 4
+// wgmma are waited for before the next tile is decoded: with one group left in flight while the next tile's A
+// registers are written, ptxas serializes every wgmma (C7513); decoding one k16 step per wgmma needs a
+// wgmma.fence per step, and warpgroups taking turns on the tensor cores need named barriers: both measured slower
+// (docs/BENCHMARKS.md, session 8).
 
 #ifndef DIAG
-#define DIAG 0                       // probe-only knobs: 1 no proxy fence, 2 no decode, 4 no output stores
-#endif
+#define DIAG 0                       // probe-only (scripts/device/wgmma_probe.py --part bound), wrong results:
+#endif                               // 2 = constant A instead of the decode, 4 = no output stores
 #define BN (64 * WG)                 // weight rows per CTA
 #define NT (128 * WG)                // threads per CTA
 #define B_BYTES (BM * 128)           // activation tile: BM tokens x 64 k (bf16), 128B-swizzled
@@ -28,12 +32,7 @@
 #define S_GROUPS ((BN + 127) / 128)  // 128-row groups of the swizzled block-scale layout in the tile
 #define S_BYTES (512 * S_GROUPS)     // their block scales for this k tile (512 B per group)
 #define STAGE_BYTES ((B_BYTES + A_BYTES + S_BYTES + 1023) / 1024 * 1024)
-#if PIPE == 2 || PIPE == 4
-#define PREF (STAGES - 2)            // k tiles copied ahead: tile t - 1's wgmma may still run while tile t + PREF
-                                     // is copied, so its slot is not reused
-#else
-#define PREF (STAGES - 1)            // k tiles copied ahead (a slot is free once the wgmma reading it is done)
-#endif
+#define PREF (STAGES - 1)         // k tiles copied ahead (a slot is free once the wgmma reading it is done)
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -46,9 +45,6 @@ static __device__ __forceinline__ u32 smem_addr(const void* p) {
 static __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
-static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-static __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 static __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -67,13 +63,6 @@ static __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     asm volatile("{\n.reg .pred done;\nWAIT:\n"
                  "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
                  "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-// named barriers 1..WG pass the tensor-core turn from one warpgroup to the next (0 is __syncthreads')
-static __device__ __forceinline__ void turn_wait(int id) {
-    asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
-}
-static __device__ __forceinline__ void turn_pass(int id) {
-    asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
 }
 static __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     u32 d;
@@ -159,7 +148,6 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) d[i] = 0.f;
 
-#if PIPE
     // full[s]: every thread's copies into slot s have landed; empty[s]: every thread's wgmma reading it are done
     __shared__ __align__(8) u64 bars[2 * STAGES];
     const u32 full0 = smem_addr(bars), empty0 = full0 + 8 * STAGES;
@@ -178,23 +166,16 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
             cp_async_mbar_arrive(full0 + 8 * p);
         }
     }
-#else
-#pragma unroll
-    for (int p = 0; p < PREF; ++p) {
-        if (p < tiles) load_tile(p, kt0 + p);
-        cp_async_commit();
-    }
-#endif
 
-    // decode k tile t's weights from its slot into the 16 A registers (4 k16 steps x a0..a3), in two parts:
-    // unpack (the packed bytes and the scale pairs of the whole tile) and make (the 4 A registers of one step)
-    auto unpack = [&](int slot, u32* qa, u32* qb, u32* pa, u32* pb) {
+    // decode k tile t's weights from its slot into the 16 A registers (4 k16 steps x a0..a3)
+    auto decode = [&](int slot, u32* a) {
         const u8* st = smem + slot * STAGE_BYTES;
         const uint4 v0 = *(const uint4*)(st + B_BYTES + r0 * 32);
         const uint4 v1 = *(const uint4*)(st + B_BYTES + r0 * 32 + 16);
         const uint4 w0 = *(const uint4*)(st + B_BYTES + (r0 + 8) * 32);
         const uint4 w1 = *(const uint4*)(st + B_BYTES + (r0 + 8) * 32 + 16);
         // byte c of each 4-byte chunk (chunk j = k 8j..8j+7): the k pairs 2c, 2c+1 of this thread's fragment
+        u32 qa[2], qb[2];
         qa[0] = prmt(prmt(v0.x, v0.y, sel_c), prmt(v0.z, v0.w, sel_c), 0x5410u);
         qa[1] = prmt(prmt(v1.x, v1.y, sel_c), prmt(v1.z, v1.w, sel_c), 0x5410u);
         qb[0] = prmt(prmt(w0.x, w0.y, sel_c), prmt(w0.z, w0.w, sel_c), 0x5410u);
@@ -203,131 +184,30 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
         const u32 sb = *(const u32*)(st + B_BYTES + A_BYTES + s_off1);   // row r0 + 8
         const u32 fa01 = scale_pair(sa), fa23 = scale_pair(sa >> 16);
         const u32 fb01 = scale_pair(sb), fb23 = scale_pair(sb >> 16);
+        u32 pa[4], pb[4];
         pa[0] = prmt(fa01, fa01, 0x1010u); pa[1] = prmt(fa01, fa01, 0x3232u);
         pa[2] = prmt(fa23, fa23, 0x1010u); pa[3] = prmt(fa23, fa23, 0x3232u);
         pb[0] = prmt(fb01, fb01, 0x1010u); pb[1] = prmt(fb01, fb01, 0x3232u);
         pb[2] = prmt(fb23, fb23, 0x1010u); pb[3] = prmt(fb23, fb23, 0x3232u);
-    };
-    // k16 step s: chunks 2s (a0, a1) and 2s+1 (a2, a3) of the fragment, from word h = s / 2, bytes 2j, 2j + 1
-    auto make = [&](int s, const u32* qa, const u32* qb, const u32* pa, const u32* pb, u32* a4) {
-        const int h = s >> 1, j = s & 1;
-        const u32 qa4 = qa[h] << 4, qb4 = qb[h] << 4;
-        a4[0] = bf16x2_mul(e2m1x2(qa[h], qa4, 2 * j), pa[s]);
-        a4[1] = bf16x2_mul(e2m1x2(qb[h], qb4, 2 * j), pb[s]);
-        a4[2] = bf16x2_mul(e2m1x2(qa[h], qa4, 2 * j + 1), pa[s]);
-        a4[3] = bf16x2_mul(e2m1x2(qb[h], qb4, 2 * j + 1), pb[s]);
-    };
-    auto decode = [&](int slot, u32* a) {
-        u32 qa[2], qb[2], pa[4], pb[4];
-        unpack(slot, qa, qb, pa, pb);
 #pragma unroll
-        for (int s = 0; s < 4; ++s) make(s, qa, qb, pa, pb, a + 4 * s);
+        for (int h = 0; h < 2; ++h) {
+            const u32 qa4 = qa[h] << 4, qb4 = qb[h] << 4;
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int s = 2 * h + j;                         // k16 step: chunks 2s (a0, a1) and 2s+1 (a2, a3)
+                a[4 * s + 0] = bf16x2_mul(e2m1x2(qa[h], qa4, 2 * j), pa[s]);
+                a[4 * s + 1] = bf16x2_mul(e2m1x2(qb[h], qb4, 2 * j), pb[s]);
+                a[4 * s + 2] = bf16x2_mul(e2m1x2(qa[h], qa4, 2 * j + 1), pa[s]);
+                a[4 * s + 3] = bf16x2_mul(e2m1x2(qb[h], qb4, 2 * j + 1), pb[s]);
+            }
+        }
     };
 
-#if PIPE == 2
-    // Two A register sets: tile t is decoded into one while tile t - 1's wgmma (reading the other) run, so each
-    // warpgroup overlaps its own decode with its own tensor-core work (the loop below is unrolled by two so the
-    // sets are distinct registers). After tile t's wgmma are issued, waiting until one group is left in flight
-    // means tile t - 1's are done: its slot is freed and its A set may be overwritten by tile t + 1.
+    // the refill of the slot tile t - 1 used is issued after this tile's wgmma, in their shadow
     auto step = [&](int t, u32* a) {
         const int slot = t % STAGES;
         mbar_wait(full0 + 8 * slot, (t / STAGES) & 1);
-        if (!(DIAG & 1)) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // cp.async -> wgmma
-        decode(slot, a);
-        const u32 b0 = smem_addr(smem + slot * STAGE_BYTES);
-        wgmma_fence();
-#pragma unroll
-        for (int s = 0; s < 4; ++s)
-            wgmma_bm(d, a[4 * s], a[4 * s + 1], a[4 * s + 2], a[4 * s + 3], desc_b(b0 + s * 32));
-        wgmma_commit();
-        wgmma_wait<1>();
-        if (t > 0) mbar_arrive(empty0 + 8 * ((t - 1) % STAGES));
-        const int u = t + PREF;
-        if (u < tiles) {
-            const int us = u % STAGES;
-            if (u >= STAGES) mbar_wait(empty0 + 8 * us, (u / STAGES - 1) & 1);
-            load_tile(us, kt0 + u);
-            cp_async_mbar_arrive(full0 + 8 * us);
-        }
-    };
-#elif PIPE == 4
-    // Warpgroups take turns on the tensor cores, one k tile each, so that one decodes while another's wgmma run
-    // (left alone they issue at the same time, the tensor cores interleave both, and both then decode with the
-    // tensor cores idle). A warpgroup passes the turn when its last wgmma of the tile is still running, so the
-    // next one's wgmma queue behind it without a gap.
-    auto step = [&](int t, u32* a) {
-        const int slot = t % STAGES;
-        mbar_wait(full0 + 8 * slot, (t / STAGES) & 1);
-        if (!(DIAG & 1)) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // cp.async -> wgmma
-        if (DIAG & 2) {
-#pragma unroll
-            for (int i = 0; i < 16; ++i) a[i] = 0x3F803F80u ^ (u32)t;
-        } else {
-            decode(slot, a);
-        }
-        const u32 b0 = smem_addr(smem + slot * STAGE_BYTES);
-        if (WG > 1 && (wg > 0 || t > 0)) turn_wait(1 + wg);
-        wgmma_fence();
-#pragma unroll
-        for (int s = 0; s < 3; ++s)
-            wgmma_bm(d, a[4 * s], a[4 * s + 1], a[4 * s + 2], a[4 * s + 3], desc_b(b0 + s * 32));
-        wgmma_commit();
-        wgmma_bm(d, a[12], a[13], a[14], a[15], desc_b(b0 + 96));
-        wgmma_commit();
-        wgmma_wait<1>();
-        if (WG > 1) turn_pass(1 + (wg + 1) % WG);
-        const int u = t + PREF;
-        if (u < tiles) {
-            const int us = u % STAGES;
-            if (u >= STAGES) mbar_wait(empty0 + 8 * us, (u / STAGES - 1) & 1);
-            load_tile(us, kt0 + u);
-            cp_async_mbar_arrive(full0 + 8 * us);
-        }
-        wgmma_wait<0>();
-        mbar_arrive(empty0 + 8 * slot);
-    };
-#elif PIPE == 3
-    // The decode overlaps this warpgroup's own wgmma: the A registers of k16 step s + 1 are made while step s's
-    // wgmma runs, and the next k tile's bytes and scales are unpacked (into registers wgmma does not read) while
-    // this tile's last wgmma run. Only step 0's make is exposed. q = packed words and scale pairs of a k tile.
-    u32 qa[2], qb[2], pa[4], pb[4];
-    auto step = [&](int t, u32* a) {
-        const int slot = t % STAGES;
-        const u32 b0 = smem_addr(smem + slot * STAGE_BYTES);
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-            make(s, qa, qb, pa, pb, a + 4 * s);
-            wgmma_fence();
-            wgmma_bm(d, a[4 * s], a[4 * s + 1], a[4 * s + 2], a[4 * s + 3], desc_b(b0 + s * 32));
-            wgmma_commit();
-        }
-        const int u = t + PREF;
-        if (u < tiles) {
-            const int us = u % STAGES;
-            if (u >= STAGES) mbar_wait(empty0 + 8 * us, (u / STAGES - 1) & 1);
-            load_tile(us, kt0 + u);
-            cp_async_mbar_arrive(full0 + 8 * us);
-        }
-        if (t + 1 < tiles) {
-            const int next = (t + 1) % STAGES;
-            mbar_wait(full0 + 8 * next, ((t + 1) / STAGES) & 1);
-            if (!(DIAG & 1)) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            unpack(next, qa, qb, pa, pb);
-        }
-        wgmma_wait<0>();
-        mbar_arrive(empty0 + 8 * slot);
-    };
-    mbar_wait(full0, 0);
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    unpack(0, qa, qb, pa, pb);
-#elif PIPE
-    // No CTA-wide barrier: each warpgroup waits only for its k tile's data and frees a slot when its own wgmma
-    // are done, so with two warpgroups one decodes while the other's wgmma run. The refill of the slot that
-    // tile t - 1 used is issued after this tile's wgmma, in their shadow.
-    auto step = [&](int t, u32* a) {
-        const int slot = t % STAGES;
-        mbar_wait(full0 + 8 * slot, (t / STAGES) & 1);
-        if (!(DIAG & 1)) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // cp.async -> wgmma
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // cp.async data -> wgmma's proxy
         if (DIAG & 2) {
 #pragma unroll
             for (int i = 0; i < 16; ++i) a[i] = 0x3F803F80u ^ (u32)t;
@@ -350,40 +230,9 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
         wgmma_wait<0>();
         mbar_arrive(empty0 + 8 * slot);
     };
-#else
-    auto step = [&](int t, u32* a) {
-        cp_async_wait<PREF - 1>();                               // k tile t has landed (this thread's copies)
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();                                         // ... everyone's; and tile t-1's wgmma are done
-                                                                 // everywhere, so its slot can be refilled
-        if (t + PREF < tiles) load_tile((t + PREF) % STAGES, kt0 + t + PREF);
-        cp_async_commit();
-        const int slot = t % STAGES;
-        decode(slot, a);
-        const u32 b0 = smem_addr(smem + slot * STAGE_BYTES);
-        wgmma_fence();
-#pragma unroll
-        for (int s = 0; s < 4; ++s)
-            wgmma_bm(d, a[4 * s], a[4 * s + 1], a[4 * s + 2], a[4 * s + 3], desc_b(b0 + s * 32));
-        wgmma_commit();
-        wgmma_wait<0>();
-    };
-#endif
 
-#if PIPE == 2
-    u32 a0[16], a1[16];
-    for (int t = 0; t < tiles; t += 2) {
-        step(t, a0);
-        if (t + 1 < tiles) step(t + 1, a1);
-    }
-    wgmma_wait<0>();
-#else
     u32 a[16];
     for (int t = 0; t < tiles; ++t) step(t, a);
-#if PIPE == 4
-    if (WG > 1 && wg == 0) turn_wait(1);            // the last warpgroup's final pass (barriers end balanced)
-#endif
-#endif
     // ---- epilogue: d[i] is (row 16 warp + lane/4 + 8 ((i/2)%2), token 8 (i/4) + 2 (lane%4) + i%2)
     const float mult = SPLIT ? 1024.f : g[0] * 1024.f;
 #pragma unroll

@@ -25,9 +25,7 @@ _SOURCE_PATH = Path(__file__).with_name("w4a16_wgmma.cu")
 ENABLED = [os.environ.get("SEEDVR2BW_WGMMA", "1") != "0"]
 # M <= 64: the Triton kernel's 16/32/64-token tiles fit better than this kernel's 128-token tile
 MIN_M = 65
-# 1: mbarrier pipeline (each warpgroup runs on its own), 0: one __syncthreads per k tile (A/B probe switch)
-PIPELINE = [int(os.environ.get("SEEDVR2BW_WGMMA_PIPE", "1"))]
-DIAG = [0]                   # probe-only kernel knobs (see the .cu); 0 in production
+DIAG = [0]                   # probe-only kernel knobs (see the .cu's DIAG); 0 in production
 _KERNELS: dict = {}          # config key -> _Kernel, or None after a failure
 _DISABLED_REASON: list = []
 
@@ -47,11 +45,10 @@ def wgmma_call(bm: int) -> str:
 
 
 def kernel_source(wg: int, bm: int, stages: int, min_blocks: int, split: bool, has_bias: bool,
-                  pipe: int = 1, diag: int = 0) -> tuple[str, str]:
+                  diag: int = 0) -> tuple[str, str]:
     """(kernel name, CUDA source) for one configuration."""
-    name = f"w4a16_wgmma_{wg}_{bm}_{stages}_{min_blocks}_{int(split)}_{int(has_bias)}_{pipe}_{diag}"
-    head = (f"#define WG {wg}\n#define BM {bm}\n#define STAGES {stages}\n#define MINB {min_blocks}\n#define PIPE {pipe}\n"
-            f"#define DIAG {diag}\n"
+    name = f"w4a16_wgmma_{wg}_{bm}_{stages}_{min_blocks}_{int(split)}_{int(has_bias)}_{diag}"
+    head = (f"#define WG {wg}\n#define BM {bm}\n#define STAGES {stages}\n#define MINB {min_blocks}\n#define DIAG {diag}\n"
             f"#define SPLIT {int(split)}\n#define HAS_BIAS {int(has_bias)}\n#define KERNEL_NAME {name}\n")
     body = _SOURCE_PATH.read_text().replace("//%%WGMMA%%", wgmma_call(bm), 1)
     return name, head + body
@@ -65,9 +62,9 @@ def smem_bytes(wg: int, bm: int, stages: int) -> int:
 class _Kernel:
     """A compiled configuration and a cheap launcher (one cuLaunchKernel through ctypes)."""
 
-    def __init__(self, wg, bm, stages, min_blocks, split, has_bias, pipe, diag):
+    def __init__(self, wg, bm, stages, min_blocks, split, has_bias, diag):
         from torch.cuda import _utils as cu
-        name, src = kernel_source(wg, bm, stages, min_blocks, split, has_bias, pipe, diag)
+        name, src = kernel_source(wg, bm, stages, min_blocks, split, has_bias, diag)
         self.kernel = torch.cuda._compile_kernel(src, name, compute_capability="90a")
         self.smem = smem_bytes(wg, bm, stages)
         self.kernel.set_shared_memory_config(self.smem)
@@ -88,7 +85,7 @@ class _Kernel:
 
 
 def get_kernel(wg, bm, stages, min_blocks, split, has_bias):
-    key = (wg, bm, stages, min_blocks, split, has_bias, PIPELINE[0], DIAG[0])
+    key = (wg, bm, stages, min_blocks, split, has_bias, DIAG[0])
     if key not in _KERNELS:
         try:
             _KERNELS[key] = _Kernel(*key)

@@ -24,7 +24,6 @@ from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear  # noqa: E402
 
 from _graph_timing import graphed, rel  # noqa: E402
 
-PIPES = [1]
 SHAPES = [(2560, 6912), (6912, 2560), (3072, 12288), (12288, 3072), (3072, 9216), (3072, 3072)]
 
 
@@ -44,8 +43,7 @@ def check(dev, out):
     cfgs = [(1, 128, 4, 1), (1, 128, 3, 2), (1, 256, 3, 1), (2, 128, 4, 1), (2, 256, 3, 1), (1, 64, 4, 1),
             (2, 256, 4, 2), (2, 256, 5, 1), (2, 192, 4, 1), (2, 128, 3, 3), (4, 128, 4, 1), (4, 64, 4, 2)]
     worst = 0.0
-    for pipe, (m, n, k) in [(p, c) for p in PIPES for c in cases]:
-        W.PIPELINE[0] = pipe
+    for m, n, k in cases:
         w = adversarial_weight(n, k, gen)
         t = fmt.quantize_nvfp4(w, return_tensor=True).to(dev)
         x = torch.randn(m, k, generator=gen).to(dev, torch.bfloat16)
@@ -62,7 +60,7 @@ def check(dev, out):
                 y = W.wgmma_linear(x, t.packed, t.block_scale, t.global_scale, n, b, cfg)
                 if y is None:
                     print("check", (m, n, k), cfg, "unavailable:", W._DISABLED_REASON[-1:], flush=True)
-                    out.append({"part": "check", "case": (m, n, k), "cfg": cfg, "pipe": pipe, "error": "unavailable"})
+                    out.append({"part": "check", "case": (m, n, k), "cfg": cfg, "error": "unavailable"})
                     continue
                 torch.cuda.synchronize()
                 e = rel(y, ref)
@@ -70,9 +68,9 @@ def check(dev, out):
                 yt = K.w4a16_linear(x, t.packed, t.block_scale, t.global_scale, n, b)
                 e_tr = rel(y, yt.float())
                 worst = max(worst, e, e_small)
-                out.append({"part": "check", "case": (m, n, k), "bias": has_bias, "cfg": cfg, "pipe": pipe, "rel": e,
+                out.append({"part": "check", "case": (m, n, k), "bias": has_bias, "cfg": cfg, "rel": e,
                             "rel_adversarial_rows": e_small, "rel_vs_triton": e_tr})
-                print(f"check M={m} N={n} K={k} bias={has_bias} cfg={cfg} pipe={pipe}: rel {e:.2e}, adversarial rows "
+                print(f"check M={m} N={n} K={k} bias={has_bias} cfg={cfg}: rel {e:.2e}, adversarial rows "
                       f"{e_small:.2e}, vs triton {e_tr:.2e}", flush=True)
     print(f"check worst rel {worst:.2e}", flush=True)
     return worst
@@ -95,15 +93,13 @@ def time_shapes(dev, m_list, shapes, out):
             tcfg = K.w4a16_config(m, n, k, dev)
             res["triton"] = graphed(lambda: K.w4a16_linear(x, packed, bscale, gscale, n, bias), 8, 15)
             if m <= 512:
-                cfgs = [(p, W.config_for(m, n, k, dev)) for p in PIPES]
+                cfgs = [W.config_for(m, n, k, dev)]
             else:
-                cfgs = [(p, c) for p in PIPES for c in ((2, 256, 4, 1), (2, 256, 5, 1), (2, 192, 4, 1),
-                                                       (4, 128, 4, 1), (4, 128, 3, 1), (4, 64, 4, 1))]
+                cfgs = [(2, 256, 4, 1), (2, 256, 5, 1), (2, 192, 4, 1), (4, 128, 4, 1), (4, 128, 3, 1), (4, 64, 4, 1)]
             errs = {}
-            for pipe, cfg in cfgs:
-                W.PIPELINE[0] = pipe
+            for cfg in cfgs:
                 wg, bm, st, sk = cfg
-                label = f"{cfg}p{pipe}"
+                label = str(cfg)
                 if n % (64 * wg) or (k // 64) % sk or (sk > 1 and k // 64 // sk < 4):
                     continue
                 try:
@@ -117,7 +113,6 @@ def time_shapes(dev, m_list, shapes, out):
                     res[label] = graphed(lambda: W.wgmma_linear(x, packed, bscale, gscale, n, bias, cfg), 8, 15)
                 except Exception as exc:  # noqa: BLE001
                     errs[label] = str(exc)[:200]
-            W.PIPELINE[0] = PIPES[-1]
             b = res["bf16"]
             wg_rows = sorted(((v, c) for c, v in res.items() if c.startswith("(")))
             best = wg_rows[0] if wg_rows else (float("nan"), None)
@@ -132,7 +127,7 @@ def time_shapes(dev, m_list, shapes, out):
 
 def bounds(dev, m_list, shapes, out):
     """What limits the large-M tiles: each config with probe knobs that drop one part of the work (DIAG bits:
-    1 = no proxy fence, 2 = no decode (constant A), 4 = no output stores); results of 2 / 4 are not checked."""
+    2 = no decode (constant A), 4 = no output stores); results with a knob set are not checked."""
     gen = torch.Generator(device="cpu").manual_seed(2)
     for k, n in shapes:
         t = fmt.quantize_nvfp4(torch.randn(n, k, generator=gen) * 0.02, return_tensor=True).to(dev)
@@ -140,16 +135,14 @@ def bounds(dev, m_list, shapes, out):
         for m in m_list:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             res = {"bf16": graphed(lambda: F.linear(x, lin_w), 8, 15)}
-            for pipe, cfg in [(p, c) for p in PIPES for c in ((2, 256, 4, 1), (2, 256, 5, 1), (4, 128, 4, 1),
-                                                             (4, 128, 5, 1))]:
+            for cfg in ((2, 256, 4, 1), (2, 256, 5, 1), (4, 128, 4, 1), (4, 128, 5, 1)):
                 if n % (64 * cfg[0]):
                     continue
-                W.PIPELINE[0] = pipe
-                for diag in (0, 2):
+                for diag in (0, 2, 4, 6):
                     W.DIAG[0] = diag
-                    label = f"{cfg}p{pipe}d{diag}"
+                    label = f"{cfg}d{diag}"
                     try:
-                        if diag in (0, 1):
+                        if diag == 0:
                             y = W.wgmma_linear(x, t.packed, t.block_scale, t.global_scale, n, None, cfg)
                             e = rel(y, F.linear(x.float(), lin_w.float()))
                             if e > 5e-3:
@@ -159,7 +152,6 @@ def bounds(dev, m_list, shapes, out):
                             lambda: W.wgmma_linear(x, t.packed, t.block_scale, t.global_scale, n, None, cfg), 8, 15)
                     except Exception as exc:  # noqa: BLE001
                         res[label] = str(exc)[:200]
-            W.PIPELINE[0] = PIPES[-1]
             W.DIAG[0] = 0
             b = res["bf16"]
             print(f"bound K={k} N={n} M={m}: bf16 {b:.4f} | " + ", ".join(
@@ -174,9 +166,7 @@ def main():
     ap.add_argument("--m", default="256,4096")
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
     ap.add_argument("--json", default=None)
-    ap.add_argument("--pipes", default="1", help="kernel pipelines to compare: 1 = mbarrier, 0 = __syncthreads")
     args = ap.parse_args()
-    PIPES[:] = [int(v) for v in args.pipes.split(",")]
     dev = torch.device("cuda")
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "commit": os.environ.get("GIT_COMMIT", "unknown")}
