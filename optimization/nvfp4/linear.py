@@ -70,6 +70,9 @@ FIDELITY_KERNELS = ("auto", "fused", "dequant", "pipelined", "pipelined_n", "tim
 #   run 4 (session 7, sm_90 wgmma kernel, scripts/device/wgmma_probe.py, CUDA-graph times, commit 613454a):
 #     M=512: the wgmma kernel's default config beat dequant on 3 of 6 shapes (a draw: 0.85-1.10x); M=1024:
 #     dequant faster on all 6 (0.0389-0.1446 vs 0.0437-0.1716 ms)  -> FUSED_MAX_M stays 256
+#   run 5 (session 8, wgmma kernel with the mbarrier pipeline and 2-4 warpgroup tiles, commit a9007c6 / 9e7131e):
+#     M=4096 / 16384: best tile 0.64-0.84x bf16, dequant + cuBLAS 0.90-1.03x (the decode costs the kernel
+#     13-27 %: without it the same pipeline reaches 0.79-1.00x)  -> FUSED_MAX_M stays 256
 FUSED_MAX_M = 256
 PIPELINE_MIN_M = None        # set (e.g. 1024) to let "auto" time pipelined against dequant once per shape
 PIPELINE_CHUNKS = 4          # pipelined: first K part = Kp / PIPELINE_CHUNKS (exposed); N split: N chunks
