@@ -239,7 +239,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
     for (int i = 0; i < BM / 2; ++i) {
         const int n = gr0 + 8 * ((i >> 1) & 1);
         const int m = m0 + 8 * (i >> 2) + 2 * c + (i & 1);
-        if (m < M && n < N && (!(DIAG & 4) || d[i] == 12345.f)) {
+        if (m < M && n < N && (!(DIAG & 4) || d[i] == 12345.f)) {   // DIAG 4: a store the compiler keeps
             float v = d[i] * mult;
             if (SPLIT) {
                 part[((size_t)blockIdx.z * M + m) * N + n] = v;
