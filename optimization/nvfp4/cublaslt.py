@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 _COMPUTE_32F = 68
 _R_32F, _R_16F, _R_16BF = 0, 2, 14
 _OP_N, _OP_T = 0, 1
-_DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
+_DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER, _DESC_SM_COUNT_TARGET = 3, 4, 7, 8, 15
 _EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
 _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_MIN_ALIGNMENT = (5, 6, 7, 8)          # A, B, C, D
@@ -127,10 +127,11 @@ class LtLinear:
     """``D[m, n] = X[m, k] @ W[n, k]^T (+ bias[n])`` for fixed shapes, strides and dtype: the descriptors and the
     algorithm are chosen once; per call: one or two ctypes calls. Row strides in elements: ``ldx`` >= k,
     ``ldw`` >= k, ``ldd`` >= n. ``align`` (bytes): every pointer passed later (and the bias pointer) is a multiple
-    of it. The bias pointer is set per call: block swap re-points the bias tensor's storage between calls."""
+    of it. The bias pointer is set per call: block swap re-points the bias tensor's storage between calls.
+    ``sm_count`` > 0: the algorithm is chosen for that many SMs (the rest run another stream's kernels)."""
 
     def __init__(self, m: int, n: int, k: int, ldx: int, ldw: int, ldd: int, dtype: torch.dtype,
-                 device: torch.device, has_bias: bool = False, align: int = 256):
+                 device: torch.device, has_bias: bool = False, align: int = 256, sm_count: int = 0):
         if dtype not in _DTYPES:
             raise LtError(f"cuBLASLt linear: dtype {dtype} is not bf16/fp16")
         lib = _lib()
@@ -149,6 +150,8 @@ class LtLinear:
             self._set(_DESC_EPILOGUE, ctypes.c_uint32(_EPILOGUE_BIAS))
         else:
             self._set(_DESC_EPILOGUE, ctypes.c_uint32(_EPILOGUE_DEFAULT))
+        if sm_count:
+            self._set(_DESC_SM_COUNT_TARGET, ctypes.c_int32(sm_count))   # leave SMs to a concurrent stream
         _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._a), t, k, n, ldw), "MatrixLayoutCreate A")
         _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._b), t, k, m, ldx), "MatrixLayoutCreate B")
         _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._d), t, n, m, ldd), "MatrixLayoutCreate D")

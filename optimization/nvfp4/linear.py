@@ -83,6 +83,8 @@ FUSED_MAX_M = 256
 # weight (19 MB bf16, fits in H100's 50 MB L2) cost 1 %.
 SLABS_MIN_M = 1024
 SLAB_L2_FRACTION = 0.25
+SLAB_OVERLAP_SMS = 0         # > 0: slab i+1 is dequantized on a side stream while the GEMM of slab i runs on
+                             # all SMs but these (cuBLASLt's SM count target); 0: one stream, slab after slab
 PIPELINE_MIN_M = None        # set (e.g. 1024) to let "auto" time pipelined against dequant once per shape
 PIPELINE_CHUNKS = 4          # pipelined: first K part = Kp / PIPELINE_CHUNKS (exposed); N split: N chunks
 PIPELINE_ALIGN = 128         # N split: chunk boundaries on 128-row multiples (the swizzled scales slice per chunk)
@@ -118,6 +120,17 @@ def _side_stream(device):
     if st is None:
         lo, hi = torch.cuda.Stream.priority_range()
         st = _SIDE_STREAM[key] = torch.cuda.Stream(device=device, priority=hi)   # dequant CTAs go first
+    return st
+
+
+_LOW_STREAM: dict = {}
+
+
+def _low_stream(device):
+    key = str(device)
+    st = _LOW_STREAM.get(key)
+    if st is None:
+        st = _LOW_STREAM[key] = torch.cuda.Stream(device=device, priority=0)
     return st
 
 
@@ -684,8 +697,10 @@ class NVFP4Linear(_QuantLinearBase):
         ldx = x2.stride(0)
         align = cublaslt.alignment_of(ldx * esize, k * esize, n * esize)
         has_bias = self.bias is not None
+        overlap = SLAB_OVERLAP_SMS if len(bounds) > 1 else 0
+        sms = K._sm_count(dev) - overlap if overlap else 0
         try:
-            lts = {n1 - n0: cublaslt.LtLinear(m, n1 - n0, k, ldx, k, n, dtype, dev, has_bias, align)
+            lts = {n1 - n0: cublaslt.LtLinear(m, n1 - n0, k, ldx, k, n, dtype, dev, has_bias, align, sms)
                    for n0, n1 in bounds}
         except cublaslt.LtError as exc:
             log.debug("NVFP4 slabs kernel: %s", exc)
@@ -700,12 +715,39 @@ class NVFP4Linear(_QuantLinearBase):
             x_ptr = xc.data_ptr()
             if (x_ptr | bias_ptr) % align:
                 return None
-            buf = _scratch(dev, dtype, rows * k, count=1)[0]
+            bufs = _scratch(dev, dtype, rows * k, count=2 if overlap else 1)
             out = torch.empty((m, n), dtype=dtype, device=dev)
             out_ptr, stream = out.data_ptr(), K.raw_stream(index)
-            for n0, n1, lt, off in steps:
-                w = self._dequant_rows(n0, n1, dtype, out=buf[: (n1 - n0) * k].view(n1 - n0, k))
-                lt(x_ptr, w.data_ptr(), out_ptr + off, stream, bias_ptr + off if has_bias else None)
+            if not overlap:
+                for n0, n1, lt, off in steps:
+                    w = self._dequant_rows(n0, n1, dtype, out=bufs[0][: (n1 - n0) * k].view(n1 - n0, k))
+                    lt(x_ptr, w.data_ptr(), out_ptr + off, stream, bias_ptr + off if has_bias else None)
+                return out if flat else out.view(out_shape)
+            # GEMMs on a high-priority stream (their CTAs are placed first), dequants on a default-priority one
+            main = torch.cuda.current_stream(dev)
+            hi, lo = _side_stream(dev), _low_stream(dev)
+            hi.wait_stream(main)
+            lo.wait_stream(main)
+            ws, ready, done = [None] * len(steps), [None] * len(steps), [None] * len(steps)
+
+            def dequant(i):
+                a0, a1 = steps[i][:2]
+                if i >= 2:
+                    lo.wait_event(done[i - 2])          # GEMM i-2 has read this buffer
+                with torch.cuda.stream(lo):
+                    ws[i] = self._dequant_rows(a0, a1, dtype, out=bufs[i % 2][: (a1 - a0) * k].view(a1 - a0, k))
+                    ready[i] = torch.cuda.Event()
+                    ready[i].record(lo)
+            dequant(0)
+            hs = hi.cuda_stream
+            for i, (n0, n1, lt, off) in enumerate(steps):
+                hi.wait_event(ready[i])
+                lt(x_ptr, ws[i].data_ptr(), out_ptr + off, hs, bias_ptr + off if has_bias else None)
+                done[i] = torch.cuda.Event()
+                done[i].record(hi)
+                if i + 1 < len(steps):
+                    dequant(i + 1)
+            main.wait_stream(hi)
             return out if flat else out.view(out_shape)
         return plan
 

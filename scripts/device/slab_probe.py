@@ -7,7 +7,7 @@ calls: GPU time; and `inner` calls queued without a graph: what the bench sees);
 ratios the median of per-round ratios against bf16. Also checks: cuBLASLt on the whole bf16 weight is bitwise
 F.linear's output (same library, same heuristic) and the slabs output's error against the fp32 product equals the
 dequant path's.
-    python scripts/device/slab_probe.py [--m 1024,4096,16384] [--fractions 0.125,0.25,0.5] [--json out.json]
+    python scripts/device/slab_probe.py [--m 1024,4096,16384] [--slabs 0.25:0,0.125:8] [--json out.json]
 """
 import argparse
 import json
@@ -49,7 +49,8 @@ def queued(fn, inner, reps=5):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="1024,4096,16384")
-    ap.add_argument("--fractions", default="0.125,0.25,0.5")
+    ap.add_argument("--slabs", default="0.25:0,0.5:0,0.125:8,0.125:16,0.0625:8,0.25:8",
+                    help="fraction:overlap_sms pairs (SLAB_L2_FRACTION, SLAB_OVERLAP_SMS)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--inner", type=int, default=4)
     ap.add_argument("--json", default=None)
@@ -58,7 +59,7 @@ def main():
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "L2", L.l2_bytes(dev) >> 20, "MiB",
           "cuBLASLt", cublaslt.available(), "commit", os.environ.get("GIT_COMMIT", "?"), flush=True)
-    fractions = [float(f) for f in args.fractions.split(",")]
+    slabs = [(float(p.split(":")[0]), int(p.split(":")[1])) for p in args.slabs.split(",")]
     gen = torch.Generator(device="cpu").manual_seed(0)
     rows = []
     t_start = time.time()
@@ -86,30 +87,30 @@ def main():
             torch.cuda.synchronize()
             row["lt_bitwise_equal_F_linear"] = bool(torch.equal(y_lt, y_f))
 
-            def make(kern, frac=None):
+            def make(kern, frac=None, sms=0):
                 def fn():
                     return layer(x)
                 layer.fidelity_kernel = kern
                 if frac is not None:
-                    L.SLAB_L2_FRACTION = frac
+                    L.SLAB_L2_FRACTION, L.SLAB_OVERLAP_SMS = frac, sms
                 layer._plans.clear()
                 fn()
                 fn()                      # second call runs the launch plan
                 return fn
             variants = {"bf16": lambda: F.linear(x, w16, bias), "lt_full": lt_full}
             errs = {}
-            for kern, frac in [("dequant", None)] + [("slabs", f) for f in fractions]:
-                name = kern if frac is None else f"slabs_{frac}"
+            for kern, frac, sms in [("dequant", None, 0)] + [("slabs", f, o) for f, o in slabs]:
+                name = kern if frac is None else f"slabs_{frac}_{sms}"
                 layer.fidelity_kernel = kern
                 if frac is not None:
-                    L.SLAB_L2_FRACTION = frac
+                    L.SLAB_L2_FRACTION, L.SLAB_OVERLAP_SMS = frac, sms
                 layer._plans.clear()
                 y = layer(x)
                 y = layer(x)
                 errs[name] = rel(y, ref)
                 if frac is not None:
                     row[f"{name}_count"] = len(L.slab_bounds(n, k, L.l2_bytes(dev), 2, frac))
-                variants[name] = (kern, frac)
+                variants[name] = (kern, frac, sms)
             row["rel_err"] = errs
             times = {v: [] for v in variants}
             qtimes = {v: [] for v in variants}

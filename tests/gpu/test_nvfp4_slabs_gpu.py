@@ -33,10 +33,12 @@ def _rel(y, ref):
     return ((y.float() - ref).norm() / ref.norm()).item()
 
 
-@pytest.fixture
-def small_slabs(monkeypatch):
-    """Slabs of 128 rows whatever the GPU's L2: many slabs on small test weights."""
+@pytest.fixture(params=[0, 8], ids=["one-stream", "overlap"])
+def small_slabs(monkeypatch, request):
+    """Slabs of 128 rows whatever the GPU's L2 (many slabs on small test weights), dequantized on the GEMM's
+    stream or on a side stream while the previous slab's GEMM runs."""
     monkeypatch.setattr(L, "SLAB_L2_FRACTION", 1e-9)
+    monkeypatch.setattr(L, "SLAB_OVERLAP_SMS", request.param)
 
 
 def test_cublaslt_available_here():
