@@ -35,7 +35,6 @@ from typing import Callable, Iterable, Mapping
 import torch
 import torch.nn.functional as F
 
-from . import cublaslt
 from . import format as fmt
 from . import kernels as K
 from .checkpoint import detect_layer_format, load_fp8_layer, load_nvfp4_layer
@@ -44,7 +43,7 @@ from .format import NVFP4Tensor
 log = logging.getLogger(__name__)
 
 PATHS = ("fp4_tensorcore", "fp8_speed", "fidelity", "reference")
-FIDELITY_KERNELS = ("auto", "fused", "dequant", "slabs", "pipelined", "pipelined_n", "timed")
+FIDELITY_KERNELS = ("auto", "fused", "dequant", "pipelined", "pipelined_n", "timed")
 # fidelity path, kernel by rows M (bf16/fp16 activations on CUDA), fidelity_kernel="auto":
 #   M <= FUSED_MAX_M           -> fused W4A16 Triton kernel (reads the 4-bit weight; no bf16 weight is written)
 #   M >= PIPELINE_MIN_M         -> the faster of dequant and pipelined (K split in two: the larger part of the
@@ -75,16 +74,6 @@ FIDELITY_KERNELS = ("auto", "fused", "dequant", "slabs", "pipelined", "pipelined
 #     M=4096 / 16384: best tile 0.64-0.84x bf16, dequant + cuBLAS 0.90-1.03x (the decode costs the kernel
 #     13-27 %: without it the same pipeline reaches 0.79-1.00x)  -> FUSED_MAX_M stays 256
 FUSED_MAX_M = 256
-# "slabs" (M >= SLABS_MIN_M, cuBLASLt callable, the bf16 weight larger than one slab): the weight is dequantized
-# one slab of rows at a time into a scratch buffer of SLAB_L2_FRACTION of the GPU's L2 cache, and each slab is
-# multiplied into its column slice of the output (cuBLASLt, bias in the epilogue) while the slab is still in L2.
-# The whole-weight dequant writes 2 bytes per weight to HBM and the GEMM reads them back; a slab's 2 bytes stay in
-# L2. Why it matters: at M = 4096 that HBM round trip is 6-11 % of the bf16 GEMM (session 8), when a 3072 x 3072
-# weight (19 MB bf16, fits in H100's 50 MB L2) cost 1 %.
-SLABS_MIN_M = 1024
-SLAB_L2_FRACTION = 0.25
-SLAB_OVERLAP_SMS = 0         # > 0: slab i+1 is dequantized on a side stream while the GEMM of slab i runs on
-                             # all SMs but these (cuBLASLt's SM count target); 0: one stream, slab after slab
 PIPELINE_MIN_M = None        # set (e.g. 1024) to let "auto" time pipelined against dequant once per shape
 PIPELINE_CHUNKS = 4          # pipelined: first K part = Kp / PIPELINE_CHUNKS (exposed); N split: N chunks
 PIPELINE_ALIGN = 128         # N split: chunk boundaries on 128-row multiples (the swizzled scales slice per chunk)
@@ -123,17 +112,6 @@ def _side_stream(device):
     return st
 
 
-_LOW_STREAM: dict = {}
-
-
-def _low_stream(device):
-    key = str(device)
-    st = _LOW_STREAM.get(key)
-    if st is None:
-        st = _LOW_STREAM[key] = torch.cuda.Stream(device=device, priority=0)
-    return st
-
-
 def _scratch(device, dtype, numel: int, count: int = 2):
     """Two flat buffers (double buffering), one pair per device/dtype shared by every layer, grown on demand.
     Growing frees the old pair on the current stream; every earlier side-stream write to it was waited for
@@ -148,26 +126,6 @@ def _scratch(device, dtype, numel: int, count: int = 2):
 
 def scratch_nbytes() -> int:
     return sum(b.numel() * b.element_size() for bufs in _SCRATCH.values() for b in bufs)
-
-
-_L2_BYTES: dict = {}
-
-
-def l2_bytes(device) -> int:
-    key = str(device)
-    v = _L2_BYTES.get(key)
-    if v is None:
-        v = _L2_BYTES[key] = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
-    return v
-
-
-def slab_bounds(n: int, k: int, l2: int, elem_bytes: int = 2, fraction: float | None = None) -> list[tuple[int, int]]:
-    """Row ranges of the weight for the "slabs" kernel: each slab's dequantized copy (rows x k x elem_bytes) fits
-    in ``fraction`` of an L2 cache of ``l2`` bytes; rows a multiple of 128 (the block-scale layout's row group),
-    at least 128; slabs of equal size but the last."""
-    fraction = SLAB_L2_FRACTION if fraction is None else fraction
-    rows = max(128, int(l2 * fraction) // max(1, k * elem_bytes) // 128 * 128)
-    return [(n0, min(n0 + rows, n)) for n0 in range(0, n, rows)]
 
 
 def _time_choice(fns: dict, reps: int = 5) -> str:
@@ -480,8 +438,6 @@ class NVFP4Linear(_QuantLinearBase):
                 kern = self._fidelity_kernel_for(x2)
                 if kern == "dequant":
                     return self._dequant_plan(x2, out_shape)
-                if kern == "slabs":
-                    return self._slabs_plan(x2, out_shape)
                 if kern != "fused":
                     return None
                 return K.w4a16_plan(x2, self.weight, self.weight_scale, self.weight_scale_2, self.out_features,
@@ -672,85 +628,6 @@ class NVFP4Linear(_QuantLinearBase):
         out.addmm_(xp[:, k1:], w1.t())
         return out
 
-    def _slabs_usable(self, x2) -> bool:
-        """The "slabs" kernel applies: bf16/fp16 rows on CUDA, no autograd through it, cuBLASLt callable, and the
-        weight spans more than one slab (one slab is the dequant kernel)."""
-        if (not K.on_cuda(x2) or x2.dtype not in (torch.bfloat16, torch.float16) or not K.triton_usable(self.weight)
-                or (torch.is_grad_enabled() and x2.requires_grad)
-                or (self.bias is not None and self.bias.dtype != x2.dtype) or not cublaslt.available()[0]):
-            return False
-        l2 = l2_bytes(x2.device)
-        return l2 > 0 and len(slab_bounds(self.out_features, self.in_features, l2)) > 1
-
-    def _slabs_plan(self, x2, out_shape):
-        """A callable for inputs like x2 (same shape, dtype, device; row-contiguous): for each slab of weight rows,
-        dequantize it into the shared scratch buffer, then ``out[:, n0:n1] = x @ W[n0:n1]^T + bias[n0:n1]`` by
-        cuBLASLt (output row stride N, bias in the epilogue). The cuBLASLt descriptors and algorithms are chosen
-        here, once; the pointers (weight, bias, scratch, input) are read per call. None if cuBLASLt has no
-        algorithm for these shapes; the callable returns None when a pointer is not aligned as planned."""
-        if x2.stride(1) != 1:
-            return None
-        m, k = x2.shape
-        n, dtype, dev = self.out_features, x2.dtype, x2.device
-        esize = x2.element_size()
-        bounds = slab_bounds(n, k, l2_bytes(dev), esize)
-        ldx = x2.stride(0)
-        align = cublaslt.alignment_of(ldx * esize, k * esize, n * esize)
-        has_bias = self.bias is not None
-        overlap = SLAB_OVERLAP_SMS if len(bounds) > 1 else 0
-        sms = K._sm_count(dev) - overlap if overlap else 0
-        try:
-            lts = {n1 - n0: cublaslt.LtLinear(m, n1 - n0, k, ldx, k, n, dtype, dev, has_bias, align, sms)
-                   for n0, n1 in bounds}
-        except cublaslt.LtError as exc:
-            log.debug("NVFP4 slabs kernel: %s", exc)
-            return None
-        rows = bounds[0][1] - bounds[0][0]
-        index, flat = dev.index, len(out_shape) == 2
-        steps = [(n0, n1, lts[n1 - n0], n0 * esize) for n0, n1 in bounds]
-
-        def plan(xc):
-            bias = self.bias
-            bias_ptr = bias.data_ptr() if has_bias else 0
-            x_ptr = xc.data_ptr()
-            if (x_ptr | bias_ptr) % align:
-                return None
-            bufs = _scratch(dev, dtype, rows * k, count=2 if overlap else 1)
-            out = torch.empty((m, n), dtype=dtype, device=dev)
-            out_ptr, stream = out.data_ptr(), K.raw_stream(index)
-            if not overlap:
-                for n0, n1, lt, off in steps:
-                    w = self._dequant_rows(n0, n1, dtype, out=bufs[0][: (n1 - n0) * k].view(n1 - n0, k))
-                    lt(x_ptr, w.data_ptr(), out_ptr + off, stream, bias_ptr + off if has_bias else None)
-                return out if flat else out.view(out_shape)
-            # GEMMs on a high-priority stream (their CTAs are placed first), dequants on a default-priority one
-            main = torch.cuda.current_stream(dev)
-            hi, lo = _side_stream(dev), _low_stream(dev)
-            hi.wait_stream(main)
-            lo.wait_stream(main)
-            ws, ready, done = [None] * len(steps), [None] * len(steps), [None] * len(steps)
-
-            def dequant(i):
-                a0, a1 = steps[i][:2]
-                if i >= 2:
-                    lo.wait_event(done[i - 2])          # GEMM i-2 has read this buffer
-                with torch.cuda.stream(lo):
-                    ws[i] = self._dequant_rows(a0, a1, dtype, out=bufs[i % 2][: (a1 - a0) * k].view(a1 - a0, k))
-                    ready[i] = torch.cuda.Event()
-                    ready[i].record(lo)
-            dequant(0)
-            hs = hi.cuda_stream
-            for i, (n0, n1, lt, off) in enumerate(steps):
-                hi.wait_event(ready[i])
-                lt(x_ptr, ws[i].data_ptr(), out_ptr + off, hs, bias_ptr + off if has_bias else None)
-                done[i] = torch.cuda.Event()
-                done[i].record(hi)
-                if i + 1 < len(steps):
-                    dequant(i + 1)
-            main.wait_stream(hi)
-            return out if flat else out.view(out_shape)
-        return plan
-
     def _fidelity_kernel_for(self, x2) -> str:
         m = x2.shape[0]
         kern = self.fidelity_kernel
@@ -760,8 +637,6 @@ class NVFP4Linear(_QuantLinearBase):
             return "fused" if fused_ok else "dequant"
         if kern in ("dequant", "pipelined", "pipelined_n"):
             return kern
-        if kern == "slabs":
-            return "slabs" if self._slabs_usable(x2) else "dequant"
         if not K.on_cuda(x2):
             return "dequant"
         pipe_ok = self.weight.shape[1] * 2 >= 256
@@ -779,8 +654,6 @@ class NVFP4Linear(_QuantLinearBase):
             return choice
         if fused_ok and m <= FUSED_MAX_M:
             return "fused"
-        if m >= SLABS_MIN_M and self._slabs_usable(x2):
-            return "slabs"
         if pipe_ok and PIPELINE_MIN_M is not None and m >= PIPELINE_MIN_M:
             # large M: pipelined vs dequant timed once per (M bucket, shape) on this device (see the note)
             key = ("auto", K._m_bucket(m), self.out_features, self.in_features, str(x2.device))
@@ -802,10 +675,6 @@ class NVFP4Linear(_QuantLinearBase):
                 log.warning("[SeedVR2-BW] NVFP4 fused W4A16 kernel unavailable, using dequant + cuBLAS: %s",
                             _FUSED_BROKEN[-1])
                 return self._fidelity_dequant(x2)
-        if kern == "slabs":
-            plan = self._slabs_plan(x2, (x2.shape[0], self.out_features))
-            y = plan(x2) if plan is not None else None
-            return y if y is not None else self._fidelity_dequant(x2)
         if kern == "pipelined":
             return self._fidelity_pipelined(x2).to(x2.dtype)
         if kern == "pipelined_n":
