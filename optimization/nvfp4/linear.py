@@ -73,6 +73,10 @@ FIDELITY_KERNELS = ("auto", "fused", "dequant", "pipelined", "pipelined_n", "tim
 #   run 5 (session 8, wgmma kernel with the mbarrier pipeline and 2-4 warpgroup tiles, commit a9007c6 / 9e7131e):
 #     M=4096 / 16384: best tile 0.64-0.84x bf16, dequant + cuBLAS 0.90-1.03x (the decode costs the kernel
 #     13-27 %: without it the same pipeline reaches 0.79-1.00x)  -> FUSED_MAX_M stays 256
+#   run 6 (session 9, commit 15343dd): M=4096 dequant + cuBLAS 0.927-0.945x bf16, the ceiling of any path writing
+#     the bf16 weight to HBM (~0.94x: 2.56 B/weight at 3.35 TB/s vs 2*4096 FLOP/weight at ~670 TFLOP/s). Slab-wise
+#     dequant into L2 + cuBLASLt (commit cf7a84a) and dequant overlapped on a side stream with SM-limited GEMMs
+#     (1676810) measured no faster / slower and were reverted (docs/BENCHMARKS.md, session 9)
 FUSED_MAX_M = 256
 PIPELINE_MIN_M = None        # set (e.g. 1024) to let "auto" time pipelined against dequant once per shape
 PIPELINE_CHUNKS = 4          # pipelined: first K part = Kp / PIPELINE_CHUNKS (exposed); N split: N chunks
