@@ -1,0 +1,267 @@
+// Fused NVFP4-weight x bf16-activation GEMM for Hopper (sm_90a), large M: y[M, N] = x[M, K] @ dequant(W)[N, K]^T.
+// Compiled at run time by NVRTC (ws_w4a16.py fills in the #defines and the wgmma wrapper); no CUDA headers.
+//
+// Warp-specialized and persistent. One producer warpgroup and NCW consumer warpgroups per CTA; the CTA loops
+// over output tiles of BT = 64 NCW tokens x BN weight rows.
+// - Producer: cp.async of the activation tile straight into its 128-byte-swizzled slot; cp.async of the packed
+//   weight and its block scales into a small "raw" ring R - 1 k tiles ahead (each thread copies exactly the
+//   bytes it decodes later, so no barrier is needed between copy and decode); decode to bf16 into the slot's
+//   weight tile, in the same swizzled layout; fence.proxy.async; arrive on the slot's full barrier.
+// - Consumers: both operands from shared memory (wgmma m64nBNk16, SS): warpgroup c multiplies tokens
+//   64c..64c+63 of the slot by all BN weight rows; one k tile's wgmma group is left in flight while the next is
+//   issued; the slot is released (empty barrier) when its group is done. Epilogue from the accumulators.
+// With the decode off the consumers, the tensor cores see the same shared-memory traffic as a bf16 GEMM of this
+// tile (the decoded tile replaces the copied bf16 weight tile), and the producer refills the ring for the next
+// output tile while the consumers store this one.
+//
+// Decode, per 32-bit word q of 4 packed bytes (high nibble = the even k) and byte b: see w4a16_wgmma.cu (3 integer
+// instructions and one bf16x2 multiply per two weights, exact; the 2^-10 it leaves is undone in the epilogue).
+
+#define BT (64 * NCW)                // tokens per tile
+#define NT (128 * (NCW + 1))         // threads per CTA: producer warpgroup 0, consumers 1..NCW
+#define X_BYTES (BT * 128)           // activation tile: BT tokens x 64 k, 128B-swizzled
+#define W_BYTES (BN * 128)           // decoded weight tile: BN rows x 64 k, 128B-swizzled
+#define SLOT_BYTES (X_BYTES + W_BYTES)
+#define RAW_BYTES (BN * 36)          // packed weight (BN rows x 32 B, stored chunk-major) + block scales (BN x 4 B)
+#define RPT (BN / 128)               // weight rows per producer thread
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef unsigned long long u64;
+
+static __device__ __forceinline__ u32 smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+static __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+static __device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+static __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+static __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+static __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+static __device__ __forceinline__ void fence_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+static __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+static __device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+static __device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+static __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n.reg .pred done;\nWAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+static __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+static __device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
+}
+// byte b of q -> bf16x2 [lo half: the high nibble (even k), hi half: the low nibble] x 2^-126, exact
+static __device__ __forceinline__ u32 e2m1x2(u32 q, u32 q4, const int b) {
+    const u32 z = prmt(q, q4, b | ((b | 8) << 4) | ((b + 4) << 8) | (((b + 4) | 8) << 12));
+    return (z << 2) & 0x81C081C0u;
+}
+// two E4M3 scales (bytes 0, 1 of s) -> bf16x2 [s0, s1] x 2^116
+static __device__ __forceinline__ u32 scale_pair(u32 s) {
+    const u32 two118 = 0x7A807A80u;
+    return bf16x2_mul(bf16x2_mul(prmt(s, 0u, 0x4140u) << 4, two118), two118);
+}
+static __device__ __forceinline__ u64 desc_sw128(u32 addr) {
+    // wgmma shared-memory descriptor, K-major, 128-byte swizzle: start >> 4, leading offset (unused) 1, stride
+    // between 8-row groups 1024 B
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+static __device__ __forceinline__ void st_shared_v4(u32 addr, u32 a, u32 b, u32 c, u32 d) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+static __device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+static __device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+    return v;
+}
+static __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// generated by ws_w4a16.wgmma_call: static __device__ void wgmma_ss(float* d, u64 desc_a, u64 desc_b, u32 acc)
+//%%WGMMA%%
+
+// output tile j of this CTA -> (first token, first weight row); bands of GROUP_M token tiles walk N together, so
+// the CTAs running at once share activation rows and weight rows in L2
+static __device__ __forceinline__ void tile_coords(int tile, int num_mt, int num_nt, int& m0, int& n0) {
+    const int band = tile / (GROUP_M * num_nt);
+    const int first = band * GROUP_M;
+    const int gm = min(GROUP_M, num_mt - first);
+    const int r = tile - band * GROUP_M * num_nt;
+    m0 = (first + r % gm) * BT;
+    n0 = (r / gm) * BN;
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
+    const u16* __restrict__ x, const u8* __restrict__ wp, const u8* __restrict__ wsc, const float* __restrict__ g,
+    const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int K, int ldx, int ncb4) {
+    extern __shared__ __align__(1024) u8 smem_raw[];
+    u8* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);   // 1024-aligned (the swizzle atom)
+    const u32 slots = smem_addr(smem);
+    const u32 raws = slots + STAGES * SLOT_BYTES;
+    __shared__ __align__(8) u64 bars[2 * STAGES];
+    const u32 full0 = smem_addr(bars), empty0 = full0 + 8 * STAGES;
+
+    const int tid = threadIdx.x;
+    const int KT = K >> 6;                               // k tiles per output tile
+    const int num_mt = (M + BT - 1) / BT, num_nt = N / BN;
+    const int my_tiles = (num_mt * num_nt - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
+    const int total = my_tiles * KT;                     // k iterations of this CTA, over all its tiles
+
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full0 + 8 * s, 256);               // 128 producer threads x (copies landed + decode stored)
+            mbar_init(empty0 + 8 * s, 128 * NCW);        // every consumer thread's wgmma reading the slot done
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (tid < 128) {
+        // =============================== producer ===============================
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
+        const int half = K >> 1;
+        const int lq = tid & 7, lr = tid >> 3;           // activation chunk lq of rows lr + 16 j
+        const u32 x_dst = lr * 128 + ((lq ^ (lr & 7)) << 4);
+
+        // raw copies of iteration u: this thread's weight rows p = tid + 128 j
+        auto issue_raw = [&](int u) {
+            const int tile = blockIdx.x + (u / KT) * gridDim.x, kt = u % KT;
+            int m0, n0;
+            tile_coords(tile, num_mt, num_nt, m0, n0);
+            const u32 rb = raws + (u % RSTAGES) * RAW_BYTES;
+#pragma unroll
+            for (int j = 0; j < RPT; ++j) {
+                const int p = tid + 128 * j, n = n0 + p;
+                const u8* src = wp + (size_t)n * half + kt * 32;
+                cp_async16(rb + p * 16, src);
+                cp_async16(rb + (BN + p) * 16, src + 16);
+                cp_async4(rb + BN * 32 + p * 4,
+                          wsc + ((size_t)(n >> 7) * ncb4 + kt) * 512 + (n & 31) * 16 + ((n & 127) >> 5) * 4);
+            }
+        };
+#pragma unroll 1
+        for (int u = 0; u < RSTAGES - 1; ++u) {
+            if (u < total) issue_raw(u);
+            cp_async_commit();
+        }
+#pragma unroll 1
+        for (int it = 0; it < total; ++it) {
+            const int slot = it % STAGES;
+            const int tile = blockIdx.x + (it / KT) * gridDim.x, kt = it % KT;
+            int m0, n0;
+            tile_coords(tile, num_mt, num_nt, m0, n0);
+            if (it >= STAGES) mbar_wait(empty0 + 8 * slot, ((it / STAGES) - 1) & 1);
+            const u32 sb = slots + slot * SLOT_BYTES;
+#pragma unroll
+            for (int j = 0; j < BT / 16; ++j) {
+                const int m = min(m0 + lr + 16 * j, M - 1);      // rows past M re-read row M-1 (never stored)
+                cp_async16(sb + x_dst + j * 16 * 128, (const u8*)(x + (size_t)m * ldx) + kt * 128 + lq * 16);
+            }
+            cp_async_mbar_arrive(full0 + 8 * slot);
+            if (it + RSTAGES - 1 < total) issue_raw(it + RSTAGES - 1);
+            cp_async_commit();
+            cp_async_wait<RSTAGES - 1>();                        // this thread's raw copies of iteration it landed
+            const u32 rb = raws + (it % RSTAGES) * RAW_BYTES;
+            const u32 wb = sb + X_BYTES;
+#pragma unroll
+            for (int j = 0; j < RPT; ++j) {
+                const int p = tid + 128 * j;
+                const uint4 v0 = ld_shared_v4(rb + p * 16), v1 = ld_shared_v4(rb + (BN + p) * 16);
+                const u32 s = ld_shared_u32(rb + BN * 32 + p * 4);      // E4M3 scales of k16 steps 0..3
+                const u32 f01 = scale_pair(s), f23 = scale_pair(s >> 16);
+                const u32 sc[4] = {prmt(f01, f01, 0x1010u), prmt(f01, f01, 0x3232u),
+                                   prmt(f23, f23, 0x1010u), prmt(f23, f23, 0x3232u)};
+                const u32 q[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+                const u32 row = wb + p * 128;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {                   // chunk i: k 8i .. 8i+7, block scale i / 2
+                    const u32 q4 = q[i] << 4, f = sc[i >> 1];
+                    st_shared_v4(row + ((i ^ (p & 7)) << 4), bf16x2_mul(e2m1x2(q[i], q4, 0), f),
+                                 bf16x2_mul(e2m1x2(q[i], q4, 1), f), bf16x2_mul(e2m1x2(q[i], q4, 2), f),
+                                 bf16x2_mul(e2m1x2(q[i], q4, 3), f));
+                }
+            }
+            fence_async_smem();                                  // decoded stores -> the tensor cores' proxy
+            mbar_arrive(full0 + 8 * slot);
+        }
+        cp_async_wait<0>();
+    } else {
+        // =============================== consumers ===============================
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
+        const int c = (tid >> 7) - 1, t = tid & 127;
+        const int warp = t >> 5, lane = t & 31;
+        const float mult = g[0] * 1024.f;
+        float d[BN / 2];
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+        int it = 0;
+#pragma unroll 1
+        for (int j = 0; j < my_tiles; ++j) {
+            int m0, n0;
+            tile_coords(blockIdx.x + j * gridDim.x, num_mt, num_nt, m0, n0);
+#pragma unroll 1
+            for (int kt = 0; kt < KT; ++kt, ++it) {
+                const int slot = it % STAGES;
+                mbar_wait(full0 + 8 * slot, (it / STAGES) & 1);
+                fence_async_smem();
+                const u32 sb = slots + slot * SLOT_BYTES;
+                wgmma_fence();
+#pragma unroll
+                for (int s = 0; s < 4; ++s)
+                    wgmma_ss(d, desc_sw128(sb + c * 64 * 128 + s * 32), desc_sw128(sb + X_BYTES + s * 32),
+                             (kt | s) != 0);
+                wgmma_commit();
+                wgmma_wait<1>();
+                if (kt > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+            }
+            wgmma_wait<0>();
+            mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+            // epilogue: d[i] is (token 16 warp + lane/4 + 8 ((i/2)%2), weight row 8 (i/4) + 2 (lane%4) + i%2)
+            const int mrow = m0 + c * 64 + warp * 16 + (lane >> 2);
+            const int ncol = n0 + 2 * (lane & 3);
+#pragma unroll
+            for (int i = 0; i < BN / 2; i += 2) {
+                const int m = mrow + 8 * ((i >> 1) & 1);
+                const int n = ncol + 8 * (i >> 2);
+                float v0 = d[i] * mult, v1 = d[i + 1] * mult;
+                if (HAS_BIAS) {
+                    const u32 bb = *(const u32*)(bias + n);
+                    v0 += __uint_as_float(bb << 16);
+                    v1 += __uint_as_float(bb & 0xFFFF0000u);
+                }
+                if (m < M) *(u32*)(y + (size_t)m * N + n) = pack_bf16x2(v0, v1);
+            }
+        }
+    }
+}
