@@ -25,7 +25,7 @@ from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear  # noqa: E402
 from _graph_timing import graphed, rel  # noqa: E402
 from wgmma_probe import SHAPES, adversarial_weight  # noqa: E402
 
-CONFIGS = [(2, 256, 4, 3, 8), (2, 128, 6, 3, 8), (2, 256, 3, 4, 8), (2, 256, 4, 3, 4)]
+CONFIGS = [(1, 2, 256, 4, 3, 8), (2, 2, 256, 4, 3, 8), (2, 2, 256, 3, 4, 8), (2, 2, 128, 6, 3, 8)]
 
 
 def check(dev, out, configs):
@@ -44,7 +44,7 @@ def check(dev, out, configs):
             ref_small = F.linear(x.float(), wd[:8])
             for cfg in configs:
                 for grid in (None, 3):
-                    if n % cfg[1]:
+                    if n % cfg[2]:
                         continue
                     y = W.ws_linear(x, t.packed, t.block_scale, t.global_scale, n, b, cfg, grid=grid)
                     if y is None:
@@ -79,7 +79,7 @@ def time_shapes(dev, m_list, shapes, configs, rounds, out):
             paths = {"bf16": lambda: lin(x), "layer": lambda: layer(x)}
             errs = {}
             for cfg in configs:
-                if n % cfg[1]:
+                if n % cfg[2]:
                     continue
                 y = W.ws_linear(x, packed, bscale, gscale, n, bias, cfg)
                 if y is None:
@@ -106,6 +106,35 @@ def time_shapes(dev, m_list, shapes, configs, rounds, out):
         del layer, lin
 
 
+def bounds(dev, m_list, shapes, configs, out):
+    """What limits a config: DIAG knobs drop one part of the work (1 = decode, 2 = wgmma, 4 = output stores);
+    results with a knob set are wrong and not checked."""
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    for k, n in shapes:
+        t = fmt.quantize_nvfp4(torch.randn(n, k, generator=gen) * 0.02, return_tensor=True).to(dev)
+        w = t.dequantize(torch.bfloat16)
+        for m in m_list:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            res = {"bf16": graphed(lambda: F.linear(x, w), 8, 15)}
+            for cfg in configs:
+                if n % cfg[2]:
+                    continue
+                for diag in (0, 1, 2, 4, 5):
+                    W.DIAG[0] = diag
+                    y = W.ws_linear(x, t.packed, t.block_scale, t.global_scale, n, None, cfg)
+                    if y is None:
+                        res[f"{cfg}d{diag}"] = "unavailable"
+                        continue
+                    res[f"{cfg}d{diag}"] = graphed(
+                        lambda: W.ws_linear(x, t.packed, t.block_scale, t.global_scale, n, None, cfg), 8, 15)
+            W.DIAG[0] = 0
+            b = res["bf16"]
+            print(f"bound K={k} N={n} M={m}: bf16 {b:.4f} | " + ", ".join(
+                f"{c} {b / v:.3f}x" if isinstance(v, float) else f"{c} {v}" for c, v in res.items()
+                if c != "bf16"), flush=True)
+            out.append({"part": "bound", "K": k, "N": n, "M": m, "ms": res})
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", default="check,time")
@@ -128,6 +157,9 @@ def main():
         if worst > 5e-3 and "time" in parts:
             print("check failed: timing skipped", flush=True)
             parts.remove("time")
+    if "bound" in parts:
+        bounds(dev, [int(v) for v in args.m.split(",")],
+               [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")], configs, out)
     if "time" in parts:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
         time_shapes(dev, [int(v) for v in args.m.split(",")], shapes, configs, args.rounds, out)
