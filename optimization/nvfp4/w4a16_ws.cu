@@ -28,6 +28,8 @@
 #define SLOT_BYTES (X_BYTES + W_BYTES)
 #define RAW_BYTES (BN * 36)          // packed weight (BN rows x 32 B, stored chunk-major) + block scales (BN x 4 B)
 #define RPT (BN / NP)                // weight rows per producer thread
+#define EPI_PITCH 144                // epilogue staging row: 64 bf16 + 16 B (pair stores of 8 rows hit 32 banks)
+#define EPI_BYTES (64 * EPI_PITCH)   // per consumer warpgroup
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -100,6 +102,12 @@ static __device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
     asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
     return v;
 }
+static __device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+static __device__ __forceinline__ void named_barrier(int id) {   // one consumer warpgroup
+    asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
+}
 static __device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
     u32 v;
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
@@ -132,6 +140,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     u8* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);   // 1024-aligned (the swizzle atom)
     const u32 slots = smem_addr(smem);
     const u32 raws = slots + STAGES * SLOT_BYTES;
+    const u32 epis = raws + RSTAGES * RAW_BYTES;
     __shared__ __align__(8) u64 bars[2 * STAGES];
     const u32 full0 = smem_addr(bars), empty0 = full0 + 8 * STAGES;
 
@@ -145,7 +154,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full0 + 8 * s, 2 * NP);            // producer threads x (copies landed + decode stored)
-            mbar_init(empty0 + 8 * s, 128 * NCW);        // every consumer thread's wgmma reading the slot done
+            mbar_init(empty0 + 8 * s, 4 * NCW);          // every consumer warp's wgmma reading the slot done
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -263,24 +272,41 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                              (kt | s) != 0);
                 wgmma_commit();
                 wgmma_wait<1>();
-                if (kt > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+                if (kt > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
             }
             wgmma_wait<0>();
-            mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
-            // epilogue: d[i] is (token 16 warp + lane/4 + 8 ((i/2)%2), weight row 8 (i/4) + 2 (lane%4) + i%2)
-            const int mrow = m0 + c * 64 + warp * 16 + (lane >> 2);
-            const int ncol = n0 + 2 * (lane & 3);
+            if (lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+            // epilogue: d[i] is (token 16 warp + lane/4 + 8 ((i/2)%2), weight row 8 (i/4) + 2 (lane%4) + i%2).
+            // Staged through shared memory 64 weight rows at a time, so each warp's global stores are whole
+            // 128-byte lines (four tokens x 64 weight rows per instruction)
+            const u32 stage = epis + c * EPI_BYTES;
+            const int srow = warp * 16 + (lane >> 2), scol = 2 * (lane & 3);
 #pragma unroll
-            for (int i = 0; i < BN / 2; i += 2) {
-                const int m = mrow + 8 * ((i >> 1) & 1);
-                const int n = ncol + 8 * (i >> 2);
-                float v0 = d[i] * mult, v1 = d[i + 1] * mult;
-                if (HAS_BIAS) {
-                    const u32 bb = *(const u32*)(bias + n);
-                    v0 += __uint_as_float(bb << 16);
-                    v1 += __uint_as_float(bb & 0xFFFF0000u);
+            for (int ch = 0; ch < BN / 64; ++ch) {
+#pragma unroll
+                for (int gi = 0; gi < 8; ++gi) {
+                    const int i0 = 4 * (8 * ch + gi);
+                    float bias0 = 0.f, bias1 = 0.f;
+                    if (HAS_BIAS) {
+                        const u32 bb = *(const u32*)(bias + n0 + 8 * (8 * ch + gi) + scol);
+                        bias0 = __uint_as_float(bb << 16);
+                        bias1 = __uint_as_float(bb & 0xFFFF0000u);
+                    }
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        st_shared_u32(stage + (srow + 8 * h) * EPI_PITCH + (gi * 8 + scol) * 2,
+                                      pack_bf16x2(d[i0 + 2 * h] * mult + bias0, d[i0 + 2 * h + 1] * mult + bias1));
                 }
-                if (m < M && (!(DIAG & 4) || v0 == 12345.f)) *(u32*)(y + (size_t)m * N + n) = pack_bf16x2(v0, v1);
+                named_barrier(1 + c);
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int idx = t + 128 * r, row = idx >> 3, q = idx & 7;
+                    const uint4 v = ld_shared_v4(stage + row * EPI_PITCH + q * 16);
+                    const int m = m0 + c * 64 + row;
+                    if (m < M && (!(DIAG & 4) || v.x == 12345u))
+                        *(uint4*)(y + (size_t)m * N + n0 + 64 * ch + 8 * q) = v;
+                }
+                named_barrier(1 + c);
             }
         }
     }

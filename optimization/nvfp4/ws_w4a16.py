@@ -35,7 +35,7 @@ def wgmma_call(bn: int) -> str:
 
 
 def smem_bytes(ncw: int, bn: int, stages: int, rstages: int) -> int:
-    return stages * (64 * ncw * 128 + bn * 128) + rstages * bn * 36 + 1024
+    return stages * (64 * ncw * 128 + bn * 128) + rstages * bn * 36 + ncw * 64 * 144 + 1024
 
 
 def kernel_source(npw, ncw, bn, stages, rstages, group_m, has_bias, preg, creg, diag=0):
@@ -86,7 +86,7 @@ def get_kernel(npw, ncw, bn, stages, rstages, group_m, has_bias):
     return _KERNELS[key]
 
 
-DEFAULT_CONFIG = (1, 2, 256, 4, 3, 8)    # (producer warpgroups, consumer warpgroups, BN, stages, raw stages, GROUP_M)
+DEFAULT_CONFIG = (1, 2, 256, 3, 6, 8)    # (producer warpgroups, consumer warpgroups, BN, stages, raw stages, GROUP_M)
 DIAG = [0]                               # probe-only kernel knobs (see the .cu's DIAG); 0 in production
 
 
