@@ -1,18 +1,18 @@
 // Fused NVFP4-weight x bf16-activation GEMM for Hopper (sm_90a), large M: y[M, N] = x[M, K] @ dequant(W)[N, K]^T.
 // Compiled at run time by NVRTC (ws_w4a16.py fills in the #defines and the wgmma wrapper); no CUDA headers.
 //
-// Warp-specialized and persistent. One producer warpgroup and NCW consumer warpgroups per CTA; the CTA loops
-// over output tiles of BT = 64 NCW tokens x BN weight rows.
-// - Producer: cp.async of the activation tile straight into its 128-byte-swizzled slot; cp.async of the packed
-//   weight and its block scales into a small "raw" ring R - 1 k tiles ahead (each thread copies exactly the
-//   bytes it decodes later, so no barrier is needed between copy and decode); decode to bf16 into the slot's
-//   weight tile, in the same swizzled layout; fence.proxy.async; arrive on the slot's full barrier.
-// - Consumers: both operands from shared memory (wgmma m64nBNk16, SS): warpgroup c multiplies tokens
-//   64c..64c+63 of the slot by all BN weight rows; one k tile's wgmma group is left in flight while the next is
-//   issued; the slot is released (empty barrier) when its group is done. Epilogue from the accumulators.
-// With the decode off the consumers, the tensor cores see the same shared-memory traffic as a bf16 GEMM of this
-// tile (the decoded tile replaces the copied bf16 weight tile), and the producer refills the ring for the next
-// output tile while the consumers store this one.
+// Warp-specialized and persistent: one producer warpgroup and NCW consumer warpgroups per CTA; the CTA loops over
+// output tiles of BT = 64 NCW tokens x BN weight rows, and its k iterations run through one ring across tiles.
+// - Producer (copies only): cp.async of the activation tile straight into its 128-byte-swizzled slot, and of the
+//   packed weight and its block scales into a small "raw" ring; each lands on an mbarrier (cp.async ... noinc).
+// - Consumers: wgmma m64nBNk16 with both operands in shared memory (SS): warpgroup c multiplies tokens
+//   64c..64c+63 of slot `it` by all BN weight rows. While those wgmma run, each consumer thread decodes one weight
+//   row of iteration it + AHEAD from the raw ring into that slot (bf16, the same swizzled layout), fences it into
+//   the async proxy and arrives on the slot's full barrier. No register the wgmma read is written meanwhile
+//   (both operands are in shared memory), so ptxas keeps them asynchronous: the decode runs in their shadow.
+// - Epilogue from the accumulators, staged through shared memory; the producer refills the ring meanwhile.
+// The tensor cores see the shared-memory traffic of a bf16 GEMM of this tile (the decoded tile replaces the
+// copied bf16 weight tile).
 //
 // Decode, per 32-bit word q of 4 packed bytes (high nibble = the even k) and byte b: see w4a16_wgmma.cu (3 integer
 // instructions and one bf16x2 multiply per two weights, exact; the 2^-10 it leaves is undone in the epilogue).
@@ -21,15 +21,14 @@
 #define DIAG 0                       // probe-only, wrong results: 1 = no decode, 2 = no wgmma, 4 = no output stores
 #endif
 #define BT (64 * NCW)                // tokens per tile
-#define NP (128 * NPW)               // producer threads: warpgroups 0 .. NPW-1
-#define NT (NP + 128 * NCW)          // threads per CTA: producers, then NCW consumer warpgroups
+#define NT (128 + 128 * NCW)         // threads per CTA: the producer warpgroup, then NCW consumer warpgroups
 #define X_BYTES (BT * 128)           // activation tile: BT tokens x 64 k, 128B-swizzled
 #define W_BYTES (BN * 128)           // decoded weight tile: BN rows x 64 k, 128B-swizzled
 #define SLOT_BYTES (X_BYTES + W_BYTES)
 #define RAW_BYTES (BN * 36)          // packed weight (BN rows x 32 B, stored chunk-major) + block scales (BN x 4 B)
-#define RPT (BN / NP)                // weight rows per producer thread
-#define EPI_PITCH 144                // epilogue staging row: 64 bf16 + 16 B (pair stores of 8 rows hit 32 banks)
-#define EPI_BYTES (64 * EPI_PITCH)   // per consumer warpgroup
+#define RPT (BN / 128)               // weight rows per producer thread
+#define EPI_PITCH 80                 // epilogue staging row: 32 bf16 + 16 B (pair stores of 8 rows hit 32 banks)
+#define EPI_BYTES (64 * EPI_PITCH)   // per consumer warpgroup: 64 tokens x 32 weight rows
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -45,9 +44,6 @@ static __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
 static __device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
 }
-static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-static __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 static __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -141,8 +137,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     const u32 slots = smem_addr(smem);
     const u32 raws = slots + STAGES * SLOT_BYTES;
     const u32 epis = raws + RSTAGES * RAW_BYTES;
-    __shared__ __align__(8) u64 bars[2 * STAGES];
+    // full[s]: slot s holds its activations and its decoded weights; empty[s]: the wgmma reading slot s are done;
+    // rawfull[r]: raw slot r landed; rawempty[r]: raw slot r was decoded
+    __shared__ __align__(8) u64 bars[2 * STAGES + 2 * RSTAGES];
     const u32 full0 = smem_addr(bars), empty0 = full0 + 8 * STAGES;
+    const u32 rawfull0 = empty0 + 8 * STAGES, rawempty0 = rawfull0 + 8 * RSTAGES;
 
     const int tid = threadIdx.x;
     const int KT = K >> 6;                               // k tiles per output tile
@@ -153,107 +152,109 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     if (tid == 0) {
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full0 + 8 * s, 2 * NP);            // producer threads x (copies landed + decode stored)
+            mbar_init(full0 + 8 * s, 128 + 128 * NCW);   // producer copies landed + every consumer's decode stored
             mbar_init(empty0 + 8 * s, 4 * NCW);          // every consumer warp's wgmma reading the slot done
+        }
+#pragma unroll
+        for (int r = 0; r < RSTAGES; ++r) {
+            mbar_init(rawfull0 + 8 * r, 128);
+            mbar_init(rawempty0 + 8 * r, 4 * NCW);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 
-    if (tid < NP) {
-        // =============================== producer ===============================
+    if (tid < 128) {
+        // ============================ producer: copies only ============================
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
         const int half = K >> 1;
-        const int lq = tid & 7, lr = tid >> 3;           // activation chunk lq of rows lr + (NP / 8) j
+        const int lq = tid & 7, lr = tid >> 3;           // activation chunk lq of rows lr + 16 i
         const u32 x_dst = lr * 128 + ((lq ^ (lr & 7)) << 4);
-
-        // raw copies run RSTAGES - 1 k iterations ahead: their cursor (tile j, k tile kt, first weight row n0)
-        int r_j = 0, r_kt = 0, r_n0 = 0;
-        auto raw_tile = [&]() {
-            int m0;
-            tile_coords(blockIdx.x + r_j * gridDim.x, num_mt, num_nt, m0, r_n0);
-        };
-        auto issue_raw = [&](int u) {                    // this thread's weight rows p = tid + NP j
-            const u32 rb = raws + (u % RSTAGES) * RAW_BYTES;
-#pragma unroll
-            for (int j = 0; j < RPT; ++j) {
-                const int p = tid + NP * j, n = r_n0 + p;
-                const u8* src = wp + (size_t)n * half + r_kt * 32;
-                cp_async16(rb + p * 16, src);
-                cp_async16(rb + (BN + p) * 16, src + 16);
-                cp_async4(rb + BN * 32 + p * 4,
-                          wsc + ((size_t)(n >> 7) * ncb4 + r_kt) * 512 + (n & 31) * 16 + ((n & 127) >> 5) * 4);
-            }
-            if (++r_kt == KT) {
-                r_kt = 0;
-                if (++r_j < my_tiles) raw_tile();
-            }
-        };
-        raw_tile();
-#pragma unroll 1
-        for (int u = 0; u < RSTAGES - 1; ++u) {
-            if (u < total) issue_raw(u);
-            cp_async_commit();
-        }
-        int it = 0;
+        int u = 0;
 #pragma unroll 1
         for (int j = 0; j < my_tiles; ++j) {
             int m0, n0;
             tile_coords(blockIdx.x + j * gridDim.x, num_mt, num_nt, m0, n0);
-            const u8* xsrc[BT * 8 / NP];
+            const u8* xsrc[BT / 16];
 #pragma unroll
-            for (int i = 0; i < BT * 8 / NP; ++i) {
-                const int m = min(m0 + lr + (NP / 8) * i, M - 1);   // rows past M re-read row M-1 (never stored)
+            for (int i = 0; i < BT / 16; ++i) {
+                const int m = min(m0 + lr + 16 * i, M - 1);     // rows past M re-read row M-1 (never stored)
                 xsrc[i] = (const u8*)(x + (size_t)m * ldx) + lq * 16;
             }
+            const u8* wsrc[RPT];
+            const u8* ssrc[RPT];
+#pragma unroll
+            for (int r = 0; r < RPT; ++r) {
+                const int n = n0 + tid + 128 * r;
+                wsrc[r] = wp + (size_t)n * half;
+                ssrc[r] = wsc + (size_t)(n >> 7) * ncb4 * 512 + (n & 31) * 16 + ((n & 127) >> 5) * 4;
+            }
 #pragma unroll 1
-            for (int kt = 0; kt < KT; ++kt, ++it) {
-                const int slot = it % STAGES;
-                if (it >= STAGES) mbar_wait(empty0 + 8 * slot, ((it / STAGES) - 1) & 1);
+            for (int kt = 0; kt < KT; ++kt, ++u) {
+                // the packed weight rows tid + 128 r and their block scales -> raw slot u % RSTAGES
+                const int rs = u % RSTAGES;
+                if (u >= RSTAGES) mbar_wait(rawempty0 + 8 * rs, ((u / RSTAGES) - 1) & 1);
+                const u32 rb = raws + rs * RAW_BYTES;
+#pragma unroll
+                for (int r = 0; r < RPT; ++r) {
+                    const int p = tid + 128 * r;
+                    cp_async16(rb + p * 16, wsrc[r] + kt * 32);
+                    cp_async16(rb + (BN + p) * 16, wsrc[r] + kt * 32 + 16);
+                    cp_async4(rb + BN * 32 + p * 4, ssrc[r] + kt * 512);
+                }
+                cp_async_mbar_arrive(rawfull0 + 8 * rs);
+                // the activation tile -> slot u % STAGES
+                const int slot = u % STAGES;
+                if (u >= STAGES) mbar_wait(empty0 + 8 * slot, ((u / STAGES) - 1) & 1);
                 const u32 sb = slots + slot * SLOT_BYTES;
 #pragma unroll
-                for (int i = 0; i < BT * 8 / NP; ++i)
-                    cp_async16(sb + x_dst + i * (NP / 8) * 128, xsrc[i] + kt * 128);
+                for (int i = 0; i < BT / 16; ++i) cp_async16(sb + x_dst + i * 16 * 128, xsrc[i] + kt * 128);
                 cp_async_mbar_arrive(full0 + 8 * slot);
-                if (it + RSTAGES - 1 < total) issue_raw(it + RSTAGES - 1);
-                cp_async_commit();
-                cp_async_wait<RSTAGES - 1>();                    // this thread's raw copies of iteration it landed
-                if (!(DIAG & 1)) {
-                    const u32 rb = raws + (it % RSTAGES) * RAW_BYTES;
-                    const u32 wb = sb + X_BYTES;
-#pragma unroll
-                    for (int r = 0; r < RPT; ++r) {
-                        const int p = tid + NP * r;
-                        const uint4 v0 = ld_shared_v4(rb + p * 16), v1 = ld_shared_v4(rb + (BN + p) * 16);
-                        const u32 s = ld_shared_u32(rb + BN * 32 + p * 4);     // E4M3 scales of k16 steps 0..3
-                        const u32 f01 = scale_pair(s), f23 = scale_pair(s >> 16);
-                        const u32 sc[4] = {prmt(f01, f01, 0x1010u), prmt(f01, f01, 0x3232u),
-                                           prmt(f23, f23, 0x1010u), prmt(f23, f23, 0x3232u)};
-                        const u32 q[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-                        const u32 row = wb + p * 128;
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) {                  // chunk i: k 8i .. 8i+7, block scale i / 2
-                            const u32 q4 = q[i] << 4, f = sc[i >> 1];
-                            st_shared_v4(row + ((i ^ (p & 7)) << 4), bf16x2_mul(e2m1x2(q[i], q4, 0), f),
-                                         bf16x2_mul(e2m1x2(q[i], q4, 1), f), bf16x2_mul(e2m1x2(q[i], q4, 2), f),
-                                         bf16x2_mul(e2m1x2(q[i], q4, 3), f));
-                        }
-                    }
-                    fence_async_smem();                              // decoded stores -> the tensor cores' proxy
-                }
-                mbar_arrive(full0 + 8 * slot);
             }
         }
-        cp_async_wait<0>();
     } else {
-        // =============================== consumers ===============================
+        // ============== consumers: wgmma on slot it, decode of slot it + AHEAD in its shadow ==============
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
-        const int c = (tid - NP) >> 7, t = tid & 127;
+        const int c = (tid - 128) >> 7, t = tid & 127;
         const int warp = t >> 5, lane = t & 31;
+        const int p = c * 128 + t;                       // the weight row of the tile this thread decodes
         const float mult = g[0] * 1024.f;
+
+        // decode iteration u's weight row p (raw slot u % RSTAGES) into slot u % STAGES
+        auto decode = [&](int u) {
+            const int rs = u % RSTAGES, slot = u % STAGES;
+            mbar_wait(rawfull0 + 8 * rs, (u / RSTAGES) & 1);
+            if (u >= STAGES) mbar_wait(empty0 + 8 * slot, ((u / STAGES) - 1) & 1);
+            const u32 rb = raws + rs * RAW_BYTES;
+            if (!(DIAG & 1)) {
+                const uint4 v0 = ld_shared_v4(rb + p * 16), v1 = ld_shared_v4(rb + (BN + p) * 16);
+                const u32 s = ld_shared_u32(rb + BN * 32 + p * 4);         // E4M3 scales of k16 steps 0..3
+                __syncwarp();
+                if (lane == 0) mbar_arrive(rawempty0 + 8 * rs);
+                const u32 f01 = scale_pair(s), f23 = scale_pair(s >> 16);
+                const u32 sc[4] = {prmt(f01, f01, 0x1010u), prmt(f01, f01, 0x3232u),
+                                   prmt(f23, f23, 0x1010u), prmt(f23, f23, 0x3232u)};
+                const u32 q[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+                const u32 row = slots + slot * SLOT_BYTES + X_BYTES + p * 128;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {                          // chunk i: k 8i .. 8i+7, block scale i / 2
+                    const u32 q4 = q[i] << 4, f = sc[i >> 1];
+                    st_shared_v4(row + ((i ^ (p & 7)) << 4), bf16x2_mul(e2m1x2(q[i], q4, 0), f),
+                                 bf16x2_mul(e2m1x2(q[i], q4, 1), f), bf16x2_mul(e2m1x2(q[i], q4, 2), f),
+                                 bf16x2_mul(e2m1x2(q[i], q4, 3), f));
+                }
+                fence_async_smem();                                    // decoded stores -> the tensor cores' proxy
+            } else if (lane == 0) {
+                mbar_arrive(rawempty0 + 8 * rs);
+            }
+            mbar_arrive(full0 + 8 * slot);
+        };
+
         float d[BN / 2];
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+#pragma unroll 1
+        for (int u = 0; u < AHEAD && u < total; ++u) decode(u);
         int it = 0;
 #pragma unroll 1
         for (int j = 0; j < my_tiles; ++j) {
@@ -263,7 +264,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             for (int kt = 0; kt < KT; ++kt, ++it) {
                 const int slot = it % STAGES;
                 mbar_wait(full0 + 8 * slot, (it / STAGES) & 1);
-                fence_async_smem();
                 const u32 sb = slots + slot * SLOT_BYTES;
                 wgmma_fence();
 #pragma unroll
@@ -271,24 +271,25 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                     wgmma_ss(d, desc_sw128(sb + c * 64 * 128 + s * 32), desc_sw128(sb + X_BYTES + s * 32),
                              (kt | s) != 0);
                 wgmma_commit();
+                if (it + AHEAD < total) decode(it + AHEAD);
                 wgmma_wait<1>();
                 if (kt > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
             }
             wgmma_wait<0>();
             if (lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
             // epilogue: d[i] is (token 16 warp + lane/4 + 8 ((i/2)%2), weight row 8 (i/4) + 2 (lane%4) + i%2).
-            // Staged through shared memory 64 weight rows at a time, so each warp's global stores are whole
-            // 128-byte lines (four tokens x 64 weight rows per instruction)
+            // Staged through shared memory 32 weight rows at a time (the ring has the rest), so each warp's global
+            // stores are 64-byte runs of 8 tokens instead of 16-byte runs of 8 tokens
             const u32 stage = epis + c * EPI_BYTES;
             const int srow = warp * 16 + (lane >> 2), scol = 2 * (lane & 3);
 #pragma unroll
-            for (int ch = 0; ch < BN / 64; ++ch) {
+            for (int ch = 0; ch < BN / 32; ++ch) {
 #pragma unroll
-                for (int gi = 0; gi < 8; ++gi) {
-                    const int i0 = 4 * (8 * ch + gi);
+                for (int gi = 0; gi < 4; ++gi) {
+                    const int i0 = 4 * (4 * ch + gi);
                     float bias0 = 0.f, bias1 = 0.f;
                     if (HAS_BIAS) {
-                        const u32 bb = *(const u32*)(bias + n0 + 8 * (8 * ch + gi) + scol);
+                        const u32 bb = *(const u32*)(bias + n0 + 8 * (4 * ch + gi) + scol);
                         bias0 = __uint_as_float(bb << 16);
                         bias1 = __uint_as_float(bb & 0xFFFF0000u);
                     }
@@ -299,12 +300,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 }
                 named_barrier(1 + c);
 #pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int idx = t + 128 * r, row = idx >> 3, q = idx & 7;
+                for (int r = 0; r < 2; ++r) {
+                    const int idx = t + 128 * r, row = idx >> 2, q = idx & 3;
                     const uint4 v = ld_shared_v4(stage + row * EPI_PITCH + q * 16);
                     const int m = m0 + c * 64 + row;
                     if (m < M && (!(DIAG & 4) || v.x == 12345u))
-                        *(uint4*)(y + (size_t)m * N + n0 + 64 * ch + 8 * q) = v;
+                        *(uint4*)(y + (size_t)m * N + n0 + 32 * ch + 8 * q) = v;
                 }
                 named_barrier(1 + c);
             }
