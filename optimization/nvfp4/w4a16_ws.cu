@@ -212,6 +212,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 cp_async_mbar_arrive(full0 + 8 * slot);
             }
         }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");   // no copy outlives its thread
     } else {
         // ============== consumers: wgmma on slot it, decode of slot it + AHEAD in its shadow ==============
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
