@@ -221,41 +221,51 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         const int p = c * 128 + t;                       // the weight row of the tile this thread decodes
         const float mult = g[0] * 1024.f;
 
-        // decode iteration u's weight row p (raw slot u % RSTAGES) into slot u % STAGES
-        auto decode = [&](int u) {
-            const int rs = u % RSTAGES, slot = u % STAGES;
+        // decode iteration u's weight row p (raw slot u % RSTAGES) into slot u % STAGES, in three steps so the
+        // chunks can go between the wgmma issues: begin (wait for the raw copies and the free slot, load),
+        // chunks(h) (k chunks 2h, 2h+1), end (fence into the async proxy, arrive)
+        u32 q[8], sc[4], row = 0, dec_slot = 0;
+        auto decode_begin = [&](int u) {
+            const int rs = u % RSTAGES;
+            dec_slot = u % STAGES;
             mbar_wait(rawfull0 + 8 * rs, (u / RSTAGES) & 1);
-            if (u >= STAGES) mbar_wait(empty0 + 8 * slot, ((u / STAGES) - 1) & 1);
+            if (u >= STAGES) mbar_wait(empty0 + 8 * dec_slot, ((u / STAGES) - 1) & 1);
             const u32 rb = raws + rs * RAW_BYTES;
-            if (!(DIAG & 1)) {
-                const uint4 v0 = ld_shared_v4(rb + p * 16), v1 = ld_shared_v4(rb + (BN + p) * 16);
-                const u32 s = ld_shared_u32(rb + BN * 32 + p * 4);         // E4M3 scales of k16 steps 0..3
-                __syncwarp();
-                if (lane == 0) mbar_arrive(rawempty0 + 8 * rs);
-                const u32 f01 = scale_pair(s), f23 = scale_pair(s >> 16);
-                const u32 sc[4] = {prmt(f01, f01, 0x1010u), prmt(f01, f01, 0x3232u),
-                                   prmt(f23, f23, 0x1010u), prmt(f23, f23, 0x3232u)};
-                const u32 q[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-                const u32 row = slots + slot * SLOT_BYTES + X_BYTES + p * 128;
+            const uint4 v0 = ld_shared_v4(rb + p * 16), v1 = ld_shared_v4(rb + (BN + p) * 16);
+            const u32 s = ld_shared_u32(rb + BN * 32 + p * 4);             // E4M3 scales of k16 steps 0..3
+            __syncwarp();
+            if (lane == 0) mbar_arrive(rawempty0 + 8 * rs);
+            const u32 f01 = scale_pair(s), f23 = scale_pair(s >> 16);
+            sc[0] = prmt(f01, f01, 0x1010u); sc[1] = prmt(f01, f01, 0x3232u);
+            sc[2] = prmt(f23, f23, 0x1010u); sc[3] = prmt(f23, f23, 0x3232u);
+            q[0] = v0.x; q[1] = v0.y; q[2] = v0.z; q[3] = v0.w; q[4] = v1.x; q[5] = v1.y; q[6] = v1.z; q[7] = v1.w;
+            row = slots + dec_slot * SLOT_BYTES + X_BYTES + p * 128;
+        };
+        auto decode_chunks = [&](const int h) {
+            if (DIAG & 1) return;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {                          // chunk i: k 8i .. 8i+7, block scale i / 2
-                    const u32 q4 = q[i] << 4, f = sc[i >> 1];
-                    st_shared_v4(row + ((i ^ (p & 7)) << 4), bf16x2_mul(e2m1x2(q[i], q4, 0), f),
-                                 bf16x2_mul(e2m1x2(q[i], q4, 1), f), bf16x2_mul(e2m1x2(q[i], q4, 2), f),
-                                 bf16x2_mul(e2m1x2(q[i], q4, 3), f));
-                }
-                fence_async_smem();                                    // decoded stores -> the tensor cores' proxy
-            } else if (lane == 0) {
-                mbar_arrive(rawempty0 + 8 * rs);
+            for (int i = 2 * h; i < 2 * h + 2; ++i) {                     // chunk i: k 8i .. 8i+7, scale i / 2
+                const u32 q4 = q[i] << 4, f = sc[i >> 1];
+                st_shared_v4(row + ((i ^ (p & 7)) << 4), bf16x2_mul(e2m1x2(q[i], q4, 0), f),
+                             bf16x2_mul(e2m1x2(q[i], q4, 1), f), bf16x2_mul(e2m1x2(q[i], q4, 2), f),
+                             bf16x2_mul(e2m1x2(q[i], q4, 3), f));
             }
-            mbar_arrive(full0 + 8 * slot);
+        };
+        auto decode_end = [&]() {
+            fence_async_smem();                                            // decoded stores -> the tensor cores
+            mbar_arrive(full0 + 8 * dec_slot);
         };
 
         float d[BN / 2];
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
 #pragma unroll 1
-        for (int u = 0; u < AHEAD && u < total; ++u) decode(u);
+        for (int u = 0; u < AHEAD && u < total; ++u) {
+            decode_begin(u);
+#pragma unroll
+            for (int h = 0; h < 4; ++h) decode_chunks(h);
+            decode_end();
+        }
         int it = 0;
 #pragma unroll 1
         for (int j = 0; j < my_tiles; ++j) {
@@ -266,13 +276,20 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 const int slot = it % STAGES;
                 mbar_wait(full0 + 8 * slot, (it / STAGES) & 1);
                 const u32 sb = slots + slot * SLOT_BYTES;
+                const bool dec = it + AHEAD < total;
                 wgmma_fence();
 #pragma unroll
-                for (int s = 0; s < 4 * !(DIAG & 2); ++s)
-                    wgmma_ss(d, desc_sw128(sb + c * 64 * 128 + s * 32), desc_sw128(sb + X_BYTES + s * 32),
-                             (kt | s) != 0);
+                for (int s = 0; s < 4; ++s) {          // wgmma k16 step s, then two chunks of the decode ahead
+                    if (!(DIAG & 2))
+                        wgmma_ss(d, desc_sw128(sb + c * 64 * 128 + s * 32), desc_sw128(sb + X_BYTES + s * 32),
+                                 (kt | s) != 0);
+                    if (dec) {
+                        if (s == 0) decode_begin(it + AHEAD);
+                        decode_chunks(s);
+                    }
+                }
                 wgmma_commit();
-                if (it + AHEAD < total) decode(it + AHEAD);
+                if (dec) decode_end();
                 wgmma_wait<1>();
                 if (kt > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
             }
