@@ -20,7 +20,9 @@
 #ifndef DIAG
 #define DIAG 0                       // probe-only, wrong results: 1 = no decode, 2 = no wgmma, 4 = no output stores
 #endif
-#define BT (64 * NCW)                // tokens per tile
+#define BT (64 * MI * NCW)           // tokens per tile: MI wgmma of 64 tokens per consumer warpgroup
+#define SEG (128 * NCW / BN)         // consumer threads per decoded weight row (1 or 2): each decodes 8/SEG chunks
+#define CPT (8 / SEG)                // 16-byte chunks (8 k) each consumer thread decodes per k tile
 #define NT (128 + 128 * NCW)         // threads per CTA: the producer warpgroup, then NCW consumer warpgroups
 #define X_BYTES (BT * 128)           // activation tile: BT tokens x 64 k, 128B-swizzled
 #define W_BYTES (BN * 128)           // decoded weight tile: BN rows x 64 k, 128B-swizzled
@@ -175,12 +177,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         for (int j = 0; j < my_tiles; ++j) {
             int m0, n0;
             tile_coords(blockIdx.x + j * gridDim.x, num_mt, num_nt, m0, n0);
-            const u8* xsrc[BT / 16];
-#pragma unroll
-            for (int i = 0; i < BT / 16; ++i) {
-                const int m = min(m0 + lr + 16 * i, M - 1);     // rows past M re-read row M-1 (never stored)
-                xsrc[i] = (const u8*)(x + (size_t)m * ldx) + lq * 16;
-            }
+            // activation rows m0 + lr + 16 i; rows past M re-read row M-1 (never stored)
+            const u8* xrow0 = (const u8*)(x + (size_t)(m0 + lr) * ldx) + lq * 16;
+            const u8* xlast = (const u8*)(x + (size_t)(M - 1) * ldx) + lq * 16;
+            const size_t xstep = (size_t)16 * ldx * 2;
+            const int rows_left = M - m0 - lr;
             const u8* wsrc[RPT];
             const u8* ssrc[RPT];
 #pragma unroll
@@ -208,7 +209,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 if (u >= STAGES) mbar_wait(empty0 + 8 * slot, ((u / STAGES) - 1) & 1);
                 const u32 sb = slots + slot * SLOT_BYTES;
 #pragma unroll
-                for (int i = 0; i < BT / 16; ++i) cp_async16(sb + x_dst + i * 16 * 128, xsrc[i] + kt * 128);
+                for (int i = 0; i < BT / 16; ++i)
+                    cp_async16(sb + x_dst + i * 16 * 128, (16 * i < rows_left ? xrow0 + i * xstep : xlast) + kt * 128);
                 cp_async_mbar_arrive(full0 + 8 * slot);
             }
         }
@@ -218,35 +220,42 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
         const int c = (tid - 128) >> 7, t = tid & 127;
         const int warp = t >> 5, lane = t & 31;
-        const int p = c * 128 + t;                       // the weight row of the tile this thread decodes
+        const int p = (c * 128 + t) % BN;                // the weight row of the tile this thread decodes,
+        const int seg = (c * 128 + t) / BN;              // its k chunks seg * CPT .. seg * CPT + CPT - 1
         const float mult = g[0] * 1024.f;
 
         // decode iteration u's weight row p (raw slot u % RSTAGES) into slot u % STAGES, in three steps so the
         // chunks can go between the wgmma issues: begin (wait for the raw copies and the free slot, load),
         // chunks(h) (k chunks 2h, 2h+1), end (fence into the async proxy, arrive)
-        u32 q[8], sc[4], row = 0, dec_slot = 0;
+        u32 q[CPT], sc[CPT / 2], row = 0, dec_slot = 0;
         auto decode_begin = [&](int u) {
             const int rs = u % RSTAGES;
             dec_slot = u % STAGES;
             mbar_wait(rawfull0 + 8 * rs, (u / RSTAGES) & 1);
             if (u >= STAGES) mbar_wait(empty0 + 8 * dec_slot, ((u / STAGES) - 1) & 1);
             const u32 rb = raws + rs * RAW_BYTES;
-            const uint4 v0 = ld_shared_v4(rb + p * 16), v1 = ld_shared_v4(rb + (BN + p) * 16);
-            const u32 s = ld_shared_u32(rb + BN * 32 + p * 4);             // E4M3 scales of k16 steps 0..3
+            const uint4 v0 = ld_shared_v4(rb + (seg * (CPT / 4) * BN + p) * 16);
+            uint4 v1 = v0;
+            if (CPT == 8) v1 = ld_shared_v4(rb + (BN + p) * 16);
+            const u32 s = ld_shared_u32(rb + BN * 32 + p * 4) >> (16 * seg);   // E4M3 scales of its k16 steps
             __syncwarp();
             if (lane == 0) mbar_arrive(rawempty0 + 8 * rs);
-            const u32 f01 = scale_pair(s), f23 = scale_pair(s >> 16);
+            const u32 f01 = scale_pair(s);
             sc[0] = prmt(f01, f01, 0x1010u); sc[1] = prmt(f01, f01, 0x3232u);
-            sc[2] = prmt(f23, f23, 0x1010u); sc[3] = prmt(f23, f23, 0x3232u);
-            q[0] = v0.x; q[1] = v0.y; q[2] = v0.z; q[3] = v0.w; q[4] = v1.x; q[5] = v1.y; q[6] = v1.z; q[7] = v1.w;
+            if (CPT == 8) {
+                const u32 f23 = scale_pair(s >> 16);
+                sc[CPT / 2 - 2] = prmt(f23, f23, 0x1010u); sc[CPT / 2 - 1] = prmt(f23, f23, 0x3232u);
+            }
+            q[0] = v0.x; q[1] = v0.y; q[2] = v0.z; q[3] = v0.w;
+            if (CPT == 8) { q[CPT - 4] = v1.x; q[CPT - 3] = v1.y; q[CPT - 2] = v1.z; q[CPT - 1] = v1.w; }
             row = slots + dec_slot * SLOT_BYTES + X_BYTES + p * 128;
         };
-        auto decode_chunks = [&](const int h) {
+        auto decode_chunks = [&](const int h) {                           // k16 step h's share of the chunks
             if (DIAG & 1) return;
 #pragma unroll
-            for (int i = 2 * h; i < 2 * h + 2; ++i) {                     // chunk i: k 8i .. 8i+7, scale i / 2
+            for (int i = h * CPT / 4; i < (h + 1) * CPT / 4; ++i) {       // chunk i: k 8 (seg CPT + i) .. + 7
                 const u32 q4 = q[i] << 4, f = sc[i >> 1];
-                st_shared_v4(row + ((i ^ (p & 7)) << 4), bf16x2_mul(e2m1x2(q[i], q4, 0), f),
+                st_shared_v4(row + (((seg * CPT + i) ^ (p & 7)) << 4), bf16x2_mul(e2m1x2(q[i], q4, 0), f),
                              bf16x2_mul(e2m1x2(q[i], q4, 1), f), bf16x2_mul(e2m1x2(q[i], q4, 2), f),
                              bf16x2_mul(e2m1x2(q[i], q4, 3), f));
             }
@@ -256,9 +265,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             mbar_arrive(full0 + 8 * dec_slot);
         };
 
-        float d[BN / 2];
+        float d[MI * BN / 2];                            // MI accumulator sets of 64 tokens x BN weight rows
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+        for (int i = 0; i < MI * BN / 2; ++i) d[i] = 0.f;
 #pragma unroll 1
         for (int u = 0; u < AHEAD && u < total; ++u) {
             decode_begin(u);
@@ -280,9 +289,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 wgmma_fence();
 #pragma unroll
                 for (int s = 0; s < 4; ++s) {          // wgmma k16 step s, then two chunks of the decode ahead
-                    if (!(DIAG & 2))
-                        wgmma_ss(d, desc_sw128(sb + c * 64 * 128 + s * 32), desc_sw128(sb + X_BYTES + s * 32),
-                                 (kt | s) != 0);
+                    if (!(DIAG & 2)) {
+#pragma unroll
+                        for (int mi = 0; mi < MI; ++mi)
+                            wgmma_ss(d + mi * BN / 2, desc_sw128(sb + (c * MI + mi) * 64 * 128 + s * 32),
+                                     desc_sw128(sb + X_BYTES + s * 32), (kt | s) != 0);
+                    }
                     if (dec) {
                         if (s == 0) decode_begin(it + AHEAD);
                         decode_chunks(s);
@@ -301,31 +313,37 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             const u32 stage = epis + c * EPI_BYTES;
             const int srow = warp * 16 + (lane >> 2), scol = 2 * (lane & 3);
 #pragma unroll
-            for (int ch = 0; ch < BN / 32; ++ch) {
+            for (int mi = 0; mi < MI; ++mi) {
+                const float* dm = d + mi * BN / 2;
+                const int mt0 = m0 + (c * MI + mi) * 64;
 #pragma unroll
-                for (int gi = 0; gi < 4; ++gi) {
-                    const int i0 = 4 * (4 * ch + gi);
-                    float bias0 = 0.f, bias1 = 0.f;
-                    if (HAS_BIAS) {
-                        const u32 bb = *(const u32*)(bias + n0 + 8 * (4 * ch + gi) + scol);
-                        bias0 = __uint_as_float(bb << 16);
-                        bias1 = __uint_as_float(bb & 0xFFFF0000u);
+                for (int ch = 0; ch < BN / 32; ++ch) {
+#pragma unroll
+                    for (int gi = 0; gi < 4; ++gi) {
+                        const int i0 = 4 * (4 * ch + gi);
+                        float bias0 = 0.f, bias1 = 0.f;
+                        if (HAS_BIAS) {
+                            const u32 bb = *(const u32*)(bias + n0 + 8 * (4 * ch + gi) + scol);
+                            bias0 = __uint_as_float(bb << 16);
+                            bias1 = __uint_as_float(bb & 0xFFFF0000u);
+                        }
+#pragma unroll
+                        for (int h = 0; h < 2; ++h)
+                            st_shared_u32(stage + (srow + 8 * h) * EPI_PITCH + (gi * 8 + scol) * 2,
+                                          pack_bf16x2(dm[i0 + 2 * h] * mult + bias0,
+                                                      dm[i0 + 2 * h + 1] * mult + bias1));
                     }
+                    named_barrier(1 + c);
 #pragma unroll
-                    for (int h = 0; h < 2; ++h)
-                        st_shared_u32(stage + (srow + 8 * h) * EPI_PITCH + (gi * 8 + scol) * 2,
-                                      pack_bf16x2(d[i0 + 2 * h] * mult + bias0, d[i0 + 2 * h + 1] * mult + bias1));
+                    for (int r = 0; r < 2; ++r) {
+                        const int idx = t + 128 * r, row = idx >> 2, q = idx & 3;
+                        const uint4 v = ld_shared_v4(stage + row * EPI_PITCH + q * 16);
+                        const int m = mt0 + row;
+                        if (m < M && (!(DIAG & 4) || v.x == 12345u))
+                            *(uint4*)(y + (size_t)m * N + n0 + 32 * ch + 8 * q) = v;
+                    }
+                    named_barrier(1 + c);
                 }
-                named_barrier(1 + c);
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int idx = t + 128 * r, row = idx >> 2, q = idx & 3;
-                    const uint4 v = ld_shared_v4(stage + row * EPI_PITCH + q * 16);
-                    const int m = m0 + c * 64 + row;
-                    if (m < M && (!(DIAG & 4) || v.x == 12345u))
-                        *(uint4*)(y + (size_t)m * N + n0 + 32 * ch + 8 * q) = v;
-                }
-                named_barrier(1 + c);
             }
         }
     }

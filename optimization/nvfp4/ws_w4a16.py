@@ -34,14 +34,14 @@ def wgmma_call(bn: int) -> str:
             f'        : "l"(desc_a), "l"(desc_b), "r"(acc));\n}}\n')
 
 
-def smem_bytes(ncw: int, bn: int, stages: int, rstages: int) -> int:
+def smem_bytes(mi: int, ncw: int, bn: int, stages: int, rstages: int) -> int:
     """Dynamic shared memory: the ring, the raw ring, the epilogue staging, 1024-byte alignment slack."""
-    return stages * (64 * ncw * 128 + bn * 128) + rstages * bn * 36 + ncw * 64 * 80 + 1024
+    return stages * (64 * mi * ncw * 128 + bn * 128) + rstages * bn * 36 + ncw * 64 * 80 + 1024
 
 
-def kernel_source(ncw, bn, stages, rstages, ahead, group_m, has_bias, preg, creg, diag=0):
-    name = f"w4a16_ws_{ncw}_{bn}_{stages}_{rstages}_{ahead}_{group_m}_{int(has_bias)}_{preg}_{creg}_{diag}"
-    head = (f"#define AHEAD {ahead}\n#define DIAG {diag}\n#define NCW {ncw}\n#define BN {bn}\n#define STAGES {stages}\n#define RSTAGES {rstages}\n"
+def kernel_source(mi, ncw, bn, stages, rstages, ahead, group_m, has_bias, preg, creg, diag=0):
+    name = f"w4a16_ws_{mi}_{ncw}_{bn}_{stages}_{rstages}_{ahead}_{group_m}_{int(has_bias)}_{preg}_{creg}_{diag}"
+    head = (f"#define MI {mi}\n#define AHEAD {ahead}\n#define DIAG {diag}\n#define NCW {ncw}\n#define BN {bn}\n#define STAGES {stages}\n#define RSTAGES {rstages}\n"
             f"#define GROUP_M {group_m}\n#define HAS_BIAS {int(has_bias)}\n#define PRODUCER_REGS {preg}\n"
             f"#define CONSUMER_REGS {creg}\n#define KERNEL_NAME {name}\n")
     body = _SOURCE_PATH.read_text().replace("//%%WGMMA%%", wgmma_call(bn), 1)
@@ -50,19 +50,19 @@ def kernel_source(ncw, bn, stages, rstages, ahead, group_m, has_bias, preg, creg
 
 def default_regs(ncw: int) -> tuple[int, int]:
     """(producer, consumer) registers per thread after setmaxnreg: the 64 K register file split, multiples of 8."""
-    preg = 56                # 40 spills the producer's copy addresses
+    preg = 64                # 40-56 spill the producer's copy addresses
     creg = min(240, (65536 // 128 - preg) // ncw // 8 * 8)
     return preg, creg
 
 
 class _Kernel:
-    def __init__(self, ncw, bn, stages, rstages, ahead, group_m, has_bias, diag):
+    def __init__(self, mi, ncw, bn, stages, rstages, ahead, group_m, has_bias, diag):
         from torch.cuda import _utils as cu
         if not 1 <= ahead <= stages - 2:
             raise ValueError(f"decode distance {ahead}: 1 .. stages - 2 = {stages - 2}")
         preg, creg = default_regs(ncw)
-        name, src = kernel_source(ncw, bn, stages, rstages, ahead, group_m, has_bias, preg, creg, diag)
-        self.smem = smem_bytes(ncw, bn, stages, rstages)
+        name, src = kernel_source(mi, ncw, bn, stages, rstages, ahead, group_m, has_bias, preg, creg, diag)
+        self.smem = smem_bytes(mi, ncw, bn, stages, rstages)
         if self.smem > MAX_SMEM:
             raise ValueError(f"{self.smem} B of shared memory > {MAX_SMEM}")
         self.kernel = torch.cuda._compile_kernel(src, name, compute_capability="90a")
@@ -77,8 +77,8 @@ class _Kernel:
                                  ctypes.c_void_p(stream), arr, None))
 
 
-def get_kernel(ncw, bn, stages, rstages, ahead, group_m, has_bias):
-    key = (ncw, bn, stages, rstages, ahead, group_m, has_bias, DIAG[0])
+def get_kernel(mi, ncw, bn, stages, rstages, ahead, group_m, has_bias):
+    key = (mi, ncw, bn, stages, rstages, ahead, group_m, has_bias, DIAG[0])
     if key not in _KERNELS:
         try:
             _KERNELS[key] = _Kernel(*key)
@@ -89,7 +89,8 @@ def get_kernel(ncw, bn, stages, rstages, ahead, group_m, has_bias):
     return _KERNELS[key]
 
 
-DEFAULT_CONFIG = (2, 256, 4, 2, 2, 8)    # (consumer warpgroups, BN, stages, raw stages, decode distance, GROUP_M)
+DEFAULT_CONFIG = (2, 2, 128, 4, 3, 1, 8)  # (64-token wgmma per consumer, consumer warpgroups, BN, stages, raw stages,
+                                         #  decode distance, GROUP_M)
 DIAG = [0]                               # probe-only kernel knobs (see the .cu's DIAG); 0 in production
 
 
@@ -98,21 +99,21 @@ def ws_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=N
     """y[M, n] = x[M, K] @ dequant(W)^T (+ bias) with this kernel, or None when it cannot run here."""
     from . import kernels as K
     M, Kd = x.shape
-    ncw, bn, stages, rstages, ahead, group_m = config or DEFAULT_CONFIG
+    mi, ncw, bn, stages, rstages, ahead, group_m = config or DEFAULT_CONFIG
     if (not x.is_cuda or x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.stride(0) % 8 or Kd % 64
-            or n % bn or bn != 128 * ncw or packed.shape[1] * 2 != Kd
+            or n % bn or (128 * ncw) % bn or mi * bn > 256 or packed.shape[1] * 2 != Kd
             or torch.cuda.get_device_capability(x.device) != (9, 0)):
         return None
     y = torch.empty((M, n), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    kern = get_kernel(ncw, bn, stages, rstages, ahead, group_m, bias is not None)
+    kern = get_kernel(mi, ncw, bn, stages, rstages, ahead, group_m, bias is not None)
     if kern is None:
         return None
     g = global_scale.to(device=x.device, dtype=torch.float32).reshape(1)
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    tiles = -(-M // (64 * ncw)) * (n // bn)
+    tiles = -(-M // (64 * mi * ncw)) * (n // bn)
     grid = min(tiles, grid or K._sm_count(x.device))
     args = [ctypes.c_void_p(t.data_ptr()) for t in (x, packed, block_scale, g, bias if bias is not None else g, y)]
     args += [ctypes.c_int(v) for v in (M, n, Kd, x.stride(0), block_scale.shape[1] // 4)]

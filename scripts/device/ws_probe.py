@@ -25,7 +25,7 @@ from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear  # noqa: E402
 from _graph_timing import graphed, rel  # noqa: E402
 from wgmma_probe import SHAPES, adversarial_weight  # noqa: E402
 
-CONFIGS = [(2, 256, 4, 2, 2, 8), (2, 256, 4, 2, 1, 8), (2, 256, 3, 3, 1, 8)]
+CONFIGS = [(2, 2, 128, 4, 3, 1, 8), (2, 2, 128, 4, 3, 2, 8), (1, 2, 256, 4, 2, 1, 8)]
 
 
 def check(dev, out, configs):
@@ -44,7 +44,7 @@ def check(dev, out, configs):
             ref_small = F.linear(x.float(), wd[:8])
             for cfg in configs:
                 for grid in (None, 3):
-                    if n % cfg[1]:
+                    if n % cfg[2]:
                         continue
                     y = W.ws_linear(x, t.packed, t.block_scale, t.global_scale, n, b, cfg, grid=grid)
                     if y is None:
@@ -79,7 +79,7 @@ def time_shapes(dev, m_list, shapes, configs, rounds, out):
             paths = {"bf16": lambda: lin(x), "layer": lambda: layer(x)}
             errs = {}
             for cfg in configs:
-                if n % cfg[1]:
+                if n % cfg[2]:
                     continue
                 y = W.ws_linear(x, packed, bscale, gscale, n, bias, cfg)
                 if y is None:
@@ -117,7 +117,7 @@ def bounds(dev, m_list, shapes, configs, out):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             res = {"bf16": graphed(lambda: F.linear(x, w), 8, 15)}
             for cfg in configs:
-                if n % cfg[1]:
+                if n % cfg[2]:
                     continue
                 for diag in (0, 1, 2, 4, 5):
                     W.DIAG[0] = diag
