@@ -49,9 +49,13 @@ def kernel_source(mi, ncw, bn, stages, rstages, ahead, group_m, has_bias, preg, 
 
 
 def default_regs(ncw: int) -> tuple[int, int]:
-    """(producer, consumer) registers per thread after setmaxnreg: the 64 K register file split, multiples of 8."""
+    """(producer, consumer) registers per thread after setmaxnreg. The warpgroups trade registers within what the
+    CTA got at launch (the per-thread cap, 65536 / threads rounded down to 8, times the threads): asking for more
+    makes setmaxnreg.inc wait forever."""
+    threads = 128 * (1 + ncw)
+    pool = 65536 // threads // 8 * 8 * threads
     preg = 64                # 40-56 spill the producer's copy addresses
-    creg = min(240, (65536 // 128 - preg) // ncw // 8 * 8)
+    creg = min(240, (pool - 128 * preg) // (128 * ncw) // 8 * 8)
     return preg, creg
 
 
