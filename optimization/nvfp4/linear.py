@@ -77,6 +77,9 @@ FIDELITY_KERNELS = ("auto", "fused", "dequant", "pipelined", "pipelined_n", "tim
 #     the bf16 weight to HBM (~0.94x: 2.56 B/weight at 3.35 TB/s vs 2*4096 FLOP/weight at ~670 TFLOP/s). Slab-wise
 #     dequant into L2 + cuBLASLt (commit cf7a84a) and dequant overlapped on a side stream with SM-limited GEMMs
 #     (1676810) measured no faster / slower and were reverted (docs/BENCHMARKS.md, session 9)
+#   run 7 (session 10, commits ac73630..9b4bf9f): a warp-specialized persistent fused kernel (decode into shared
+#     memory, SS wgmma) reached 0.53-0.67x bf16 at M=4096 and 0.69-0.83x at 16384, below dequant + cuBLAS on
+#     every shape; reverted (docs/BENCHMARKS.md, session 10)
 FUSED_MAX_M = 256
 PIPELINE_MIN_M = None        # set (e.g. 1024) to let "auto" time pipelined against dequant once per shape
 PIPELINE_CHUNKS = 4          # pipelined: first K part = Kp / PIPELINE_CHUNKS (exposed); N split: N chunks
