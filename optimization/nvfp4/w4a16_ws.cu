@@ -3,9 +3,10 @@
 //
 // Warp-specialized and persistent. A CTA loops over output tiles of TN tokens x BN = 128 weight rows; its k
 // iterations run through one ring of STAGES slots across tiles. Two kinds of warpgroups, meeting only at mbarriers:
-// - the loader (warpgroup 0): per k iteration, cp.async of the activation tile straight into its 128-byte-swizzled
-//   slot, and the decode of the packed weight (read from global memory one iteration ahead into registers) into
-//   bf16 in the same slot, in the layout a bf16 weight tile would have, fenced into the async proxy;
+// - the loader (warpgroup 0): per k iteration, one thread starts the TMA copy of the activation tile (128-byte
+//   swizzle; rows past M come back as zeros and are never stored), and every thread decodes its weight row
+//   (read from global memory one iteration ahead into registers) into bf16 in the same slot, in the layout a bf16
+//   weight tile would have, fenced into the async proxy;
 // - consumers (2 warpgroups): wgmma m64nTNk16, A = 64 decoded weight rows each, B = the TN tokens, both in shared
 //   memory; nothing but wgmma in their k loop, so the wgmma stay asynchronous back to back. The epilogue goes
 //   through shared memory (stmatrix, transposed) so each token's 64 outputs leave as one 128-byte run.
@@ -34,8 +35,15 @@ typedef unsigned long long u64;
 static __device__ __forceinline__ u32 smem_addr(const void* p) {
     return (u32)__cvta_generic_to_shared(p);
 }
-static __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+struct __align__(64) TensorMap { u64 v[16]; };   // CUtensorMap, filled by the host (cuTensorMapEncodeTiled)
+
+// TMA: box (64 k, TN rows) at (k, row) -> shared dst, completing `bytes` on the mbarrier
+static __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int k, int row, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                 ::"r"(dst), "l"((u64)map), "r"(k), "r"(row), "r"(bar) : "memory");
+}
+static __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 static __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -49,9 +57,6 @@ static __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
 }
 static __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-static __device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 static __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     asm volatile("{\n.reg .pred done;\nWAIT:\n"
@@ -120,7 +125,7 @@ static __device__ __forceinline__ void tile_coords(int tile, int num_mt, int num
 }
 
 extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
-    const u16* __restrict__ x, const u8* __restrict__ wp, const u8* __restrict__ wsc, const float* __restrict__ g,
+    const __grid_constant__ TensorMap xmap, const u8* __restrict__ wp, const u8* __restrict__ wsc, const float* __restrict__ g,
     const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int K, int ldx, int ncb4) {
     extern __shared__ __align__(1024) u8 smem_raw[];
     u8* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);   // 1024-aligned (the swizzle atom)
@@ -138,7 +143,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     if (tid == 0) {
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full0 + 8 * s, 256);               // each loader thread: its copies landed, its decode stored
+            mbar_init(full0 + 8 * s, 129);               // the TMA bytes landed + each loader thread's decode stored
             mbar_init(empty0 + 8 * s, 4 * NCW);          // every consumer warp's wgmma reading the slot done
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -148,8 +153,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     if (tid < 128) {
         // ========================= loader: activation copies, weight decode =========================
         const int half = K >> 1;
-        const int lq = tid & 7, lr = tid >> 3;           // activation chunk lq of rows lr + 16 i
-        const u32 x_dst = lr * 128 + ((lq ^ (lr & 7)) << 4);
+        if (tid == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)&xmap) : "memory");
         const int p = tid;                               // the weight row of the tile this thread decodes
         // packed weight row p of a tile (32 B per k tile) and its 4 block scales per k tile (swizzled layout)
         auto wrow = [&](int j) {
@@ -172,11 +176,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         for (int j = 0; j < my_tiles; ++j) {
             int m0, n0;
             tile_coords(blockIdx.x + j * gridDim.x, num_mt, num_nt, m0, n0);
-            // activation rows m0 + lr + 16 i; rows past M re-read row M-1 (never stored)
-            const u8* xrow0 = (const u8*)(x + (size_t)(m0 + lr) * ldx) + lq * 16;
-            const u8* xlast = (const u8*)(x + (size_t)(M - 1) * ldx) + lq * 16;
-            const size_t xstep = (size_t)16 * ldx * 2;
-            const int rows_left = M - m0 - lr;
             const u8* wcur = wnext;
             const u8* scur = snext;
 #pragma unroll 1
@@ -198,10 +197,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 const int slot = u % STAGES;
                 if (u >= STAGES) mbar_wait(empty0 + 8 * slot, ((u / STAGES) - 1) & 1);
                 const u32 sb = slots + slot * SLOT_BYTES;
-#pragma unroll
-                for (int i = 0; i < TN / 16; ++i)
-                    cp_async16(sb + x_dst + i * 16 * 128, (16 * i < rows_left ? xrow0 + i * xstep : xlast) + kt * 128);
-                cp_async_mbar_arrive(full0 + 8 * slot);
+                if (tid == 0) {
+                    mbar_expect_tx(full0 + 8 * slot, X_BYTES);
+                    tma_load_2d(sb, &xmap, kt * 64, m0, full0 + 8 * slot);
+                }
                 if (!(DIAG & 1)) {
                     u32 q[8], sc[4];
                     const u32 f01 = scale_pair(s), f23 = scale_pair(s >> 16);
@@ -222,7 +221,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 mbar_arrive(full0 + 8 * slot);
             }
         }
-        asm volatile("cp.async.wait_all;\n" ::: "memory");   // no copy outlives its thread
     } else {
         // ============================ consumers: wgmma, epilogue ============================
         const int c = (tid - 128) >> 7, t = tid & 127;

@@ -48,6 +48,22 @@ def kernel_source(tn, stages, epi_tok, group_m, has_bias, diag=0):
     return name, head + body
 
 
+def activation_map(x: torch.Tensor, rows: int):
+    """CUtensorMap of x[M, K] (bf16, row stride x.stride(0)) for TMA boxes of 64 k x `rows` rows, 128-byte swizzle,
+    out-of-range rows read as zeros."""
+    from torch.cuda import _utils as cu
+    lib = cu._get_gpu_runtime_library()
+    tmap = (ctypes.c_uint64 * 16)()
+    dims = (ctypes.c_uint64 * 2)(x.shape[1], x.shape[0])
+    strides = (ctypes.c_uint64 * 1)(x.stride(0) * 2)
+    box = (ctypes.c_uint32 * 2)(64, rows)
+    estr = (ctypes.c_uint32 * 2)(1, 1)
+    uint16, no_interleave, swizzle_128b, l2_promote_128b, oob_zero = 1, 0, 3, 2, 0
+    cu._check_cuda(lib.cuTensorMapEncodeTiled(tmap, uint16, 2, ctypes.c_void_p(x.data_ptr()), dims, strides, box,
+                                              estr, no_interleave, swizzle_128b, l2_promote_128b, oob_zero))
+    return tmap
+
+
 class _Kernel:
     def __init__(self, tn, stages, epi_tok, group_m, has_bias, diag):
         from torch.cuda import _utils as cu
@@ -93,6 +109,7 @@ def ws_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=N
     tn, stages, epi_tok, group_m = config or DEFAULT_CONFIG
     bn = 128
     if (not x.is_cuda or x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.stride(0) % 8 or Kd % 64
+            or x.data_ptr() % 16
             or n % bn or packed.shape[1] * 2 != Kd
             or torch.cuda.get_device_capability(x.device) != (9, 0)):
         return None
@@ -107,7 +124,8 @@ def ws_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=N
         bias = bias.to(x.dtype)
     tiles = -(-M // tn) * (n // bn)
     grid = min(tiles, grid or K._sm_count(x.device))
-    args = [ctypes.c_void_p(t.data_ptr()) for t in (x, packed, block_scale, g, bias if bias is not None else g, y)]
+    args = [activation_map(x, tn)]
+    args += [ctypes.c_void_p(t.data_ptr()) for t in (packed, block_scale, g, bias if bias is not None else g, y)]
     args += [ctypes.c_int(v) for v in (M, n, Kd, x.stride(0), block_scale.shape[1] // 4)]
     kern.launch(grid, args, K.raw_stream(x.device.index))
     return y
