@@ -107,9 +107,9 @@ def time_shapes(dev, m_list, shapes, configs, rounds, out):
         del layer, lin
 
 
-def bounds(dev, m_list, shapes, configs, out):
-    """What limits a config: DIAG knobs drop one part of the work (1 = decode, 2 = wgmma, 4 = output stores);
-    results with a knob set are wrong and not checked."""
+def bounds(dev, m_list, shapes, configs, out, diags=(0, 1, 2, 4, 5)):
+    """What limits a config: DIAG knobs drop one part of the work (1 = decode, 2 = wgmma, 4 = output stores; bits
+    add up); results with a knob set are wrong and not checked."""
     gen = torch.Generator(device="cpu").manual_seed(2)
     for k, n in shapes:
         t = fmt.quantize_nvfp4(torch.randn(n, k, generator=gen) * 0.02, return_tensor=True).to(dev)
@@ -120,7 +120,7 @@ def bounds(dev, m_list, shapes, configs, out):
             for cfg in configs:
                 if n % 128:
                     continue
-                for diag in (0, 1, 2, 4, 5):
+                for diag in diags:
                     W.DIAG[0] = diag
                     y = W.ws_linear(x, t.packed, t.block_scale, t.global_scale, n, None, cfg)
                     if y is None:
@@ -143,6 +143,7 @@ def main():
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
     ap.add_argument("--configs", default=";".join(",".join(map(str, c)) for c in CONFIGS))
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--diags", default="0,1,2,4,5", help="DIAG values for --part bound")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -160,7 +161,16 @@ def main():
             parts.remove("time")
     if "bound" in parts:
         bounds(dev, [int(v) for v in args.m.split(",")],
-               [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")], configs, out)
+               [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")], configs, out,
+               [int(v) for v in args.diags.split(",")])
+    if "once" in parts:   # one call of the first config per shape, for a profiler
+        for s in args.shapes.split(","):
+            k, n = (int(v) for v in s.split("x"))
+            t = fmt.quantize_nvfp4(torch.randn(n, k) * 0.02, return_tensor=True).to(dev)
+            x = torch.randn(int(args.m.split(",")[0]), k, device=dev, dtype=torch.bfloat16)
+            for _ in range(3):
+                W.ws_linear(x, t.packed, t.block_scale, t.global_scale, n, None, configs[0])
+            torch.cuda.synchronize()
     if "time" in parts:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
         time_shapes(dev, [int(v) for v in args.m.split(",")], shapes, configs, args.rounds, out)
