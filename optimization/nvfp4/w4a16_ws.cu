@@ -3,10 +3,11 @@
 //
 // Warp-specialized and persistent. A CTA loops over output tiles of TN tokens x BN = 128 weight rows; its k
 // iterations run through one ring of STAGES slots across tiles. Two kinds of warpgroups, meeting only at mbarriers:
-// - the loader (warpgroup 0): per k iteration, one thread starts the TMA copy of the activation tile (128-byte
-//   swizzle; rows past M come back as zeros and are never stored), and every thread decodes its weight row
-//   (read from global memory one iteration ahead into registers) into bf16 in the same slot, in the layout a bf16
-//   weight tile would have, fenced into the async proxy;
+// - the loader (warpgroup 0): its thread 0 starts, AHEAD iterations early, the TMA copies of a slot: the activation
+//   tile (128-byte swizzle; rows past M come back as zeros and are never stored), the packed weight tile (128 rows x
+//   32 B) and its 512 B of block scales, all completing on the slot's `raw` mbarrier. Then every loader thread
+//   decodes its weight row from shared memory into bf16 in the same slot, in the layout a bf16 weight tile would
+//   have, fenced into the async proxy. (No global load is in flight at that fence: a fence waits for those.)
 // - consumers (2 warpgroups): wgmma m64nTNk16, A = 64 decoded weight rows each, B = the TN tokens, both in shared
 //   memory; nothing but wgmma in their k loop, so the wgmma stay asynchronous back to back. The epilogue goes
 //   through shared memory (stmatrix, transposed) so each token's 64 outputs leave as one 128-byte run.
@@ -24,7 +25,8 @@
 #define NT 384                       // threads: the loader warpgroup, then the consumers
 #define X_BYTES (TN * 128)           // activation tile: TN tokens x 64 k, 128B-swizzled
 #define W_BYTES (BN * 128)           // decoded weight tile: BN rows x 64 k, 128B-swizzled
-#define SLOT_BYTES (X_BYTES + W_BYTES)
+#define R_BYTES (128 * 32 + 512)    // packed weight tile (TMA box 32 B x 128 rows) + its block scales
+#define SLOT_BYTES ((X_BYTES + W_BYTES + R_BYTES + 1023) / 1024 * 1024)   // 1024-aligned (the swizzle atom)
 #define EPI_BYTES (EPI_TOK * 128)    // per consumer warpgroup: EPI_TOK tokens x 64 weight rows, bf16
 
 typedef unsigned int u32;
@@ -41,6 +43,10 @@ struct __align__(64) TensorMap { u64 v[16]; };   // CUtensorMap, filled by the h
 static __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int k, int row, u32 bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
                  ::"r"(dst), "l"((u64)map), "r"(k), "r"(row), "r"(bar) : "memory");
+}
+static __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 static __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
@@ -96,6 +102,11 @@ static __device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
     asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
     return v;
 }
+static __device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+    return v;
+}
 // four 8x8 bf16 matrices of the mma fragment layout, stored transposed: lane l names row l % 8 of matrix l / 8
 static __device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 a, u32 b, u32 c, u32 d) {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
@@ -125,15 +136,15 @@ static __device__ __forceinline__ void tile_coords(int tile, int num_mt, int num
 }
 
 extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
-    const __grid_constant__ TensorMap xmap, const u8* __restrict__ wp, const u8* __restrict__ wsc, const float* __restrict__ g,
+    const __grid_constant__ TensorMap xmap, const __grid_constant__ TensorMap wmap, const u8* __restrict__ wsc, const float* __restrict__ g,
     const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int K, int ldx, int ncb4) {
     extern __shared__ __align__(1024) u8 smem_raw[];
     u8* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);   // 1024-aligned (the swizzle atom)
     const u32 slots = smem_addr(smem);
     const u32 epis = slots + STAGES * SLOT_BYTES;
-    // full[s]: slot s holds its activations and its decoded weights; empty[s]: the wgmma reading slot s are done
-    __shared__ __align__(8) u64 bars[2 * STAGES];
-    const u32 full0 = smem_addr(bars), empty0 = full0 + 8 * STAGES;
+    // raw[s]: slot s's copies landed; full[s]: slot s holds its decoded weights; empty[s]: its wgmma are done
+    __shared__ __align__(8) u64 bars[3 * STAGES];
+    const u32 full0 = smem_addr(bars), empty0 = full0 + 8 * STAGES, raw0 = empty0 + 8 * STAGES;
 
     const int tid = threadIdx.x;
     const int KT = K >> 6;                               // k tiles per output tile
@@ -143,7 +154,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     if (tid == 0) {
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full0 + 8 * s, 129);               // the TMA bytes landed + each loader thread's decode stored
+            mbar_init(full0 + 8 * s, 128);               // each loader thread's decode stored
+            mbar_init(raw0 + 8 * s, 1);                  // thread 0's expect_tx; the copies' bytes
             mbar_init(empty0 + 8 * s, 4 * NCW);          // every consumer warp's wgmma reading the slot done
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -152,74 +164,52 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
 
     if (tid < 128) {
         // ========================= loader: activation copies, weight decode =========================
-        const int half = K >> 1;
-        if (tid == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)&xmap) : "memory");
         const int p = tid;                               // the weight row of the tile this thread decodes
-        // packed weight row p of a tile (32 B per k tile) and its 4 block scales per k tile (swizzled layout)
-        auto wrow = [&](int j) {
+        const int total = my_tiles * KT;
+        // thread 0: the copies of iteration v into slot v % STAGES, once the consumers are done with that slot
+        auto issue = [&](int v) {
+            const int slot = v % STAGES;
+            if (v >= STAGES) mbar_wait(empty0 + 8 * slot, ((v / STAGES) - 1) & 1);
             int m0, n0;
-            tile_coords(blockIdx.x + j * gridDim.x, num_mt, num_nt, m0, n0);
-            return wp + (size_t)(n0 + p) * half;
+            tile_coords(blockIdx.x + (v / KT) * gridDim.x, num_mt, num_nt, m0, n0);
+            const int kt = v % KT;
+            const u32 sb = slots + slot * SLOT_BYTES, bar = raw0 + 8 * slot;
+            mbar_expect_tx(bar, X_BYTES + R_BYTES);
+            tma_load_2d(sb, &xmap, kt * 64, m0, bar);
+            tma_load_2d(sb + X_BYTES + W_BYTES, &wmap, kt * 32, n0, bar);
+            bulk_load(sb + X_BYTES + W_BYTES + 4096, wsc + ((size_t)(n0 >> 7) * ncb4 + kt) * 512, 512, bar);
         };
-        auto srow = [&](int j) {
-            int m0, n0;
-            tile_coords(blockIdx.x + j * gridDim.x, num_mt, num_nt, m0, n0);
-            const int n = n0 + p;
-            return wsc + (size_t)(n >> 7) * ncb4 * 512 + (n & 31) * 16 + ((n & 127) >> 5) * 4;
-        };
-        const u8* wnext = wrow(0);
-        const u8* snext = srow(0);
-        uint4 v0 = __ldg((const uint4*)wnext), v1 = __ldg((const uint4*)(wnext + 16));
-        u32 sv = __ldg((const u32*)snext);
-        int u = 0;
+        if (tid == 0) {
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)&xmap) : "memory");
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)&wmap) : "memory");
+            for (int v = 0; v < AHEAD && v < total; ++v) issue(v);
+        }
 #pragma unroll 1
-        for (int j = 0; j < my_tiles; ++j) {
-            int m0, n0;
-            tile_coords(blockIdx.x + j * gridDim.x, num_mt, num_nt, m0, n0);
-            const u8* wcur = wnext;
-            const u8* scur = snext;
-#pragma unroll 1
-            for (int kt = 0; kt < KT; ++kt, ++u) {
-                // this iteration's packed weight is in v0, v1, sv; start the loads of the next one
-                const uint4 c0 = v0, c1 = v1;
-                const u32 s = sv;
-                if (kt + 1 < KT) {
-                    v0 = __ldg((const uint4*)(wcur + (kt + 1) * 32));
-                    v1 = __ldg((const uint4*)(wcur + (kt + 1) * 32 + 16));
-                    sv = __ldg((const u32*)(scur + (kt + 1) * 512));
-                } else if (j + 1 < my_tiles) {
-                    wnext = wrow(j + 1);
-                    snext = srow(j + 1);
-                    v0 = __ldg((const uint4*)wnext);
-                    v1 = __ldg((const uint4*)(wnext + 16));
-                    sv = __ldg((const u32*)snext);
-                }
-                const int slot = u % STAGES;
-                if (u >= STAGES) mbar_wait(empty0 + 8 * slot, ((u / STAGES) - 1) & 1);
-                const u32 sb = slots + slot * SLOT_BYTES;
-                if (tid == 0) {
-                    mbar_expect_tx(full0 + 8 * slot, X_BYTES);
-                    tma_load_2d(sb, &xmap, kt * 64, m0, full0 + 8 * slot);
-                }
-                if (!(DIAG & 1)) {
-                    u32 q[8], sc[4];
-                    const u32 f01 = scale_pair(s), f23 = scale_pair(s >> 16);
-                    sc[0] = prmt(f01, f01, 0x1010u); sc[1] = prmt(f01, f01, 0x3232u);
-                    sc[2] = prmt(f23, f23, 0x1010u); sc[3] = prmt(f23, f23, 0x3232u);
-                    q[0] = c0.x; q[1] = c0.y; q[2] = c0.z; q[3] = c0.w;
-                    q[4] = c1.x; q[5] = c1.y; q[6] = c1.z; q[7] = c1.w;
-                    const u32 row = sb + X_BYTES + p * 128;
+        for (int u = 0; u < total; ++u) {
+            if (tid == 0 && u + AHEAD < total) issue(u + AHEAD);
+            const int slot = u % STAGES;
+            const u32 sb = slots + slot * SLOT_BYTES, rb = sb + X_BYTES + W_BYTES;
+            mbar_wait(raw0 + 8 * slot, (u / STAGES) & 1);
+            if (!(DIAG & 1)) {
+                const uint4 c0 = ld_shared_v4(rb + p * 32), c1 = ld_shared_v4(rb + p * 32 + 16);
+                const u32 s = ld_shared_u32(rb + 4096 + (p & 31) * 16 + (p >> 5) * 4);   // its 4 block scales
+                u32 q[8], sc[4];
+                const u32 f01 = scale_pair(s), f23 = scale_pair(s >> 16);
+                sc[0] = prmt(f01, f01, 0x1010u); sc[1] = prmt(f01, f01, 0x3232u);
+                sc[2] = prmt(f23, f23, 0x1010u); sc[3] = prmt(f23, f23, 0x3232u);
+                q[0] = c0.x; q[1] = c0.y; q[2] = c0.z; q[3] = c0.w;
+                q[4] = c1.x; q[5] = c1.y; q[6] = c1.z; q[7] = c1.w;
+                const u32 row = sb + X_BYTES + p * 128;
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) {        // chunk i: k 8 i .. 8 i + 7
-                        const u32 q4 = q[i] << 4, f = sc[i >> 1];
-                        st_shared_v4(row + ((i ^ (p & 7)) << 4), bf16x2_mul(e2m1x2(q[i], q4, 0), f),
-                                     bf16x2_mul(e2m1x2(q[i], q4, 1), f), bf16x2_mul(e2m1x2(q[i], q4, 2), f),
-                                     bf16x2_mul(e2m1x2(q[i], q4, 3), f));
-                    }
+                for (int i = 0; i < 8; ++i) {            // chunk i: k 8 i .. 8 i + 7
+                    const u32 q4 = q[i] << 4, f = sc[i >> 1];
+                    st_shared_v4(row + ((i ^ (p & 7)) << 4), bf16x2_mul(e2m1x2(q[i], q4, 0), f),
+                                 bf16x2_mul(e2m1x2(q[i], q4, 1), f), bf16x2_mul(e2m1x2(q[i], q4, 2), f),
+                                 bf16x2_mul(e2m1x2(q[i], q4, 3), f));
                 }
-                fence_async_smem();                      // decoded stores -> the tensor cores
-                mbar_arrive(full0 + 8 * slot);
             }
+            fence_async_smem();                          // decoded stores -> the tensor cores
+            mbar_arrive(full0 + 8 * slot);
         }
     } else {
         // ============================ consumers: wgmma, epilogue ============================
@@ -235,7 +225,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
 #pragma unroll 1
             for (int kt = 0; kt < KT; ++kt, ++it) {
                 const int slot = it % STAGES;
-                mbar_wait(full0 + 8 * slot, (it / STAGES) & 1);
+                mbar_wait(raw0 + 8 * slot, (it / STAGES) & 1);    // the activations landed (TMA)
+                mbar_wait(full0 + 8 * slot, (it / STAGES) & 1);   // the decoded weights are stored
                 const u32 sb = slots + slot * SLOT_BYTES;
                 wgmma_fence();
 #pragma unroll
