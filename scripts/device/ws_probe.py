@@ -26,7 +26,7 @@ from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear  # noqa: E402
 from _graph_timing import graphed, rel  # noqa: E402
 from wgmma_probe import SHAPES, adversarial_weight  # noqa: E402
 
-CONFIGS = [(256, 4, 32, 8), (256, 4, 32, 4), (256, 3, 32, 8), (128, 4, 32, 8)]  # (TN, stages, EPI_TOK, GROUP_M)
+CONFIGS = [(256, 4, 64, 8), (256, 4, 32, 4), (256, 3, 256, 8), (128, 4, 64, 8)]  # (TN, stages, EPI_TOK, GROUP_M)
 
 
 def check(dev, out, configs):
