@@ -4,9 +4,11 @@
 // Warp-specialized and persistent. A CTA loops over output tiles of TN tokens x BN = 128 weight rows; its k
 // iterations run through one ring of STAGES slots across tiles. Two kinds of warpgroups, meeting only at mbarriers:
 // - the loader (warpgroup 0): per k iteration, one thread starts the TMA copy of the activation tile (128-byte
-//   swizzle; rows past M come back as zeros and are never stored), and every thread decodes its weight row
-//   (read from global memory two iterations ahead into registers) into bf16 in the same slot, in the layout a bf16
-//   weight tile would have, fenced into the async proxy;
+//   swizzle; rows past M come back as zeros and are never stored), and every thread decodes its weight row into
+//   bf16 in the same slot, in the layout a bf16 weight tile would have, fenced into the async proxy. The packed
+//   weight tile (TMA, 128 rows x 32 B) and its 512 B of block scales (bulk copy) come RSTAGES - 1 iterations ahead
+//   through a raw ring of the loader's own (no global load is ever in flight at its proxy fence or mbarrier
+//   arrive, which would wait for it);
 // - consumers (2 warpgroups): wgmma m64nTNk16, A = 64 decoded weight rows each, B = the TN tokens, both in shared
 //   memory; nothing but wgmma in their k loop, so the wgmma stay asynchronous back to back. The epilogue goes
 //   through shared memory (stmatrix, transposed) so each token's 64 outputs leave as one 128-byte run.
@@ -25,6 +27,7 @@
 #define X_BYTES (TN * 128)           // activation tile: TN tokens x 64 k, 128B-swizzled
 #define W_BYTES (BN * 128)           // decoded weight tile: BN rows x 64 k, 128B-swizzled
 #define SLOT_BYTES (X_BYTES + W_BYTES)
+#define R_BYTES (128 * 32 + 512)     // raw ring slot: the packed weight tile + its block scales
 #define EPI_BYTES (EPI_TOK * 128)    // per consumer warpgroup: EPI_TOK tokens x 64 weight rows, bf16
 
 typedef unsigned int u32;
@@ -41,6 +44,10 @@ struct __align__(64) TensorMap { u64 v[16]; };   // CUtensorMap, filled by the h
 static __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int k, int row, u32 bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
                  ::"r"(dst), "l"((u64)map), "r"(k), "r"(row), "r"(bar) : "memory");
+}
+static __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 static __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
@@ -96,6 +103,11 @@ static __device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
     asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
     return v;
 }
+static __device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+    return v;
+}
 // four 8x8 bf16 matrices of the mma fragment layout, stored transposed: lane l names row l % 8 of matrix l / 8
 static __device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 a, u32 b, u32 c, u32 d) {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
@@ -125,15 +137,16 @@ static __device__ __forceinline__ void tile_coords(int tile, int num_mt, int num
 }
 
 extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
-    const __grid_constant__ TensorMap xmap, const u8* __restrict__ wp, const u8* __restrict__ wsc, const float* __restrict__ g,
+    const __grid_constant__ TensorMap xmap, const __grid_constant__ TensorMap wmap, const u8* __restrict__ wsc, const float* __restrict__ g,
     const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int K, int ldx, int ncb4) {
     extern __shared__ __align__(1024) u8 smem_raw[];
     u8* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);   // 1024-aligned (the swizzle atom)
     const u32 slots = smem_addr(smem);
-    const u32 epis = slots + STAGES * SLOT_BYTES;
+    const u32 raws = slots + STAGES * SLOT_BYTES;
+    const u32 epis = raws + RSTAGES * R_BYTES;
     // full[s]: slot s holds its activations and its decoded weights; empty[s]: the wgmma reading slot s are done
-    __shared__ __align__(8) u64 bars[2 * STAGES];
-    const u32 full0 = smem_addr(bars), empty0 = full0 + 8 * STAGES;
+    __shared__ __align__(8) u64 bars[2 * STAGES + RSTAGES];
+    const u32 full0 = smem_addr(bars), empty0 = full0 + 8 * STAGES, raw0 = empty0 + 8 * STAGES;
 
     const int tid = threadIdx.x;
     const int KT = K >> 6;                               // k tiles per output tile
@@ -146,47 +159,30 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             mbar_init(full0 + 8 * s, 129);               // the TMA bytes landed + each loader thread's decode stored
             mbar_init(empty0 + 8 * s, 4 * NCW);          // every consumer warp's wgmma reading the slot done
         }
+#pragma unroll
+        for (int r = 0; r < RSTAGES; ++r) mbar_init(raw0 + 8 * r, 1);   // thread 0's expect_tx; the copies' bytes
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 
     if (tid < 128) {
         // ========================= loader: activation copies, weight decode =========================
-        const int half = K >> 1;
-        if (tid == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)&xmap) : "memory");
         const int p = tid;                               // the weight row of the tile this thread decodes
-        // packed weight row p of a tile (32 B per k tile) and its 4 block scales per k tile (swizzled layout)
-        auto wrow = [&](int j) {
-            int m0, n0;
-            tile_coords(blockIdx.x + j * gridDim.x, num_mt, num_nt, m0, n0);
-            return wp + (size_t)(n0 + p) * half;
-        };
-        auto srow = [&](int j) {
-            int m0, n0;
-            tile_coords(blockIdx.x + j * gridDim.x, num_mt, num_nt, m0, n0);
-            const int n = n0 + p;
-            return wsc + (size_t)(n >> 7) * ncb4 * 512 + (n & 31) * 16 + ((n & 127) >> 5) * 4;
-        };
-        // packed weight and scales of iteration v, loaded two iterations ahead into registers, right after a proxy
-        // fence (which waits for every global load of the thread still in flight)
-        struct Packed { uint4 a, b; u32 s; };
-        int pj = 0, pkt = 0;                             // the next iteration to load: tile pj, k tile pkt
-        const u8* pw = wrow(0);
-        const u8* ps = srow(0);
-        auto load_next = [&]() {
-            Packed r;
-            r.a = __ldg((const uint4*)(pw + pkt * 32));
-            r.b = __ldg((const uint4*)(pw + pkt * 32 + 16));
-            r.s = __ldg((const u32*)(ps + pkt * 512));
-            if (++pkt == KT) {
-                pkt = 0;
-                if (++pj < my_tiles) { pw = wrow(pj); ps = srow(pj); }
-            }
-            return r;
-        };
         const int total = my_tiles * KT;
-        Packed n1 = load_next(), n2 = n1;
-        if (total > 1) n2 = load_next();
+        auto issue_raw = [&](int v) {                    // thread 0: iteration v's packed tile and scales
+            int m0, n0;
+            tile_coords(blockIdx.x + (v / KT) * gridDim.x, num_mt, num_nt, m0, n0);
+            const int kt = v % KT, r = v % RSTAGES;
+            const u32 rb = raws + r * R_BYTES, bar = raw0 + 8 * r;
+            mbar_expect_tx(bar, R_BYTES);
+            tma_load_2d(rb, &wmap, kt * 32, n0, bar);
+            bulk_load(rb + 4096, wsc + ((size_t)(n0 >> 7) * ncb4 + kt) * 512, 512, bar);
+        };
+        if (tid == 0) {
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)&xmap) : "memory");
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)&wmap) : "memory");
+            for (int v = 0; v < RSTAGES - 1 && v < total; ++v) issue_raw(v);
+        }
         int u = 0;
 #pragma unroll 1
         for (int j = 0; j < my_tiles; ++j) {
@@ -194,8 +190,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             tile_coords(blockIdx.x + j * gridDim.x, num_mt, num_nt, m0, n0);
 #pragma unroll 1
             for (int kt = 0; kt < KT; ++kt, ++u) {
-                const Packed cur = n1;
-                n1 = n2;
+                // every loader thread is done reading raw slot (u - 1) % RSTAGES: refill it
+                asm volatile("bar.sync 3, 128;\n" ::: "memory");
+                if (tid == 0 && u + RSTAGES - 1 < total) issue_raw(u + RSTAGES - 1);
                 const int slot = u % STAGES;
                 if (u >= STAGES) mbar_wait(empty0 + 8 * slot, ((u / STAGES) - 1) & 1);
                 const u32 sb = slots + slot * SLOT_BYTES;
@@ -203,13 +200,17 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                     mbar_expect_tx(full0 + 8 * slot, X_BYTES);
                     tma_load_2d(sb, &xmap, kt * 64, m0, full0 + 8 * slot);
                 }
+                const u32 rb = raws + (u % RSTAGES) * R_BYTES;
+                mbar_wait(raw0 + 8 * (u % RSTAGES), (u / RSTAGES) & 1);
                 if (!(DIAG & 1)) {
+                    const uint4 c0 = ld_shared_v4(rb + p * 32), c1 = ld_shared_v4(rb + p * 32 + 16);
+                    const u32 s = ld_shared_u32(rb + 4096 + (p & 31) * 16 + (p >> 5) * 4);   // its 4 block scales
                     u32 q[8], sc[4];
-                    const u32 f01 = scale_pair(cur.s), f23 = scale_pair(cur.s >> 16);
+                    const u32 f01 = scale_pair(s), f23 = scale_pair(s >> 16);
                     sc[0] = prmt(f01, f01, 0x1010u); sc[1] = prmt(f01, f01, 0x3232u);
                     sc[2] = prmt(f23, f23, 0x1010u); sc[3] = prmt(f23, f23, 0x3232u);
-                    q[0] = cur.a.x; q[1] = cur.a.y; q[2] = cur.a.z; q[3] = cur.a.w;
-                    q[4] = cur.b.x; q[5] = cur.b.y; q[6] = cur.b.z; q[7] = cur.b.w;
+                    q[0] = c0.x; q[1] = c0.y; q[2] = c0.z; q[3] = c0.w;
+                    q[4] = c1.x; q[5] = c1.y; q[6] = c1.z; q[7] = c1.w;
                     const u32 row = sb + X_BYTES + p * 128;
 #pragma unroll
                     for (int i = 0; i < 8; ++i) {        // chunk i: k 8 i .. 8 i + 7
@@ -221,7 +222,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 }
                 fence_async_smem();                      // decoded stores -> the tensor cores
                 mbar_arrive(full0 + 8 * slot);
-                if (u + 2 < total) n2 = load_next();
             }
         }
     } else {

@@ -37,30 +37,33 @@ def wgmma_call(tn: int) -> str:
 def smem_bytes(tn: int, stages: int, epi_tok: int) -> int:
     """Dynamic shared memory: the ring (TN tokens + 128 weight rows, 64 k each, bf16), the epilogue staging of the
     two consumer warpgroups, 1024-byte alignment slack."""
-    return stages * (tn + 128) * 128 + 2 * epi_tok * 128 + 1024
+    return stages * (tn + 128) * 128 + RSTAGES * (128 * 32 + 512) + 2 * epi_tok * 128 + 1024
 
 
 def kernel_source(tn, stages, epi_tok, group_m, has_bias, diag=0):
     name = f"w4a16_ws_{tn}_{stages}_{epi_tok}_{group_m}_{int(has_bias)}_{diag}"
-    head = (f"#define TN {tn}\n#define STAGES {stages}\n#define EPI_TOK {epi_tok}\n#define GROUP_M {group_m}\n"
+    head = (f"#define TN {tn}\n#define STAGES {stages}\n#define RSTAGES {RSTAGES}\n#define EPI_TOK {epi_tok}\n#define GROUP_M {group_m}\n"
             f"#define DIAG {diag}\n#define HAS_BIAS {int(has_bias)}\n#define KERNEL_NAME {name}\n")
     body = _SOURCE_PATH.read_text().replace("//%%WGMMA%%", wgmma_call(tn), 1)
     return name, head + body
 
 
-def activation_map(x: torch.Tensor, rows: int):
-    """CUtensorMap of x[M, K] (bf16, row stride x.stride(0)) for TMA boxes of 64 k x `rows` rows, 128-byte swizzle,
-    out-of-range rows read as zeros."""
+def tensor_map(t: torch.Tensor, box_bytes: int, box_rows: int, swizzle_128b: bool):
+    """CUtensorMap of a 2-D tensor with contiguous rows, viewed as 8- or 16-bit elements, for TMA boxes of
+    `box_bytes` x `box_rows`; out-of-range rows read as zeros."""
     from torch.cuda import _utils as cu
     lib = cu._get_gpu_runtime_library()
+    es = t.element_size()
     tmap = (ctypes.c_uint64 * 16)()
-    dims = (ctypes.c_uint64 * 2)(x.shape[1], x.shape[0])
-    strides = (ctypes.c_uint64 * 1)(x.stride(0) * 2)
-    box = (ctypes.c_uint32 * 2)(64, rows)
+    dims = (ctypes.c_uint64 * 2)(t.shape[1], t.shape[0])
+    strides = (ctypes.c_uint64 * 1)(t.stride(0) * es)
+    box = (ctypes.c_uint32 * 2)(box_bytes // es, box_rows)
     estr = (ctypes.c_uint32 * 2)(1, 1)
-    uint16, no_interleave, swizzle_128b, l2_promote_128b, oob_zero = 1, 0, 3, 2, 0
-    cu._check_cuda(lib.cuTensorMapEncodeTiled(tmap, uint16, 2, ctypes.c_void_p(x.data_ptr()), dims, strides, box,
-                                              estr, no_interleave, swizzle_128b, l2_promote_128b, oob_zero))
+    dtype = {1: 0, 2: 1}[es]            # CU_TENSOR_MAP_DATA_TYPE_UINT8 / UINT16
+    no_interleave, l2_promote_128b, oob_zero = 0, 2, 0
+    cu._check_cuda(lib.cuTensorMapEncodeTiled(tmap, dtype, 2, ctypes.c_void_p(t.data_ptr()), dims, strides, box,
+                                              estr, no_interleave, 3 if swizzle_128b else 0, l2_promote_128b,
+                                              oob_zero))
     return tmap
 
 
@@ -98,6 +101,7 @@ def get_kernel(tn, stages, epi_tok, group_m, has_bias):
 
 
 DEFAULT_CONFIG = (256, 4, 64, 8)  # (tokens per tile, stages, epilogue tokens per staging round, GROUP_M)
+RSTAGES = 3                       # raw ring of packed weight tiles: copies run RSTAGES - 1 iterations ahead
 DIAG = [0]                        # probe-only kernel knobs (see the .cu's DIAG); 0 in production
 
 
@@ -109,7 +113,7 @@ def ws_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=N
     tn, stages, epi_tok, group_m = config or DEFAULT_CONFIG
     bn = 128
     if (not x.is_cuda or x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.stride(0) % 8 or Kd % 64
-            or x.data_ptr() % 16
+            or x.data_ptr() % 16 or packed.data_ptr() % 16 or packed.stride(1) != 1 or packed.stride(0) % 16
             or n % bn or packed.shape[1] * 2 != Kd
             or torch.cuda.get_device_capability(x.device) != (9, 0)):
         return None
@@ -124,8 +128,8 @@ def ws_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=N
         bias = bias.to(x.dtype)
     tiles = -(-M // tn) * (n // bn)
     grid = min(tiles, grid or K._sm_count(x.device))
-    args = [activation_map(x, tn)]
-    args += [ctypes.c_void_p(t.data_ptr()) for t in (packed, block_scale, g, bias if bias is not None else g, y)]
+    args = [tensor_map(x, 128, tn, True), tensor_map(packed, 32, 128, False)]
+    args += [ctypes.c_void_p(t.data_ptr()) for t in (block_scale, g, bias if bias is not None else g, y)]
     args += [ctypes.c_int(v) for v in (M, n, Kd, x.stride(0), block_scale.shape[1] // 4)]
     kern.launch(grid, args, K.raw_stream(x.device.index))
     return y
