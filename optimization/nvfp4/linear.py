@@ -80,6 +80,9 @@ FIDELITY_KERNELS = ("auto", "fused", "dequant", "pipelined", "pipelined_n", "tim
 #   run 7 (session 10, commits ac73630..9b4bf9f): a warp-specialized persistent fused kernel (decode into shared
 #     memory, SS wgmma) reached 0.53-0.67x bf16 at M=4096 and 0.69-0.83x at 16384, below dequant + cuBLAS on
 #     every shape; reverted (docs/BENCHMARKS.md, session 10)
+#   run 8 (session 11, commits 0bcb8aa..bf4c45f): the same kind of kernel with a TMA-fed loader warpgroup that does
+#     only the decode and two consumer warpgroups that do only wgmma m64n256k16: at best 0.71-0.87x bf16 at M=4096
+#     (commit 3a4781d; dequant + cuBLAS 0.90-0.93x in the same run); reverted (docs/BENCHMARKS.md, session 11)
 FUSED_MAX_M = 256
 PIPELINE_MIN_M = None        # set (e.g. 1024) to let "auto" time pipelined against dequant once per shape
 PIPELINE_CHUNKS = 4          # pipelined: first K part = Kp / PIPELINE_CHUNKS (exposed); N split: N chunks
