@@ -40,9 +40,9 @@ def smem_bytes(tn: int, stages: int, epi_tok: int) -> int:
     return stages * (tn + 128) * 128 + 2 * epi_tok * 128 + 1024
 
 
-def kernel_source(tn, stages, epi_tok, group_m, has_bias, diag=0):
-    name = f"w4a16_dd_{tn}_{stages}_{epi_tok}_{group_m}_{int(has_bias)}_{diag}"
-    head = (f"#define TN {tn}\n#define STAGES {stages}\n#define EPI_TOK {epi_tok}\n#define GROUP_M {group_m}\n"
+def kernel_source(tn, stages, epi_tok, cluster, has_bias, diag=0):
+    name = f"w4a16_dd_{tn}_{stages}_{epi_tok}_{cluster}_{int(has_bias)}_{diag}"
+    head = (f"#define TN {tn}\n#define STAGES {stages}\n#define EPI_TOK {epi_tok}\n#define CLUSTER {cluster}\n"
             f"#define DIAG {diag}\n#define HAS_BIAS {int(has_bias)}\n#define KERNEL_NAME {name}\n")
     body = _SOURCE_PATH.read_text().replace("//%%WGMMA%%", wgmma_call(tn), 1)
     return name, head + body
@@ -64,20 +64,36 @@ def tile_map(x: torch.Tensor, rows: int):
     return tmap
 
 
+class _LaunchConfig(ctypes.Structure):      # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
 class _Kernel:
-    def __init__(self, tn, stages, epi_tok, group_m, has_bias, diag):
+    def __init__(self, tn, stages, epi_tok, cluster, has_bias, diag):
         from torch.cuda import _utils as cu
-        if tn not in (128, 256) or tn % epi_tok or epi_tok % 16:
+        if tn not in (128, 256) or tn % epi_tok or epi_tok % 16 or cluster not in (1, 2):
             raise ValueError(f"config {(tn, epi_tok)} does not tile")
-        name, src = kernel_source(tn, stages, epi_tok, group_m, has_bias, diag)
+        name, src = kernel_source(tn, stages, epi_tok, cluster, has_bias, diag)
+        self.cluster = cluster
         self.smem = smem_bytes(tn, stages, epi_tok)
         if self.smem > MAX_SMEM:
             raise ValueError(f"{self.smem} B of shared memory > {MAX_SMEM}")
         self.kernel = torch.cuda._compile_kernel(src, name, compute_capability="90a")
         self.kernel.set_shared_memory_config(self.smem)
         self.threads = 384
-        self._launch = cu._get_gpu_runtime_library().cuLaunchKernel
+        lib = cu._get_gpu_runtime_library()
+        self._launch = lib.cuLaunchKernel
         self._check = cu._check_cuda
+        # the whole grid must be resident at once (CTAs wait for each other's decode flags): at most this many CTAs
+        self.max_ctas = None
+        if cluster > 1:
+            n = ctypes.c_int(0)
+            sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            conf = _LaunchConfig((ctypes.c_uint * 3)(sms - sms % cluster, 1, 1), (ctypes.c_uint * 3)(self.threads, 1, 1),
+                                 self.smem, None, None, 0)
+            self._check(lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), self.kernel.func, ctypes.byref(conf)))
+            self.max_ctas = n.value * cluster
 
     def launch(self, grid: int, args: list, stream: int):
         arr = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in args])
@@ -85,8 +101,8 @@ class _Kernel:
                                  ctypes.c_void_p(stream), arr, None))
 
 
-def get_kernel(tn, stages, epi_tok, group_m, has_bias):
-    key = (tn, stages, epi_tok, group_m, has_bias, DIAG[0])
+def get_kernel(tn, stages, epi_tok, cluster, has_bias):
+    key = (tn, stages, epi_tok, cluster, has_bias, DIAG[0])
     if key not in _KERNELS:
         try:
             _KERNELS[key] = _Kernel(*key)
@@ -97,7 +113,7 @@ def get_kernel(tn, stages, epi_tok, group_m, has_bias):
     return _KERNELS[key]
 
 
-DEFAULT_CONFIG = (256, 4, 64, 0)  # (tokens per tile, stages, epilogue tokens per staging round, unused)
+DEFAULT_CONFIG = (256, 4, 64, 1)  # (tokens per tile, stages, epilogue tokens per staging round, cluster size)
 _SYNC: dict = {}                  # (device, weight tiles, k tiles) -> (flags, [epoch, done count]) int32 tensors
 
 
@@ -115,27 +131,28 @@ def dd_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=N
     """y[M, n] = x[M, K] @ dequant(W)^T (+ bias) with this kernel, or None when it cannot run here."""
     from . import kernels as K
     M, Kd = x.shape
-    tn, stages, epi_tok, group_m = config or DEFAULT_CONFIG
+    tn, stages, epi_tok, cluster = config or DEFAULT_CONFIG
     bn = 128
     if (not x.is_cuda or x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.stride(0) % 8 or Kd % 64
             or x.data_ptr() % 16
-            or n % bn or packed.shape[1] * 2 != Kd
+            or n % (bn * cluster) or packed.shape[1] * 2 != Kd
             or torch.cuda.get_device_capability(x.device) != (9, 0)):
         return None
     y = torch.empty((M, n), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
     num_mt, num_nt = -(-M // tn), n // bn
-    grid = min(num_mt * num_nt, grid or K._sm_count(x.device))
-    kern = get_kernel(tn, stages, epi_tok, group_m, bias is not None)
+    kern = get_kernel(tn, stages, epi_tok, cluster, bias is not None)
     if kern is None:
         return None
+    grid = min(num_mt * num_nt, grid or K._sm_count(x.device), kern.max_ctas or 1 << 30)
+    grid -= grid % cluster
     g = global_scale.to(device=x.device, dtype=torch.float32).reshape(1)
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     scratch = torch.empty((n, Kd), dtype=torch.bfloat16, device=x.device)
     flags, sync = _sync_buffers(x.device, num_nt, Kd // 64)
-    args = [tile_map(x, tn), tile_map(scratch, bn)]
+    args = [tile_map(x, tn // cluster), tile_map(scratch, bn)]
     args += [ctypes.c_void_p(t.data_ptr()) for t in (packed, block_scale, g, bias if bias is not None else g, y,
                                                      scratch, flags, sync)]
     args += [ctypes.c_int(v) for v in (M, n, Kd, block_scale.shape[1] // 4)]

@@ -26,7 +26,7 @@ from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear  # noqa: E402
 from _graph_timing import graphed, rel  # noqa: E402
 from wgmma_probe import SHAPES, adversarial_weight  # noqa: E402
 
-CONFIGS = [(256, 4, 64, 0), (256, 3, 256, 0), (128, 4, 64, 0), (128, 6, 64, 0)]  # (TN, stages, EPI_TOK, -)
+CONFIGS = [(256, 4, 64, 1), (256, 4, 64, 2), (256, 3, 64, 2)]  # (TN, stages, EPI_TOK, cluster)
 
 
 def check(dev, out, configs):
@@ -44,8 +44,8 @@ def check(dev, out, configs):
             ref = F.linear(x.float(), wd, b.float() if b is not None else None)
             ref_small = F.linear(x.float(), wd[:8])
             for cfg in configs:
-                for grid in (None, 3):
-                    if n % 128:
+                for grid in (None, 4):
+                    if n % (128 * cfg[3]):
                         continue
                     y = W.dd_linear(x, t.packed, t.block_scale, t.global_scale, n, b, cfg, grid=grid)
                     if y is None:
@@ -80,7 +80,7 @@ def time_shapes(dev, m_list, shapes, configs, rounds, out):
             paths = {"bf16": lambda: lin(x), "layer": lambda: layer(x)}
             errs = {}
             for cfg in configs:
-                if n % 128:
+                if n % (128 * cfg[3]):
                     continue
                 y = W.dd_linear(x, packed, bscale, gscale, n, bias, cfg)
                 if y is None:
@@ -118,7 +118,7 @@ def bounds(dev, m_list, shapes, configs, out, diags=(0, 1, 8, 4)):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             res = {"bf16": graphed(lambda: F.linear(x, w), 8, 15)}
             for cfg in configs:
-                if n % 128:
+                if n % (128 * cfg[3]):
                     continue
                 for diag in diags:
                     W.DIAG[0] = diag
@@ -174,7 +174,8 @@ def main():
     if "time" in parts:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
         time_shapes(dev, [int(v) for v in args.m.split(",")], shapes, configs, args.rounds, out)
-    print(f"total {time.time() - t0:.0f} s; compile failures: {W._DISABLED_REASON}", flush=True)
+    print(f"total {time.time() - t0:.0f} s; compile failures: {W._DISABLED_REASON}; max resident CTAs: "
+          f"{ {k[:4]: v.max_ctas for k, v in W._KERNELS.items() if v is not None} }", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"info": info, "results": out}, fh, indent=1, default=str)
