@@ -69,6 +69,13 @@ class _LaunchConfig(ctypes.Structure):      # CUlaunchConfig
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
 
 
+class _LaunchAttr(ctypes.Structure):        # CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_uint * 16)]
+
+
+_CLUSTER_DIMENSION = 4                      # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+
+
 class _Kernel:
     def __init__(self, tn, stages, epi_tok, cluster, has_bias, diag):
         from torch.cuda import _utils as cu
@@ -84,21 +91,29 @@ class _Kernel:
         self.threads = 384
         lib = cu._get_gpu_runtime_library()
         self._launch = lib.cuLaunchKernel
+        self._launch_ex = lib.cuLaunchKernelEx
         self._check = cu._check_cuda
         # the whole grid must be resident at once (CTAs wait for each other's decode flags): at most this many CTAs
         self.max_ctas = None
         if cluster > 1:
             n = ctypes.c_int(0)
             sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            attr = _LaunchAttr(_CLUSTER_DIMENSION, 0, (ctypes.c_uint * 16)(cluster, 1, 1))
             conf = _LaunchConfig((ctypes.c_uint * 3)(sms - sms % cluster, 1, 1), (ctypes.c_uint * 3)(self.threads, 1, 1),
-                                 self.smem, None, None, 0)
+                                 self.smem, None, ctypes.cast(ctypes.byref(attr), ctypes.c_void_p), 1)
             self._check(lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), self.kernel.func, ctypes.byref(conf)))
             self.max_ctas = n.value * cluster
 
     def launch(self, grid: int, args: list, stream: int):
         arr = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in args])
-        self._check(self._launch(self.kernel.func, grid, 1, 1, self.threads, 1, 1, self.smem,
-                                 ctypes.c_void_p(stream), arr, None))
+        if self.cluster == 1:
+            self._check(self._launch(self.kernel.func, grid, 1, 1, self.threads, 1, 1, self.smem,
+                                     ctypes.c_void_p(stream), arr, None))
+            return
+        attr = _LaunchAttr(_CLUSTER_DIMENSION, 0, (ctypes.c_uint * 16)(self.cluster, 1, 1))
+        conf = _LaunchConfig((ctypes.c_uint * 3)(grid, 1, 1), (ctypes.c_uint * 3)(self.threads, 1, 1), self.smem,
+                             ctypes.c_void_p(stream), ctypes.cast(ctypes.byref(attr), ctypes.c_void_p), 1)
+        self._check(self._launch_ex(ctypes.byref(conf), self.kernel.func, arr, None))
 
 
 def get_kernel(tn, stages, epi_tok, cluster, has_bias):
