@@ -196,11 +196,8 @@ static __device__ __forceinline__ void decode_share(const u8* __restrict__ wp, c
     }
 }
 
-extern "C" __global__ void
-#if CLUSTER > 1
-__cluster_dims__(CLUSTER, 1, 1)
-#endif
-__launch_bounds__(NT, 1) KERNEL_NAME(
+// CLUSTER 2 must be launched with a cluster dimension of (2, 1, 1) (dd_w4a16.py: cuLaunchKernelEx)
+extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     const __grid_constant__ TensorMap xmap, const __grid_constant__ TensorMap wmap, const u8* __restrict__ wp,
     const u8* __restrict__ wsc, const float* __restrict__ g, const u16* __restrict__ bias, u16* __restrict__ y,
     u16* __restrict__ scratch, u32* __restrict__ flags, u32* __restrict__ sync, int M, int N, int K, int ncb4) {
