@@ -214,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     const int num_mt = (M + TN - 1) / TN, num_nt = N / BN;
     const int units = num_mt * num_nt / CLUSTER, unit = blockIdx.x / CLUSTER, nunits = gridDim.x / CLUSTER;
     const int my_tiles = (units - unit + nunits - 1) / nunits;
-    const u32 peer = blockIdx.x ^ 1;                    // CLUSTER 2: the other CTA of the pair
+    const u32 peer = (blockIdx.x & 1) ^ 1;              // CLUSTER 2: the other CTA's rank in the pair
 
     if (tid == 0) {
 #pragma unroll
