@@ -133,7 +133,7 @@ static __device__ __forceinline__ void tma_load_2d_mc(u32 dst, const TensorMap* 
 }
 static __device__ __forceinline__ void mbar_arrive_peer(u32 bar, u32 peer) {   // the same barrier in CTA `peer`
     asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
-                 "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar), "r"(peer) : "memory");
+                 "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar), "r"(peer) : "memory");
 }
 static __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
