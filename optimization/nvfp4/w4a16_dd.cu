@@ -26,7 +26,8 @@
 
 #ifndef DIAG
 #define DIAG 0                       // probe-only, wrong results: 1 = no decode and no flag waits, 2 = no wgmma,
-                                     // 4 = no output stores, 8 = no flag waits (decode kept)
+                                     // 4 = no output stores, 8 = no flag waits (decode kept),
+                                     // 16 = relaxed flag polls (no acquire)
 #endif
 #define NCW 2                        // consumer warpgroups
 #define BN 128                       // weight rows per tile: 64 per consumer warpgroup
@@ -111,6 +112,11 @@ static __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
 static __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     u32 v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+static __device__ __forceinline__ u32 ld_relaxed(const u32* p) {
+    u32 v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
 static __device__ __forceinline__ void st_release(u32* p, u32 v) {
@@ -249,7 +255,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                     const int slot = u % STAGES;
                     if (u >= STAGES) mbar_wait(empty0 + 8 * slot, ((u / STAGES) - 1) & 1);
                     if (!(DIAG & 9)) {
-                        while (ld_acquire(tflags + kt) != target) {
+                        if (DIAG & 16) {
+                            while (ld_relaxed(tflags + kt) != target) {
+                            }
+                        } else {
+                            while (ld_acquire(tflags + kt) != target) {
+                            }
                         }
                         fence_async_global();            // the flag's data -> this CTA's TMA reads
                     }
