@@ -15,7 +15,7 @@
 // must be resident at once (grid <= SMs at one CTA per SM; a production launch would have to be cooperative).
 // - loader warpgroup: thread 0 waits for the slot and the k tile's flag, then starts the TMA copies of the
 //   activation tile and the bf16 weight tile (128-byte swizzle); warps 1-3 decode this CTA's shares, running
-//   ahead of thread 0 (the shares of all its tiles in order, not paced by the ring);
+//   ahead of thread 0 (not paced by the ring), in the order they are first needed;
 // - consumers (2 warpgroups): wgmma m64nTNk16, A = 64 weight rows each, B = the TN tokens, both in shared memory,
 //   and a transposed stmatrix epilogue.
 // Flags hold the call's epoch + 1 (epoch = sync[0], read at start; the last CTA to finish bumps it), so neither the
@@ -239,8 +239,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     if (tid < 128) {
         // ============ loader: warp 0 (thread 0) flags and TMA copies; warps 1-3 this CTA's decode shares ============
         const u32 target = *(volatile u32*)sync + 1u;
-        // the k tiles of weight tile n0 this CTA decodes for its tile at token tile mt: mt, mt + num_mt, ...
-        auto shares = [&](int mt) { return mt < KT ? (KT - mt + num_mt - 1) / num_mt : 0; };
         if (tid == 0) {
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)&xmap) : "memory");
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)&wmap) : "memory");
@@ -277,18 +275,31 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 }
             }
         } else if (tid >= 32 && !(DIAG & 1)) {
-            // decoders: the shares of each of this CTA's tiles, in tile order; those of tile j + 1 while tile j runs
+            // decoders: this CTA's shares, ordered by when they are first needed: by the first round of the
+            // persistent schedule that runs a tile of their weight tile, then by k. (In tile order, a weight tile
+            // whose token tiles straddle two rounds would wait for the later round's CTAs to finish their own
+            // earlier shares.)
             const int d = tid - 32;
+            auto first_round = [&](int j) {                  // the round of the first tile of tile j's weight tile
+                const int u = unit + j * nunits;
+                return (u - u % num_mt) / nunits;
+            };
+            int j0 = 0;
 #pragma unroll 1
-            for (int j = 0; j < my_tiles; ++j) {
-                int m0, n0;
-                tile_coords(j, num_mt, m0, n0);
-                const int mt = m0 / TN, ns = shares(mt);
+            while (j0 < my_tiles) {
+                int j1 = j0 + 1;
+                while (j1 < my_tiles && first_round(j1) == first_round(j0)) ++j1;
 #pragma unroll 1
-                for (int s = 0; s < ns; ++s) {
-                    const int kt = mt + s * num_mt;
-                    decode_share(wp, wsc, scratch, flags + (n0 / BN) * KT + kt, target, n0, kt, K, ncb4, d);
+                for (int kt = 0; kt < KT; ++kt) {
+#pragma unroll 1
+                    for (int j = j0; j < j1; ++j) {
+                        int m0, n0;
+                        tile_coords(j, num_mt, m0, n0);
+                        if (kt % num_mt == m0 / TN)
+                            decode_share(wp, wsc, scratch, flags + (n0 / BN) * KT + kt, target, n0, kt, K, ncb4, d);
+                    }
                 }
+                j0 = j1;
             }
         }
     } else {
