@@ -27,7 +27,8 @@
 #ifndef DIAG
 #define DIAG 0                       // probe-only, wrong results: 1 = no decode and no flag waits, 2 = no wgmma,
                                      // 4 = no output stores, 8 = no flag waits (decode kept),
-                                     // 16 = relaxed flag polls (no acquire)
+                                     // 16 = relaxed flag polls (no acquire), 32 = one decoder thread's proxy
+                                     // fence, 64 = no decoder fences
 #endif
 #define NCW 2                        // consumer warpgroups
 #define BN 128                       // weight rows per tile: 64 per consumer warpgroup
@@ -194,10 +195,11 @@ static __device__ __forceinline__ void decode_share(const u8* __restrict__ wp, c
                          bf16x2_mul(e2m1x2(q[i], q4, 3), f));
         }
     }
-    fence_async_global();                            // these generic stores -> other CTAs' TMA reads
+    if (!(DIAG & 96)) fence_async_global();         // these generic stores -> other CTAs' TMA reads
     decoder_barrier();
     if (d == 0) {
-        __threadfence();
+        if (DIAG & 32) fence_async_global();
+        if (!(DIAG & 64)) __threadfence();
         st_release(flag, target);
     }
 }
