@@ -28,7 +28,8 @@
 #define DIAG 0                       // probe-only, wrong results: 1 = no decode and no flag waits, 2 = no wgmma,
                                      // 4 = no output stores, 8 = no flag waits (decode kept),
                                      // 16 = relaxed flag polls (no acquire), 32 = one decoder thread's proxy
-                                     // fence, 64 = no decoder fences
+                                     // fence, 64 = no decoder fences, 128 = no decoder stores, 256 = no
+                                     // decoder loads
 #endif
 #define NCW 2                        // consumer warpgroups
 #define BN 128                       // weight rows per tile: 64 per consumer warpgroup
@@ -178,16 +179,21 @@ static __device__ __forceinline__ void decode_share(const u8* __restrict__ wp, c
 #pragma unroll
     for (int i = 0; i < 11; ++i) {
         const int r = (d >> 3) + 12 * i, n = n0 + min(r, BN - 1);
-        q[i] = __ldg((const u32*)(wp + (size_t)n * half + kt * 32 + ch * 4));
-        sv[i] = __ldg((const u32*)(wsc + (size_t)(n >> 7) * ncb4 * 512 + (n & 31) * 16 + ((n & 127) >> 5) * 4
-                                   + kt * 512));
+        if (DIAG & 256) {                            // probe: no loads
+            q[i] = (u32)(n * 0x9E3779B9u + kt);
+            sv[i] = 0x38383838u;
+        } else {
+            q[i] = __ldg((const u32*)(wp + (size_t)n * half + kt * 32 + ch * 4));
+            sv[i] = __ldg((const u32*)(wsc + (size_t)(n >> 7) * ncb4 * 512 + (n & 31) * 16 + ((n & 127) >> 5) * 4
+                                       + kt * 512));
+        }
     }
     const u32 two118 = 0x7A807A80u;
     const u32 sel = (u32)(ch >> 1) * 0x101u | 0x4040u;     // scale byte ch / 2 into both halves
 #pragma unroll
     for (int i = 0; i < 11; ++i) {
         const int r = (d >> 3) + 12 * i;
-        if (r < BN) {
+        if (r < BN && (!(DIAG & 128) || q[i] == 0x12345678u)) {   // DIAG 128, probe: (almost) no stores
             const u32 f = bf16x2_mul(bf16x2_mul(prmt(sv[i], 0u, sel) << 4, two118), two118);
             const u32 q4 = q[i] << 4;
             st_global_v4(scratch + (size_t)(n0 + r) * K + kt * 64 + ch * 8, bf16x2_mul(e2m1x2(q[i], q4, 0), f),
