@@ -67,6 +67,32 @@ def test_norm_modulate_kernels_interpreted():
 
 
 @needs_triton
+def test_group_norm_frames_kernel_interpreted():
+    # 99 values per plane in blocks of 32 (a 3-value tail), 3 groups of 2 channels, 3 frames, 2 samples; the
+    # offset mean checks that the pairwise combination does not cancel
+    out = _run("""
+        for dt, tol in ((torch.float32, 2e-5), (torch.bfloat16, 8e-3)):   # fp32: x - mean keeps ~1e-5 of 40 +- 0.5
+            x = (rnd(2, 6, 3, 9, 11, dtype=torch.float32) * 0.5 + 40.0).to(dt)
+            w, b = rnd(6, dtype=dt) + 1, rnd(6, dtype=dt)
+            for silu in (False, True):
+                got = k.group_norm_frames(x, 3, w, b, 1e-6, silu=silu, block=32)
+                want = ref.group_norm_frames(x, 3, w, b, 1e-6, silu=silu)
+                assert got.shape == x.shape and got.dtype == dt
+                assert rel(got, want) < tol, (dt, silu, rel(got, want))
+        # one frame's statistics must not leak into another's: a frame scaled by 1000 normalises the same
+        x = rnd(1, 4, 2, 5, 7, dtype=torch.float32)
+        x2 = x.clone()
+        x2[:, :, 1] *= 1000
+        w, b = torch.ones(4), torch.zeros(4)
+        a = k.group_norm_frames(x, 2, w, b, 0.0, block=16)
+        c = k.group_norm_frames(x2, 2, w, b, 0.0, block=16)
+        assert rel(a, c) < 1e-5
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+@needs_triton
 @pytest.mark.parametrize("rope", [True, False])
 def test_qkv_pack_kernel_interpreted(rope):
     out = _run(f"""

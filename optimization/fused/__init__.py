@@ -19,6 +19,9 @@ one N x D pass = 133 MB = 44 us at 3 TB/s):
   and the attention backend's ``.contiguous()`` copies of the strided q/k/v.
 * ``silu_mul`` (3B SwiGLU): read a, b; write out (torch: 5 passes of the hidden size).
 * ``linear_gelu`` (7B MLP): cuBLASLt GELU(tanh)+bias epilogue, saves the 2 passes over N x 4D of F.gelu.
+* ``group_norm_frames`` (VAE): per-frame GroupNorm + SiLU: read x twice, write y once, with one program per
+  (channel plane, 4096 values) instead of torch's one per (frame, group), which left the H100 mostly idle at
+  720p (58 % of a decode's GPU time, ``scripts/device/vae_profile.py``).
 """
 from __future__ import annotations
 
@@ -144,6 +147,11 @@ def _run_selftest(k, device, tol) -> Tuple[bool, str]:
         errs["qkv_norm_rope_pack"] = 0.0
         _qkv_variant[str(device)] = _pick_qkv_variant(k, passing, device)
         notes.append(f"qkv kernel {_qkv_variant[str(device)]} (passing {passing})")
+    # group norm: 2 frames, 4 groups of 2 channels, 70 x 70 = 4900 values per plane (two blocks to combine)
+    xg = rnd(1, 8, 2, 70, 70, scale=3.0) + 1.5
+    gw, gb = rnd(8, scale=0.3) + 1, rnd(8, scale=0.3)
+    errs["group_norm_frames"] = _rel(k.group_norm_frames(xg, 4, gw, gb, 1e-6, silu=True),
+                                     reference.group_norm_frames(xg, 4, gw, gb, 1e-6, silu=True))
     w, bias = rnd(96, d, scale=d ** -0.5), rnd(96, scale=0.1)
     xl = x[:, :d]
     ref = torch.nn.functional.gelu(torch.nn.functional.linear(xl.float(), w.float(), bias.float()), approximate="tanh")
@@ -248,6 +256,11 @@ def qkv_norm_rope_pack(qkv: torch.Tensor, heads: int, head_dim: int, wq: torch.T
 
 def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _load().silu_mul(a.contiguous(), b.contiguous())
+
+
+def group_norm_frames(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool) -> torch.Tensor:
+    """GroupNorm ``norm`` of every frame of x (B, C, T, H, W) on its own, then SiLU if ``silu``."""
+    return _load().group_norm_frames(x.contiguous(), norm.num_groups, norm.weight, norm.bias, norm.eps, silu)
 
 
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -56,3 +56,13 @@ def qkv_norm_rope_pack(qkv, heads, head_dim, wq, wk, eps, cos, sin, dst, q, k, v
 
 def silu_mul(a, b):
     return (torch.nn.functional.silu(a.float()).to(a.dtype).float() * b.float()).to(a.dtype)
+
+
+def group_norm_frames(x, groups, weight, bias, eps, silu=False):
+    """Per-frame GroupNorm of x (B, C, T, H, W) [+ SiLU], as the VAE's torch path computes it."""
+    b, c, t, h, w = x.shape
+    y = torch.nn.functional.group_norm(x.transpose(1, 2).reshape(b * t, c, h, w), groups, weight, bias, eps)
+    y = y.to(x.dtype)
+    if silu:
+        y = torch.nn.functional.silu(y)
+    return y.view(b, t, c, h, w).transpose(1, 2).contiguous()

@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .norm import causal_group_norm
+
 
 class FrameAttention(nn.Module):
     def __init__(self, channels: int, groups: int, eps: float):
@@ -21,7 +23,7 @@ class FrameAttention(nn.Module):
 
     def _frame(self, f: torch.Tensor) -> torch.Tensor:
         b, c, h, w = f.shape
-        y = self.group_norm(f).view(b, c, h * w).transpose(1, 2)           # (B, N, C)
+        y = causal_group_norm(f, self.group_norm).view(b, c, h * w).transpose(1, 2)   # (B, N, C)
         q, k, v = (lin(y).unsqueeze(1) for lin in (self.to_q, self.to_k, self.to_v))  # (B, 1, N, C)
         # The official sets upcast_softmax, which diffusers' SDPA processor does not use; SDPA accumulates the
         # softmax in fp32 for 16-bit inputs anyway.
