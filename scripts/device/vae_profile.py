@@ -1,7 +1,8 @@
 """Where the SeedVR2 VAE's time goes on a GPU, and what cuDNN settings change it (device probe).
 
 Times encode and decode of a random real-size VAE (bf16) under variants of the settings that do not change the
-math: cudnn.benchmark, channels_last_3d weights and activations, the official memory limits on or off. Each variant
+math: cudnn.benchmark (bench), channels_last_3d weights and activations (cl), the official memory limits off
+(nolimit), torch's GroupNorm instead of the fused kernels (torchgn); "base" is the shipped default. Each variant
 runs in its own round-robin slot so clock drift lands on all of them; then a torch.profiler table of the top CUDA
 kernels for the baseline and one variant.
 
@@ -32,6 +33,7 @@ def sync(dev):
 
 def apply_variant(vae, variant: str):
     opts = set(variant.split("+"))
+    os.environ["SEEDVR2BW_FUSED"] = "0" if "torchgn" in opts else "1"   # torchgn: torch's GroupNorm
     torch.backends.cudnn.benchmark = "bench" in opts
     if "nolimit" in opts:
         vae.set_memory_limit(None, None)
