@@ -1,8 +1,11 @@
 """torch.ops.seedvr2bw.lora_linear (training/lora_linear_op.py): value and gradients equal the plain formula
 y = x @ W.T + bias + scale * (x @ down) @ up, with and without bias, and no gradient for the frozen base."""
+import importlib
+
 import pytest
 import torch
 
+from pack_import import import_pack
 from seedvr2bw.training.lora_linear_op import lora_linear
 
 
@@ -25,6 +28,17 @@ def test_value_and_grads_match_plain_formula(bias, scale, x_grad):
     for a, e in zip(got, want):
         assert torch.allclose(a, e, rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(lambda d_, u_: lora_linear(x.detach(), w, b, d_, u_, scale)[0], (d, u))
+
+
+def test_second_import_reuses_the_operator():
+    """ComfyUI imports the pack by its folder name, the tests as ``seedvr2bw``: a second import of the file must
+    not define the operator again (that leaves the first import's op calling a freed C++ handle: std::bad_alloc)."""
+    from seedvr2bw.training.lora_linear_op import fp8_lora_linear
+    import_pack("seedvr2bw_second_copy")   # what ComfyUI's import of the custom_nodes folder amounts to
+    second = importlib.import_module("seedvr2bw_second_copy.training.lora_linear_op")
+    assert second.lora_linear is lora_linear and second.fp8_lora_linear is fp8_lora_linear
+    x, w, d, u = torch.ones(2, 3), torch.ones(4, 3), torch.ones(3, 1), torch.ones(1, 4)
+    assert torch.equal(lora_linear(x, w, None, d, u, 1.0)[0], torch.full((2, 4), 6.0))
 
 
 def test_weight_grads_reach_the_lora_weights_contiguous():

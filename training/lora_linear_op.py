@@ -15,9 +15,26 @@ No weight gradient for W or the bias (frozen base).
 from typing import Optional
 
 import torch
+import torch._library.custom_ops
 
 
-@torch.library.custom_op("seedvr2bw::lora_linear", mutates_args=())
+def _custom_op(qualname: str):
+    """``torch.library.custom_op(qualname, mutates_args=())``, but defined once per process.
+
+    This file can be imported twice in one process under two package names: ComfyUI imports the pack by its
+    folder name, tests and scripts as ``seedvr2bw`` (pack_import.py), and the test suite does both. Defining the
+    op again makes torch destroy the first definition while the first import's op object keeps its C++ operator
+    handle: its calls then read freed memory (``MemoryError: std::bad_alloc`` on every call, a wrong operator or
+    a crash, depending on what reused that memory). So a second import reuses the live definition (torch's own
+    registry of them, weak: once no import holds it, defining again is safe); its register_fake/register_autograd
+    below then re-register the same functions on it."""
+    existing = getattr(torch._library.custom_ops, "OPDEFS", {}).get(qualname)
+    if existing is not None:
+        return lambda fn: existing
+    return torch.library.custom_op(qualname, mutates_args=())
+
+
+@_custom_op("seedvr2bw::lora_linear")
 def lora_linear(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], down_t: torch.Tensor,
                 up_t: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x2 [M, K], weight [N, K], bias [N] or None, down_t [K, r], up_t [r, N] -> (y [M, N], h = x2 @ down_t)."""
@@ -79,7 +96,7 @@ lora_linear.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------- fp8 base (FP8 tensor cores) ----------------
-@torch.library.custom_op("seedvr2bw::fp8_lora_linear", mutates_args=())
+@_custom_op("seedvr2bw::fp8_lora_linear")
 def fp8_lora_linear(x2: torch.Tensor, wq: torch.Tensor, scale_n: torch.Tensor, scale_k: torch.Tensor,
                     bias: Optional[torch.Tensor], down_t: torch.Tensor, up_t: torch.Tensor,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:

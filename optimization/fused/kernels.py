@@ -298,7 +298,8 @@ def _gn_apply_kernel(X, Y, MEAN, RSTD, W, BIAS, HW, T, C, CG, SILU: tl.constexpr
 
 def group_norm_frames(x, groups, weight, bias, eps, silu=False, block=4096):
     """GroupNorm of x (B, C, T, H, W) over (channels of a group, H, W) for every frame on its own, then SiLU
-    if asked; x contiguous. Statistics in fp32 (mean and M2 per block, combined pairwise)."""
+    if asked; x contiguous. Statistics in fp32 (mean and M2 per block, combined pairwise), then rounded to x's
+    dtype as torch's CUDA kernel does."""
     b, c, t = x.shape[:3]
     hw = x[0, 0, 0].numel()
     cg = c // groups
@@ -313,6 +314,9 @@ def group_norm_frames(x, groups, weight, bias, eps, silu=False, block=4096):
     mean = (means * cnt).sum((1, 2)) / (cg * hw)
     m2 = m2s.sum((1, 2)) + (cnt * (means - mean[:, None, None]).square()).sum((1, 2))
     rstd = torch.rsqrt(m2 / (cg * hw) + eps)
+    # torch's CUDA GroupNorm stores mean and rstd in the input dtype before applying them: so do we, so that the
+    # output is the official model's on a GPU (without this, half of the bf16 outputs differ by one unit)
+    mean, rstd = mean.to(x.dtype).float(), rstd.to(x.dtype).float()
     y = torch.empty_like(x)
     _gn_apply_kernel[grid](x, y, mean, rstd, weight, bias, hw, t, c, cg, SILU=silu, BLOCK=block, num_warps=8)
     return y
