@@ -63,6 +63,7 @@ def main():
     ap.add_argument("--profile", default="", help="comma list of variants to profile (top CUDA kernels)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shapes", action="store_true", help="profile by torch op and input shapes")
     a = ap.parse_args()
     dev = torch.device(a.device)
     vae = make_random_vae(dev, torch.bfloat16)
@@ -110,11 +111,16 @@ def main():
         for op in ops:
             run_op(vae, op, x, z, fmt)
             sync(dev)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            acts = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if a.shapes else [])
+            with torch.profiler.profile(activities=acts, record_shapes=a.shapes) as prof:
                 run_op(vae, op, x, z, fmt)
                 sync(dev)
             print(f"\n=== profile {op} {v} ===")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=90))
+            if a.shapes:   # which torch ops and input shapes the GPU time belongs to
+                print(prof.key_averages(group_by_input_shape=True).table(
+                    sort_by="cuda_time_total", row_limit=30, max_name_column_width=40, max_shapes_column_width=90))
+            else:
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=90))
 
 
 if __name__ == "__main__":
