@@ -83,6 +83,9 @@ FIDELITY_KERNELS = ("auto", "fused", "dequant", "pipelined", "pipelined_n", "tim
 #   run 8 (session 11, commits 0bcb8aa..bf4c45f): the same kind of kernel with a TMA-fed loader warpgroup that does
 #     only the decode and two consumer warpgroups that do only wgmma m64n256k16: at best 0.71-0.87x bf16 at M=4096
 #     (commit 3a4781d; dequant + cuBLAS 0.90-0.93x in the same run); reverted (docs/BENCHMARKS.md, session 11)
+#   run 9 (session 12, commits cf9b0ae..ff52f38): each weight tile's decode shared between the CTAs that need it
+#     (bf16 scratch in L2, per-slice flags, 2-CTA clusters): 0.76-0.92x bf16 at M=4096 (dequant + cuBLAS 0.84-0.95x
+#     in the same run); reverted (docs/BENCHMARKS.md, session 12, part 2)
 FUSED_MAX_M = 256
 PIPELINE_MIN_M = None        # set (e.g. 1024) to let "auto" time pipelined against dequant once per shape
 PIPELINE_CHUNKS = 4          # pipelined: first K part = Kp / PIPELINE_CHUNKS (exposed); N split: N chunks

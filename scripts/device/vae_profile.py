@@ -61,7 +61,7 @@ def main():
     ap.add_argument("--ops", default="encode,decode")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", default="", help="comma list of variants to profile (top CUDA kernels)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))   # out/ is git-ignored
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shapes", action="store_true", help="profile by torch op and input shapes")
     a = ap.parse_args()

@@ -38,7 +38,7 @@ def causal_group_norm(x: torch.Tensor, norm: nn.GroupNorm, max_bytes: float = ma
     kernels (bf16/fp16) one Triton kernel pair does it all on the 5-D layout: same math, fp32 statistics, no
     temporary larger than the output, so the limit has nothing left to bound.
     """
-    if fused.enabled(x) and norm.affine and x.shape[1] % norm.num_groups == 0:
+    if fused.enabled(x) and norm.affine:
         y = fused.group_norm_frames(x if x.ndim == 5 else x.unsqueeze(2), norm, silu)
         return y if x.ndim == 5 else y.squeeze(2)
     if x.ndim == 4:
