@@ -1,0 +1,240 @@
+"""Device probe: can the fidelity path's bf16 weight stay in L2 between the dequantize and the GEMM?
+
+Session 9 measured dequantize + cuBLAS at ~0.94x bf16 at M = 4096, the ceiling of a path whose 2 B/weight of bf16
+output go to HBM. Here the dequantize writes into one fixed scratch buffer and the L2 is asked to keep it:
+* ``persist``: a CUDA access-policy window on the stream over the scratch (hitProp persisting), with the
+  persisting L2 set-aside at its maximum and hitRatio = set-aside / window (the CUDA driver API via ctypes);
+* ``evict_last``: the dequantize's stores carry an L2 evict_last hint (a copy of the shipped kernel with
+  ``eviction_policy`` on the store), no set-aside;
+against ``bf16`` (F.linear on the bf16 weight), ``layer`` (the shipped NVFP4Linear fidelity path) and ``fixed``
+(the shipped dequantize into the same fixed scratch, no hint: the control). Eager launches (each call >= 0.1 ms
+of GPU work, so the GPU stays busy), ``--inner`` calls per timed span, ``--rounds`` rounds in rotating order;
+ratio = median over rounds of bf16 / variant in the same round. Every variant's output is checked bit-equal
+to ``fixed`` (the same GEMM on the same bf16 weight).
+    python scripts/device/l2_persist_probe.py [--m 4096] [--json out.json]
+"""
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import _pack  # noqa: E402,F401
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from seedvr2bw.optimization.nvfp4 import format as fmt  # noqa: E402
+from seedvr2bw.optimization.nvfp4 import kernels as K  # noqa: E402
+from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear  # noqa: E402
+
+SHAPES = [(2560, 6912), (6912, 2560), (3072, 12288), (12288, 3072), (3072, 9216), (3072, 3072)]
+
+# --- CUDA driver API: persisting L2 set-aside and the stream's access-policy window -----------------------------
+_cu = ctypes.CDLL("libcuda.so.1")
+CU_LIMIT_PERSISTING_L2_CACHE_SIZE = 0x06
+CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE = 108
+CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE = 109
+CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW = 1
+CU_ACCESS_PROPERTY_STREAMING, CU_ACCESS_PROPERTY_PERSISTING = 1, 2
+
+
+class _Window(ctypes.Structure):
+    _fields_ = [("base_ptr", ctypes.c_void_p), ("num_bytes", ctypes.c_size_t), ("hitRatio", ctypes.c_float),
+                ("hitProp", ctypes.c_int), ("missProp", ctypes.c_int)]
+
+
+class _AttrValue(ctypes.Union):
+    _fields_ = [("window", _Window), ("pad", ctypes.c_char * 64)]
+
+
+def _check(rc, what):
+    if rc != 0:
+        raise RuntimeError(f"{what} failed: CUresult {rc}")
+
+
+def device_attr(attr):
+    v = ctypes.c_int()
+    _check(_cu.cuDeviceGetAttribute(ctypes.byref(v), attr, torch.cuda.current_device()), "cuDeviceGetAttribute")
+    return v.value
+
+
+def set_persisting_limit(nbytes):
+    _check(_cu.cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, ctypes.c_size_t(nbytes)), "cuCtxSetLimit")
+    got = ctypes.c_size_t()
+    _check(_cu.cuCtxGetLimit(ctypes.byref(got), CU_LIMIT_PERSISTING_L2_CACHE_SIZE), "cuCtxGetLimit")
+    return got.value
+
+
+def set_window(stream, ptr, nbytes, hit_ratio):
+    v = _AttrValue()
+    v.window.base_ptr = ptr
+    v.window.num_bytes = nbytes
+    v.window.hitRatio = hit_ratio
+    v.window.hitProp = CU_ACCESS_PROPERTY_PERSISTING
+    v.window.missProp = CU_ACCESS_PROPERTY_STREAMING
+    _check(_cu.cuStreamSetAttribute(ctypes.c_void_p(stream.cuda_stream), CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW,
+                                    ctypes.byref(v)), "cuStreamSetAttribute")
+
+
+def clear_window(stream):
+    v = _AttrValue()
+    _check(_cu.cuStreamSetAttribute(ctypes.c_void_p(stream.cuda_stream), CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW,
+                                    ctypes.byref(v)), "cuStreamSetAttribute(clear)")
+    _check(_cu.cuCtxResetPersistingL2Cache(), "cuCtxResetPersistingL2Cache")
+
+
+# --- the shipped dequantize kernel with an L2 eviction hint on its stores -----------------------------------------
+@triton.jit
+def _dequant_hint_kernel(p_ptr, s_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4, HALF_C,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    NB: tl.constexpr = BLOCK_C // 8
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    blk = pid_c * NB + tl.arange(0, NB)
+    pcol = blk[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    rmask = rows < R
+    mask = rmask[:, None, None] & (pcol < HALF_C)
+    p = tl.load(p_ptr + rows[:, None, None].to(tl.int64) * HALF + pcol, mask=mask, other=0,
+                eviction_policy="evict_first")
+    g = tl.load(g_ptr)
+    soff = K._swz_offset(rows[:, None].to(tl.int64), blk[None, :], NCB4)
+    s = tl.load(s_ptr + soff, mask=rmask[:, None] & (blk[None, :] * 8 < HALF_C), other=0.0,
+                eviction_policy="evict_first").to(tl.float32)
+    total = (g * s)[:, :, None]
+    hb, lb = K._e2m1_pairs_scaled(p, tl.full(p.shape, 1.0, tl.bfloat16), False)
+    vals = tl.reshape(tl.join(hb.to(tl.float32) * total, lb.to(tl.float32) * total), (BLOCK_R, BLOCK_C * 2))
+    ocols = pid_c * BLOCK_C * 2 + tl.arange(0, BLOCK_C * 2)
+    omask = (rows[:, None] < N_OUT) & (ocols[None, :] < K_OUT)
+    tl.store(o_ptr + rows[:, None].to(tl.int64) * K_OUT + ocols[None, :], vals.to(o_ptr.dtype.element_ty),
+             mask=omask, eviction_policy="evict_last")
+
+
+def time_rounds(fns, inner, rounds):
+    names = list(fns)
+    per = {nm: [] for nm in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for nm in order:
+            setup, fn, teardown = fns[nm]
+            setup()
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(inner):
+                fn()
+            b.record()
+            b.synchronize()
+            per[nm].append(a.elapsed_time(b) / inner)
+            teardown()
+    return per
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", type=int, default=4096)
+    ap.add_argument("--inner", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
+    ap.add_argument("--setaside-mb", type=float, default=None, help="persisting set-aside (default: the maximum)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.zeros(1, device=dev)
+    max_persist = device_attr(CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE)
+    max_window = device_attr(CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE)
+    want = int(args.setaside_mb * 2**20) if args.setaside_mb else max_persist
+    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "commit": os.environ.get("GIT_COMMIT", "unknown"), "l2_bytes": torch.cuda.get_device_properties(dev).L2_cache_size,
+            "max_persisting_l2": max_persist, "max_window": max_window, "m": args.m, "inner": args.inner,
+            "rounds": args.rounds}
+    print(info, flush=True)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    biggest = max(k * n for k, n in shapes)
+    scratch = torch.empty(biggest, dtype=torch.bfloat16, device=dev)
+    stream = torch.cuda.current_stream()
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    results = []
+    hint_ptx = None
+    for k, n in shapes:
+        w = (torch.randn(n, k, generator=gen) * 0.02).to(dev)
+        t = fmt.quantize_nvfp4(w, return_tensor=True)
+        bias = (torch.randn(n, generator=gen) * 0.1).to(dev, torch.bfloat16)
+        lin = NVFP4Linear.from_nvfp4(t, bias=bias, path="fidelity", dtype=torch.bfloat16)
+        lin.fidelity_kernel = "dequant"
+        x = (torch.randn(args.m, k, generator=gen)).to(dev, torch.bfloat16)
+        wb = lin.dequantize_weight(torch.bfloat16)
+        buf = scratch[: n * k].view(n, k)
+        g = lin.weight_scale_2.float().reshape(1)
+        nbytes = n * k * 2
+
+        def deq_fixed():
+            return K.dequantize_nvfp4_triton(lin.weight, lin.weight_scale, g, (n, k), dtype=torch.bfloat16, out=buf)
+
+        br, bc = 16, 128
+        half_c = k // 2
+        grid = (triton.cdiv(n, br), triton.cdiv(half_c, bc))
+
+        def deq_hint():
+            _dequant_hint_kernel[grid](lin.weight, lin.weight_scale, g, buf, lin.weight.shape[0], lin.weight.shape[1],
+                                       n, k, lin.weight_scale.shape[1] // 4, half_c, BLOCK_R=br, BLOCK_C=bc,
+                                       num_warps=4)
+            return buf
+
+        hit = min(1.0, want / nbytes)
+        nothing = lambda: None  # noqa: E731
+        fns = {
+            "bf16": (nothing, lambda: F.linear(x, wb, bias), nothing),
+            "layer": (nothing, lambda: lin(x), nothing),
+            "fixed": (nothing, lambda: F.linear(x, deq_fixed(), bias), nothing),
+            "persist": (lambda: (set_persisting_limit(want), set_window(stream, buf.data_ptr(), min(nbytes, max_window), hit)),
+                        lambda: F.linear(x, deq_fixed(), bias), lambda: clear_window(stream)),
+            "evict_last": (nothing, lambda: F.linear(x, deq_hint(), bias), nothing),
+            "persist_hint": (lambda: (set_persisting_limit(want), set_window(stream, buf.data_ptr(), min(nbytes, max_window), hit)),
+                             lambda: F.linear(x, deq_hint(), bias), lambda: clear_window(stream)),
+        }
+        ref = F.linear(x, deq_fixed(), bias).clone()
+        try:
+            deq_hint()
+        except Exception as exc:  # noqa: BLE001 - this Triton has no store eviction hint: drop those variants
+            print(f"evict_last variants dropped: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            fns = {nm: v for nm, v in fns.items() if "hint" not in nm and nm != "evict_last"}
+        exact = {}
+        for nm, (setup, fn, teardown) in fns.items():
+            setup()
+            y = fn()
+            torch.cuda.synchronize()
+            exact[nm] = bool(torch.equal(y, ref))
+            teardown()
+        if hint_ptx is None:
+            try:
+                kern = _dequant_hint_kernel.warmup(lin.weight, lin.weight_scale, g, buf, 1, 1, 1, 1, 1, 1,
+                                                   BLOCK_R=br, BLOCK_C=bc, num_warps=4, grid=(1,))
+                ptx = kern.asm["ptx"]
+                hint_ptx = [ln.strip() for ln in ptx.splitlines() if "evict" in ln or "cache_hint" in ln][:6]
+            except Exception as exc:  # noqa: BLE001 - diagnostic only
+                hint_ptx = [f"unavailable: {exc}"]
+            print("evict hint PTX:", hint_ptx, flush=True)
+        per = time_rounds(fns, args.inner, args.rounds)
+        med = {nm: statistics.median(v) for nm, v in per.items()}
+        ratio = {nm: statistics.median([per["bf16"][i] / per[nm][i] for i in range(args.rounds)]) for nm in per}
+        row = {"k": k, "n": n, "weight_mb": nbytes / 2**20, "hit_ratio": hit, "ms": med, "x_bf16": ratio,
+               "exact_vs_fixed": exact}
+        results.append(row)
+        print(f"K={k} N={n} ({nbytes / 2**20:.1f} MiB bf16, hit {hit:.2f}): " + " | ".join(
+            f"{nm} {med[nm]:.4f} ms {ratio[nm]:.3f}x{'' if exact[nm] else ' NOT-EQUAL'}" for nm in per), flush=True)
+        del w, lin, t, x, wb, ref
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"info": info, "hint_ptx": hint_ptx, "results": results}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
