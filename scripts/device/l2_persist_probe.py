@@ -208,7 +208,7 @@ def main():
             def run():
                 st = torch.cuda.current_stream().cuda_stream
                 for lt, packed, scales, n0, n1 in plans:
-                    w = hint_launch(packed, scales, buf[: (n1 - n0) * k].view(n1 - n0, k), n1 - n0, 0, k)
+                    w = hint_launch(packed, scales, scratch[: (n1 - n0) * k].view(n1 - n0, k), n1 - n0, 0, k)
                     lt(x.data_ptr(), w.data_ptr(), out.data_ptr() + n0 * 2, st, bias.data_ptr() + n0 * 2)
                 return out
             return run, len(bounds)
@@ -220,7 +220,7 @@ def main():
             def run():
                 out = None
                 for c0, c1 in bounds:
-                    w = hint_launch(lin.weight, lin.weight_scale, buf[: n * (c1 - c0)].view(n, c1 - c0), n, c0,
+                    w = hint_launch(lin.weight, lin.weight_scale, scratch[: n * (c1 - c0)].view(n, c1 - c0), n, c0,
                                     c1 - c0)
                     if out is None:
                         out = F.linear(x[:, c0:c1], w, bias)
