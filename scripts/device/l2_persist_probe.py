@@ -91,7 +91,8 @@ def clear_window(stream):
 # --- the shipped dequantize kernel with an L2 eviction hint on its stores -----------------------------------------
 @triton.jit
 def _dequant_hint_kernel(p_ptr, s_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4, C0, HALF_C,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, LOAD_POLICY: tl.constexpr,
+                         STORE_POLICY: tl.constexpr):
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     NB: tl.constexpr = BLOCK_C // 8
@@ -101,18 +102,18 @@ def _dequant_hint_kernel(p_ptr, s_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4
     rmask = rows < R
     mask = rmask[:, None, None] & (pcol < HALF_C)
     p = tl.load(p_ptr + rows[:, None, None].to(tl.int64) * HALF + C0 + pcol, mask=mask, other=0,
-                eviction_policy="evict_first")
+                eviction_policy=LOAD_POLICY)
     g = tl.load(g_ptr)
     soff = K._swz_offset(rows[:, None].to(tl.int64), (C0 // 8 + blk)[None, :], NCB4)
     s = tl.load(s_ptr + soff, mask=rmask[:, None] & (blk[None, :] * 8 < HALF_C), other=0.0,
-                eviction_policy="evict_first").to(tl.float32)
+                eviction_policy=LOAD_POLICY).to(tl.float32)
     total = (g * s)[:, :, None]
     hb, lb = K._e2m1_pairs_scaled(p, tl.full(p.shape, 1.0, tl.bfloat16), False)
     vals = tl.reshape(tl.join(hb.to(tl.float32) * total, lb.to(tl.float32) * total), (BLOCK_R, BLOCK_C * 2))
     ocols = pid_c * BLOCK_C * 2 + tl.arange(0, BLOCK_C * 2)
     omask = (rows[:, None] < N_OUT) & (ocols[None, :] < K_OUT)
     tl.store(o_ptr + rows[:, None].to(tl.int64) * K_OUT + ocols[None, :], vals.to(o_ptr.dtype.element_ty),
-             mask=omask, eviction_policy="evict_last")
+             mask=omask, eviction_policy=STORE_POLICY)
 
 
 def time_rounds(fns, inner, rounds):
@@ -137,6 +138,24 @@ def time_rounds(fns, inner, rounds):
     return per
 
 
+def split_times(deq, gemm, inner):
+    """Median µs of the dequantize and of the GEMM when they run chained (dequant, GEMM, dequant, ...)."""
+    for _ in range(3):
+        gemm(deq() if deq else None)
+    torch.cuda.synchronize()
+    evs = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(inner)]
+    for e0, e1, e2 in evs:
+        e0.record()
+        w = deq() if deq else None
+        e1.record()
+        gemm(w)
+        e2.record()
+    torch.cuda.synchronize()
+    d = sorted(e0.elapsed_time(e1) * 1e3 for e0, e1, _ in evs)
+    g = sorted(e1.elapsed_time(e2) * 1e3 for _, e1, e2 in evs)
+    return d[inner // 2], g[inner // 2]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", type=int, default=4096)
@@ -146,6 +165,7 @@ def main():
     ap.add_argument("--setaside-mb", type=float, default=None, help="persisting set-aside (default: the maximum)")
     ap.add_argument("--slab-mb", type=lambda v: [float(t) for t in v.split(",")], default=[12.0, 24.0])
     ap.add_argument("--variants", default=None, help="comma list: time only these (bf16 always)")
+    ap.add_argument("--breakdown", action="store_true", help="also time dequant and GEMM apart, chained")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -161,6 +181,7 @@ def main():
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     biggest = max(k * n for k, n in shapes)
     scratch = torch.empty(biggest, dtype=torch.bfloat16, device=dev)
+    scratch2 = torch.empty(biggest, dtype=torch.bfloat16, device=dev)
     stream = torch.cuda.current_stream()
     gen = torch.Generator(device="cpu").manual_seed(5)
     results = []
@@ -184,15 +205,54 @@ def main():
         half_c = k // 2
         grid = (triton.cdiv(n, br), triton.cdiv(half_c, bc))
 
-        def hint_launch(packed, scales, out, rows, c0, cols):
+        def hint_launch(packed, scales, out, rows, c0, cols, load="evict_first", store="evict_last"):
             hc = cols // 2
             _dequant_hint_kernel[(triton.cdiv(rows, br), triton.cdiv(hc, bc))](
                 packed, scales, g, out, packed.shape[0], packed.shape[1], rows, cols, scales.shape[1] // 4, c0 // 2,
-                hc, BLOCK_R=br, BLOCK_C=bc, num_warps=4)
+                hc, BLOCK_R=br, BLOCK_C=bc, LOAD_POLICY=load, STORE_POLICY=store, num_warps=4)
             return out
 
         def deq_hint():
             return hint_launch(lin.weight, lin.weight_scale, buf, n, 0, k)
+
+        def deq_store_hint():
+            return hint_launch(lin.weight, lin.weight_scale, buf, n, 0, k, load="")
+
+        def deq_no_hint():
+            return hint_launch(lin.weight, lin.weight_scale, buf, n, 0, k, load="", store="")
+
+        def n_slabs_overlap(mb):
+            """Two scratch slabs; slab i+1 is dequantized on a high-priority side stream while slab i's GEMM runs."""
+            rows = max(128, int(mb * 2**20) // (2 * k) // 128 * 128)
+            bounds = [(n0, min(n0 + rows, n)) for n0 in range(0, n, rows)]
+            plans = [(cublaslt.LtLinear(args.m, n1 - n0, k, k, k, n, torch.bfloat16, dev, has_bias=True),
+                      lin.weight[n0:n1], lin.weight_scale[n0:], n0, n1) for n0, n1 in bounds]
+            bufs = [scratch[: rows * k], scratch2[: rows * k]]
+            out = torch.empty((args.m, n), dtype=torch.bfloat16, device=dev)
+            lo, hi = torch.cuda.Stream.priority_range()
+            side = torch.cuda.Stream(device=dev, priority=hi)
+
+            def run():
+                main_s = torch.cuda.current_stream()
+                side.wait_stream(main_s)
+                ready, done = [], [None, None]
+                for i, (lt, packed, scales, n0, n1) in enumerate(plans):
+                    with torch.cuda.stream(side):
+                        if done[i % 2] is not None:
+                            side.wait_event(done[i % 2])
+                        hint_launch(packed, scales, bufs[i % 2][: (n1 - n0) * k].view(n1 - n0, k), n1 - n0, 0, k)
+                        e = torch.cuda.Event()
+                        e.record(side)
+                        ready.append(e)
+                for i, (lt, packed, scales, n0, n1) in enumerate(plans):
+                    main_s.wait_event(ready[i])
+                    lt(x.data_ptr(), bufs[i % 2].data_ptr(), out.data_ptr() + n0 * 2, main_s.cuda_stream,
+                       bias.data_ptr() + n0 * 2)
+                    d = torch.cuda.Event()
+                    d.record(main_s)
+                    done[i % 2] = d
+                return out
+            return run, len(bounds)
 
         def n_slabs(mb):
             rows = max(128, int(mb * 2**20) // (2 * k) // 128 * 128)
@@ -238,6 +298,8 @@ def main():
             "persist": (lambda: (set_persisting_limit(want), set_window(stream, buf.data_ptr(), min(nbytes, max_window), hit)),
                         lambda: F.linear(x, deq_fixed(), bias), lambda: clear_window(stream)),
             "evict_last": (nothing, lambda: F.linear(x, deq_hint(), bias), nothing),
+            "hint_store": (nothing, lambda: F.linear(x, deq_store_hint(), bias), nothing),
+            "hint_none": (nothing, lambda: F.linear(x, deq_no_hint(), bias), nothing),
             "persist_hint": (lambda: (set_persisting_limit(want), set_window(stream, buf.data_ptr(), min(nbytes, max_window), hit)),
                              lambda: F.linear(x, deq_hint(), bias), lambda: clear_window(stream)),
         }
@@ -245,6 +307,9 @@ def main():
             run, count = n_slabs(mb)
             if count > 1:
                 fns[f"nslab{mb:g}x{count}"] = (nothing, run, nothing)
+            run, count = n_slabs_overlap(mb)
+            if count > 1:
+                fns[f"ovslab{mb:g}x{count}"] = (nothing, run, nothing)
             run, count = k_slabs(mb)
             if count > 1:
                 fns[f"kslab{mb:g}x{count}"] = (nothing, run, nothing)
@@ -264,13 +329,21 @@ def main():
         if hint_ptx is None:
             try:
                 kern = _dequant_hint_kernel.warmup(lin.weight, lin.weight_scale, g, buf, 1, 1, 1, 1, 1, 0, 1,
-                                                   BLOCK_R=br, BLOCK_C=bc, num_warps=4, grid=(1,))
+                                                   BLOCK_R=br, BLOCK_C=bc, LOAD_POLICY="evict_first",
+                                                   STORE_POLICY="evict_last", num_warps=4, grid=(1,))
                 ptx = kern.asm["ptx"]
                 hint_ptx = sorted({ln.strip().split()[0] + " " + ln.strip().split()[1] for ln in ptx.splitlines()
                                    if "st.global" in ln or "createpolicy" in ln})
             except Exception as exc:  # noqa: BLE001 - diagnostic only
                 hint_ptx = [f"unavailable: {exc}"]
             print("evict hint PTX:", hint_ptx, flush=True)
+        if args.breakdown:
+            bd = {}
+            for nm, deq in (("bf16", None), ("fixed", deq_fixed), ("hint_none", deq_no_hint),
+                            ("hint_store", deq_store_hint), ("evict_last", deq_hint)):
+                bd[nm] = split_times(deq, (lambda w: F.linear(x, w if w is not None else wb, bias)), args.inner)
+            print(f"K={k} N={n} breakdown (dequant us, GEMM us): " + " | ".join(
+                f"{nm} {d:.1f} + {g:.1f}" for nm, (d, g) in bd.items()), flush=True)
         if args.variants:
             keep = set(args.variants.split(",")) | {"bf16"}
             fns = {nm: v for nm, v in fns.items() if nm in keep or any(nm.startswith(p) for p in keep)}
