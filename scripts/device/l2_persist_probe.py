@@ -116,21 +116,41 @@ def _dequant_hint_kernel(p_ptr, s_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4
              mask=omask, eviction_policy=STORE_POLICY)
 
 
-def time_rounds(fns, inner, rounds):
+def time_rounds(fns, inner, rounds, graph=False):
+    """ms per call of each variant, per round (rotating order). graph: CUDA-graph replays of ``inner`` calls
+    (the persisting window is a stream attribute, so those variants are timed eagerly)."""
     names = list(fns)
     per = {nm: [] for nm in names}
+    graphs = {}
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for nm in order:
             setup, fn, teardown = fns[nm]
             setup()
-            for _ in range(3):
+            use_graph = graph and "persist" not in nm
+            if use_graph and nm not in graphs:
                 fn()
+                torch.cuda.synchronize()
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    fn()
+                torch.cuda.current_stream().wait_stream(s)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(inner):
+                        fn()
+                graphs[nm] = g
+            for _ in range(3 if not use_graph else 1):
+                graphs[nm].replay() if use_graph else fn()
             torch.cuda.synchronize()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            for _ in range(inner):
-                fn()
+            if use_graph:
+                graphs[nm].replay()
+            else:
+                for _ in range(inner):
+                    fn()
             b.record()
             b.synchronize()
             per[nm].append(a.elapsed_time(b) / inner)
@@ -165,6 +185,8 @@ def main():
     ap.add_argument("--setaside-mb", type=float, default=None, help="persisting set-aside (default: the maximum)")
     ap.add_argument("--slab-mb", type=lambda v: [float(t) for t in v.split(",")], default=[12.0, 24.0])
     ap.add_argument("--variants", default=None, help="comma list: time only these (bf16 always)")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (else eager launches)")
+    ap.add_argument("--configs", default="", help="dequant tiles to sweep as R:C:W,... (variants cfgRxCwW, no hints)")
     ap.add_argument("--breakdown", action="store_true", help="also time dequant and GEMM apart, chained")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -205,11 +227,12 @@ def main():
         half_c = k // 2
         grid = (triton.cdiv(n, br), triton.cdiv(half_c, bc))
 
-        def hint_launch(packed, scales, out, rows, c0, cols, load="evict_first", store="evict_last"):
+        def hint_launch(packed, scales, out, rows, c0, cols, load="evict_first", store="evict_last", cfg=(16, 128, 4)):
             hc = cols // 2
-            _dequant_hint_kernel[(triton.cdiv(rows, br), triton.cdiv(hc, bc))](
+            r_, c_, w_ = cfg
+            _dequant_hint_kernel[(triton.cdiv(rows, r_), triton.cdiv(hc, c_))](
                 packed, scales, g, out, packed.shape[0], packed.shape[1], rows, cols, scales.shape[1] // 4, c0 // 2,
-                hc, BLOCK_R=br, BLOCK_C=bc, LOAD_POLICY=load, STORE_POLICY=store, num_warps=4)
+                hc, BLOCK_R=r_, BLOCK_C=c_, LOAD_POLICY=load, STORE_POLICY=store, num_warps=w_)
             return out
 
         def deq_hint():
@@ -303,6 +326,14 @@ def main():
             "persist_hint": (lambda: (set_persisting_limit(want), set_window(stream, buf.data_ptr(), min(nbytes, max_window), hit)),
                              lambda: F.linear(x, deq_hint(), bias), lambda: clear_window(stream)),
         }
+        for spec in filter(None, args.configs.split(",")):
+            cfg = tuple(int(v) for v in spec.split(":"))
+            fns[f"cfg{cfg[0]}x{cfg[1]}w{cfg[2]}"] = (
+                nothing, (lambda cfg=cfg: F.linear(x, hint_launch(lin.weight, lin.weight_scale, buf, n, 0, k, load="",
+                                                                  store="", cfg=cfg), bias)), nothing)
+            fns[f"cfgL{cfg[0]}x{cfg[1]}w{cfg[2]}"] = (
+                nothing, (lambda cfg=cfg: F.linear(x, hint_launch(lin.weight, lin.weight_scale, buf, n, 0, k,
+                                                                  cfg=cfg), bias)), nothing)
         for mb in args.slab_mb:
             run, count = n_slabs(mb)
             if count > 1:
@@ -322,6 +353,8 @@ def main():
         exact = {}
         for nm, (setup, fn, teardown) in fns.items():
             setup()
+            scratch.zero_()
+            scratch2.zero_()
             y = fn()
             torch.cuda.synchronize()
             exact[nm] = bool(torch.equal(y, ref)) or f"rel {((y.float() - ref.float()).norm() / ref.float().norm()).item():.2e}"
@@ -347,10 +380,12 @@ def main():
         if args.variants:
             keep = set(args.variants.split(",")) | {"bf16"}
             fns = {nm: v for nm, v in fns.items() if nm in keep or any(nm.startswith(p) for p in keep)}
-        per = time_rounds(fns, args.inner, args.rounds)
+        per = time_rounds(fns, args.inner, args.rounds, graph=args.graph)
         med = {nm: statistics.median(v) for nm, v in per.items()}
         ratio = {nm: statistics.median([per["bf16"][i] / per[nm][i] for i in range(args.rounds)]) for nm in per}
-        row = {"k": k, "n": n, "weight_mb": nbytes / 2**20, "hit_ratio": hit, "ms": med, "x_bf16": ratio,
+        shipped = getattr(K._dequant_kernel, "best_config", None)
+        print(f"shipped dequant config: {shipped}", flush=True)
+        row = {"shipped_config": str(shipped), "k": k, "n": n, "weight_mb": nbytes / 2**20, "hit_ratio": hit, "ms": med, "x_bf16": ratio,
                "exact_vs_fixed": exact}
         results.append(row)
         print(f"K={k} N={n} ({nbytes / 2**20:.1f} MiB bf16, hit {hit:.2f}): " + " | ".join(
