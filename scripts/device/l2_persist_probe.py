@@ -187,6 +187,8 @@ def main():
     ap.add_argument("--variants", default=None, help="comma list: time only these (bf16 always)")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (else eager launches)")
     ap.add_argument("--configs", default="", help="dequant tiles to sweep as R:C:W,... (variants cfgRxCwW, no hints)")
+    ap.add_argument("--reverse", action="store_true", help="time the variants in reverse order (bf16 first)")
+    ap.add_argument("--raw", action="store_true", help="print every round's time")
     ap.add_argument("--breakdown", action="store_true", help="also time dequant and GEMM apart, chained")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -380,7 +382,12 @@ def main():
         if args.variants:
             keep = set(args.variants.split(",")) | {"bf16"}
             fns = {nm: v for nm, v in fns.items() if nm in keep or any(nm.startswith(p) for p in keep)}
+        if args.reverse:
+            fns = dict([("bf16", fns["bf16"])] + [(nm, v) for nm, v in reversed(fns.items()) if nm != "bf16"])
         per = time_rounds(fns, args.inner, args.rounds, graph=args.graph)
+        if args.raw:
+            for nm, v in per.items():
+                print(f"  raw {nm}: " + " ".join(f"{t:.4f}" for t in v), flush=True)
         med = {nm: statistics.median(v) for nm, v in per.items()}
         ratio = {nm: statistics.median([per["bf16"][i] / per[nm][i] for i in range(args.rounds)]) for nm in per}
         shipped = getattr(K._dequant_kernel, "best_config", None)
