@@ -260,17 +260,15 @@ def main():
             def run():
                 main_s = torch.cuda.current_stream()
                 side.wait_stream(main_s)
-                ready, done = [], [None, None]
+                done = [None, None]
                 for i, (lt, packed, scales, n0, n1) in enumerate(plans):
                     with torch.cuda.stream(side):
                         if done[i % 2] is not None:
-                            side.wait_event(done[i % 2])
+                            side.wait_event(done[i % 2])        # GEMM i-2 has read this buffer
                         hint_launch(packed, scales, bufs[i % 2][: (n1 - n0) * k].view(n1 - n0, k), n1 - n0, 0, k)
-                        e = torch.cuda.Event()
-                        e.record(side)
-                        ready.append(e)
-                for i, (lt, packed, scales, n0, n1) in enumerate(plans):
-                    main_s.wait_event(ready[i])
+                        ready = torch.cuda.Event()
+                        ready.record(side)
+                    main_s.wait_event(ready)
                     lt(x.data_ptr(), bufs[i % 2].data_ptr(), out.data_ptr() + n0 * 2, main_s.cuda_stream,
                        bias.data_ptr() + n0 * 2)
                     d = torch.cuda.Event()
