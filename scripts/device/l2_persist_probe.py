@@ -189,6 +189,7 @@ def main():
     ap.add_argument("--configs", default="", help="dequant tiles to sweep as R:C:W,... (variants cfgRxCwW, no hints)")
     ap.add_argument("--reverse", action="store_true", help="time the variants in reverse order (bf16 first)")
     ap.add_argument("--raw", action="store_true", help="print every round's time")
+    ap.add_argument("--deq-only", action="store_true", help="time --configs dequantizes back to back (scratch in L2)")
     ap.add_argument("--breakdown", action="store_true", help="also time dequant and GEMM apart, chained")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -370,6 +371,26 @@ def main():
             except Exception as exc:  # noqa: BLE001 - diagnostic only
                 hint_ptx = [f"unavailable: {exc}"]
             print("evict hint PTX:", hint_ptx, flush=True)
+        if args.deq_only:
+            line = []
+            for spec in filter(None, args.configs.split(",")) or ["16:128:4"]:
+                cfg = tuple(int(v) for v in spec.split(":"))
+                for store in ("", "evict_last"):
+                    f = (lambda cfg=cfg, store=store: hint_launch(lin.weight, lin.weight_scale, buf, n, 0, k, load="",
+                                                                  store=store, cfg=cfg))
+                    for _ in range(5):
+                        f()
+                    torch.cuda.synchronize()
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    for _ in range(50):
+                        f()
+                    b.record()
+                    b.synchronize()
+                    us = a.elapsed_time(b) / 50 * 1e3
+                    moved = nbytes + lin.weight.numel() + lin.weight_scale.numel()
+                    line.append(f"{spec}{'L' if store else ''} {us:.1f}us {moved / us / 1e6:.2f}TB/s")
+            print(f"K={k} N={n} dequant back to back: " + " | ".join(line), flush=True)
         if args.breakdown:
             bd = {}
             for nm, deq in (("bf16", None), ("fixed", deq_fixed), ("hint_none", deq_no_hint),

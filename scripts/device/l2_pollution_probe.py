@@ -33,7 +33,7 @@ def _fill_kernel(o_ptr, n, val, BLOCK: tl.constexpr, POLICY: tl.constexpr):
 def _line_op_kernel(p_ptr, nlines, OP: tl.constexpr, LINES: tl.constexpr):
     """One thread per 128-byte L2 line: OP 0 = applypriority evict_normal, 1 = discard."""
     i = tl.program_id(0).to(tl.int64) * LINES + tl.arange(0, LINES)
-    ptrs = p_ptr + i * 128
+    ptrs = p_ptr + i * 64            # bf16 elements per 128-byte line
     if OP == 0:
         tl.inline_asm_elementwise("applypriority.global.L2::evict_normal [$1], 128; mov.u32 $0, 0;", "=r,l",
                                   [ptrs], dtype=tl.int32, is_pure=False, pack=1)
@@ -55,7 +55,7 @@ def main():
     scratch = torch.empty(n, dtype=torch.bfloat16, device=dev)
     probe = torch.randn(int(args.probe_mb * 2**20) // 4, device=dev)
     flush = torch.empty(256 * 2**20 // 4, device=dev)
-    nlines = n * 2 // 128
+    nlines = n * 2 // 128            # n bf16 values; the scratch is 128-byte aligned (allocator) and n * 2 % 128 == 0
     block = 4096
 
     def fill(policy):
