@@ -197,7 +197,8 @@ def test_no_plan_where_the_call_is_not_a_single_fused_launch(fake_gpu):
 @pytest.mark.parametrize("bias", [True, False])
 def test_dequant_plan_launches_and_multiplies_like_the_full_forward(fake_gpu, monkeypatch, bias):
     """M > FUSED_MAX_M: dequantize + cuBLAS. The plan launches the dequantize kernel as the full forward does
-    (same grid, integers, constexprs, weight-side tensors; a fresh output) and multiplies by what it wrote."""
+    (same grid, integers, constexprs, weight-side tensors; the device's shared scratch weight as the output,
+    with the stores kept in L2) and multiplies by what it wrote."""
     log, _ = fake_gpu
     products = []
     real_linear = torch.nn.functional.linear
@@ -222,7 +223,8 @@ def test_dequant_plan_launches_and_multiplies_like_the_full_forward(fake_gpu, mo
     assert _norm(full[0][3], layer) == _norm(run[2][9:9 + len(full[0][3])], layer)
     # the tuned block sizes, then the constexprs the full call passed (the decode choice)
     assert run[2][9 + len(full[0][3]):] == (32, 64) + tuple(full[0][4].values())
-    assert full[0][4] == {"ASM_DECODE": K.W4A16_ASM_DECODE}
+    assert full[0][4] == {"ASM_DECODE": K.W4A16_ASM_DECODE, "L2_KEEP": True}
+    assert run[2][9 + 4].data_ptr() == full[0][3][4].data_ptr()      # both write the shared scratch weight
     (xp, wp, bp), (xf, wf, bf) = products[-1], products[0]
     assert wp is run[2][9 + 4] and wp.shape == wf.shape == (256, 512) and wp.dtype == wf.dtype
     assert bp is layer.bias and (bf is None) == (not bias)
@@ -326,3 +328,15 @@ def test_a_deep_copy_launches_with_its_own_tensors(fake_gpu):
     (run,) = _runs(log, mark)
     assert run[2][9 + 1].data_ptr() == twin.weight.data_ptr() != layer.weight.data_ptr()
     assert callable(twin._plans[(x.shape, x.dtype, x.get_device())])
+
+
+def test_scratch_weight_is_not_used_when_autograd_keeps_the_weight(fake_gpu):
+    """The shared scratch weight is overwritten by the next layer: a GEMM whose backward needs the weight
+    (grad enabled, input requiring grad) gets a weight of its own."""
+    layer = _layer(256, 512)
+    x = torch.randn(300, 512).to(torch.bfloat16)
+    w = layer._scratch_weight(x, torch.bfloat16)
+    assert w is not None and w.shape == (256, 512)
+    assert layer._scratch_weight(x.requires_grad_(), torch.bfloat16) is None
+    with torch.no_grad():
+        assert layer._scratch_weight(x, torch.bfloat16) is not None

@@ -234,16 +234,18 @@ if HAS_TRITON:
     @triton.autotune(configs=[triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
                               for r, c, w in ((16, 128, 4), (8, 256, 4), (16, 256, 8), (4, 512, 4), (32, 64, 4),
                                               (32, 128, 8))],
-                     key=["R", "HALF", "HALF_C", "ASM_DECODE"], **_AUTOTUNE_DISK_CACHE)
+                     key=["R", "HALF", "HALF_C", "ASM_DECODE", "L2_KEEP"], **_AUTOTUNE_DISK_CACHE)
     @triton.jit
     def _dequant_kernel(p_ptr, s_ptr, lut_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4, C0, HALF_C,
-                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ASM_DECODE: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ASM_DECODE: tl.constexpr,
+                        L2_KEEP: tl.constexpr):
         """Packed columns [C0, C0 + HALF_C) of every row (C0 a multiple of 8: whole 16-blocks) ->
         o[N_OUT, K_OUT] (K_OUT <= 2 * HALF_C), ``code_value * (g * block_scale)`` in fp32 then one cast (as
         ``format.dequantize_nvfp4``). The tile is [rows, 16-blocks, 8 bytes]: one scale load per block. Codes
         decode by the PRMT byte tables (ASM_DECODE; exact, the value times 1.0) or by the 256-entry table
         gather (the Triton interpreter). The PTX decode and the per-block scales: 1.05-1.5x the per-byte
-        version, at the HBM copy rate (H100, commit 062f86d)."""
+        version, at the HBM copy rate (H100, commit 062f86d). L2_KEEP: the stores carry the L2 evict_last hint,
+        for a weight the next kernel (the fidelity GEMM) reads straight back (see ``dequantize_nvfp4_triton``)."""
         pid_r = tl.program_id(0)
         pid_c = tl.program_id(1)
         NB: tl.constexpr = BLOCK_C // 8
@@ -266,8 +268,11 @@ if HAS_TRITON:
         vals = tl.reshape(tl.join(hv * total, lv * total), (BLOCK_R, BLOCK_C * 2))
         ocols = pid_c * BLOCK_C * 2 + tl.arange(0, BLOCK_C * 2)
         omask = (rows[:, None] < N_OUT) & (ocols[None, :] < K_OUT)
-        tl.store(o_ptr + rows[:, None].to(tl.int64) * K_OUT + ocols[None, :], vals.to(o_ptr.dtype.element_ty),
-                 mask=omask)
+        o_ptrs = o_ptr + rows[:, None].to(tl.int64) * K_OUT + ocols[None, :]
+        if L2_KEEP:
+            tl.store(o_ptrs, vals.to(o_ptr.dtype.element_ty), mask=omask, eviction_policy="evict_last")
+        else:
+            tl.store(o_ptrs, vals.to(o_ptr.dtype.element_ty), mask=omask)
 
     @triton.jit
     def _w4a16_swab_kernel(x_ptr, p_ptr, s_ptr, g_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, NCB4, TILES_PER,
@@ -536,7 +541,7 @@ def act_fp8_config(K: int) -> tuple[int, int]:
     return block_k, max(4, min(16, block_k // 512))
 
 
-def _dequant_args(packed, block_scale, g, out, n: int, k: int, col0: int):
+def _dequant_args(packed, block_scale, g, out, n: int, k: int, col0: int, l2_keep: bool = False):
     """(arguments of ``_dequant_kernel``, its cached-relaunch key, half_c) for one dequantize call; shared by
     ``dequantize_nvfp4_triton`` and ``dequant_plan`` so the plan finds what the full call cached."""
     R, HALF = packed.shape
@@ -544,14 +549,20 @@ def _dequant_args(packed, block_scale, g, out, n: int, k: int, col0: int):
     half_c = min(HALF - c0, (k + 1) // 2)
     args = (packed, block_scale, byte_lut(packed.device), g, out, R, HALF, n, k, block_scale.shape[1] // 4, c0,
             half_c)
-    key = ("dq", packed.device.index, R, HALF, half_c, out.dtype, W4A16_ASM_DECODE, _spec_key(args))
+    key = ("dq", packed.device.index, R, HALF, half_c, out.dtype, W4A16_ASM_DECODE, bool(l2_keep), _spec_key(args))
     return args, key, half_c
 
 
 def dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype=torch.bfloat16, out=None,
-                            col0: int = 0):
+                            col0: int = 0, l2_keep: bool = False):
     """NVFP4 (internal convention) -> ``dtype`` [shape], bit-exact with ``format.dequantize_nvfp4``.
-    ``col0`` (a multiple of 16): dequantize columns [col0, col0 + shape[1]) of the weight only."""
+    ``col0`` (a multiple of 16): dequantize columns [col0, col0 + shape[1]) of the weight only.
+
+    ``l2_keep``: store with the L2 evict_last hint, for an ``out`` that the next kernel reads straight back
+    and that is reused call after call (the fidelity path's shared scratch weight). H100, M = 4096
+    (scripts/device/l2_persist_probe.py, session 14): without the hint, dequantize + cuBLAS ran at 0.79-0.82x
+    bf16 whenever other work had gone through the L2 since the last call (the dequantize alone ~50 us for a
+    34 MiB weight instead of ~20); with it, 0.87-0.98x in every order."""
     _check_triton(packed)
     n, k = shape
     if col0 % 16:
@@ -559,10 +570,11 @@ def dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype=torc
     if out is None:
         out = torch.empty((n, k), dtype=dtype, device=packed.device)
     g = global_scale.to(device=packed.device, dtype=torch.float32).reshape(1)
-    args, key, kh = _dequant_args(packed, block_scale, g, out, n, k, col0)
+    l2_keep = bool(l2_keep)
+    args, key, kh = _dequant_args(packed, block_scale, g, out, n, k, col0, l2_keep)
     if _INTERPRET:
         _dequant_kernel.fn[(triton.cdiv(n, 32), triton.cdiv(kh, 64))](*args, BLOCK_R=32, BLOCK_C=64,
-                                                                        ASM_DECODE=False)
+                                                                        ASM_DECODE=False, L2_KEEP=False)
     else:
         if not _FAST_LAUNCH[0]:
             key = None
@@ -570,11 +582,11 @@ def dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype=torc
             ent = _FAST_CACHE.get(key)
             if ent is not None:
                 kern, br, bc = ent
-                if _relaunch(kern, (-(-n // br), -(-kh // bc), 1), args, (br, bc, W4A16_ASM_DECODE),
+                if _relaunch(kern, (-(-n // br), -(-kh // bc), 1), args, (br, bc, W4A16_ASM_DECODE, l2_keep),
                              packed.device):
                     return out
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_R"]), triton.cdiv(kh, meta["BLOCK_C"]))  # noqa: E731
-        kern = _dequant_kernel[grid](*args, ASM_DECODE=W4A16_ASM_DECODE)
+        kern = _dequant_kernel[grid](*args, ASM_DECODE=W4A16_ASM_DECODE, L2_KEEP=l2_keep)
         if hasattr(kern, "result"):
             kern = kern.result()
         cfg = getattr(_dequant_kernel, "best_config", None)
@@ -584,33 +596,35 @@ def dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype=torc
     return out
 
 
-def dequant_plan(packed, block_scale, global_scale, shape, dtype):
-    """A launcher for later ``dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype)`` calls,
-    after that exact call has run once (its autotuned config and compiled kernel are cached). Per call it only
-    checks alignment, allocates the output and launches (~10 us of host time instead of ~50-150 us: at M = 4096
-    the 3072 x 3072 GEMM takes 0.12 ms, so the full call's host time showed in the GPU time). Holds the tensor
-    objects, not their storage (``t.data = ...`` is seen). None when no plan can be made."""
+def dequant_plan(packed, block_scale, global_scale, shape, dtype, l2_keep: bool = False):
+    """A launcher for later ``dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype,
+    l2_keep=l2_keep)`` calls, after that exact call has run once (its autotuned config and compiled kernel are
+    cached). Per call it only checks alignment, allocates the output (or takes ``out``: ``plan(out)``) and
+    launches (~10 us of host time instead of ~50-150 us: at M = 4096 the 3072 x 3072 GEMM takes 0.12 ms, so the
+    full call's host time showed in the GPU time). Holds the tensor objects, not their storage (``t.data = ...``
+    is seen). None when no plan can be made."""
     if (not _FAST_LAUNCH[0] or _INTERPRET or global_scale.dtype != torch.float32 or global_scale.numel() != 1
             or global_scale.device != packed.device):
         return None
     n, k = shape
     dev = packed.device
+    l2_keep = bool(l2_keep)
     args, key, half_c = _dequant_args(packed, block_scale, global_scale.reshape(1),
-                                      torch.empty((n, k), dtype=dtype, device=dev), n, k, 0)
+                                      torch.empty((n, k), dtype=dtype, device=dev), n, k, 0, l2_keep)
     ent = _FAST_CACHE.get(key)
     if ent is None:
         return None
     kern, br, bc = ent
     run, fn, md = kern.run, kern.function, kern.packed_metadata
     grid = (-(-n // br), -(-half_c // bc), 1)
-    lut, tail = args[2], tuple(args[5:]) + (br, bc, W4A16_ASM_DECODE)
+    lut, tail = args[2], tuple(args[5:]) + (br, bc, W4A16_ASM_DECODE, l2_keep)
     index = dev.index
     del args
 
-    def plan():
+    def plan(out=None):
         if (packed.data_ptr() | block_scale.data_ptr() | global_scale.data_ptr()) & 15:
             return None
-        w = torch.empty((n, k), dtype=dtype, device=dev)
+        w = torch.empty((n, k), dtype=dtype, device=dev) if out is None else out
         run(grid[0], grid[1], grid[2], raw_stream(index), fn, md, None, None, None, packed, block_scale, lut,
             global_scale, w, *tail)
         return w

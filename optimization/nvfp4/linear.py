@@ -466,13 +466,16 @@ class NVFP4Linear(_QuantLinearBase):
         if dtype not in (torch.bfloat16, torch.float16) or (self.bias is not None and self.bias.dtype != dtype):
             return None
         dq = K.dequant_plan(self.weight, self.weight_scale, self.weight_scale_2,
-                            (self.out_features, self.in_features), dtype)
+                            (self.out_features, self.in_features), dtype, l2_keep=True)
         if dq is None:
             return None
         bias, flat, linear = self.bias, len(out_shape) == 2, F.linear
+        scratch_weight, grad_enabled = self._scratch_weight, torch.is_grad_enabled
 
         def plan(xc):
-            w = dq()
+            if grad_enabled() and xc.requires_grad:
+                return None
+            w = dq(scratch_weight(xc, dtype))
             if w is None:
                 return None
             y = linear(xc, w, bias)
@@ -524,9 +527,25 @@ class NVFP4Linear(_QuantLinearBase):
         return K.w4a16_linear(self._padded_input(x2), self.weight, self.weight_scale, self.weight_scale_2,
                               self.out_features, bias=b)
 
+    def _scratch_weight(self, x2, dtype):
+        """[N, K] view of the device's shared scratch weight for the dequantize + GEMM kernel, or None where it
+        must not be used: off CUDA / Triton, or when autograd would keep the weight for the backward (the next
+        layer overwrites the scratch)."""
+        if not (K.on_cuda(x2) and K.triton_usable(self.weight)) or (torch.is_grad_enabled() and x2.requires_grad):
+            return None
+        n, k = self.out_features, self.in_features
+        return _scratch(x2.device, dtype, n * k, count=1)[0][: n * k].view(n, k)
+
     def _fidelity_dequant(self, x2):
+        """Dequantize into the shared scratch weight (stores kept in L2: the GEMM reads them straight back) +
+        one cuBLAS call."""
         dtype = x2.dtype if x2.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-        w = self.dequantize_weight(dtype)
+        w = self._scratch_weight(x2, dtype)
+        if w is None:
+            w = self.dequantize_weight(dtype)
+        else:
+            K.dequantize_nvfp4_triton(self.weight, self.weight_scale, self.weight_scale_2,
+                                      (self.out_features, self.in_features), dtype=dtype, out=w, l2_keep=True)
         b = self.bias.to(dtype) if self.bias is not None else None
         return F.linear(x2.to(dtype), w, b).to(x2.dtype)
 
