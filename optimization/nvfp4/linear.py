@@ -29,6 +29,7 @@ return (same quantizers, exact arithmetic) so that each path can be checked agai
 from __future__ import annotations
 
 import logging
+import os
 import re
 from typing import Callable, Iterable, Mapping
 
@@ -87,6 +88,10 @@ FIDELITY_KERNELS = ("auto", "fused", "dequant", "pipelined", "pipelined_n", "tim
 #     (bf16 scratch in L2, per-slice flags, 2-CTA clusters): 0.76-0.92x bf16 at M=4096 (dequant + cuBLAS 0.84-0.95x
 #     in the same run); reverted (docs/BENCHMARKS.md, session 12, part 2)
 FUSED_MAX_M = 256
+# dequant kernel (M > FUSED_MAX_M): the weight goes to one shared scratch buffer per device with L2 evict_last
+# stores, so the GEMM reads it back from L2 (session 14, docs/BENCHMARKS.md). SEEDVR2BW_NVFP4_L2_KEEP=0: a fresh
+# buffer per call, plain stores (the behaviour before).
+L2_KEEP = os.environ.get("SEEDVR2BW_NVFP4_L2_KEEP", "1") != "0"
 PIPELINE_MIN_M = None        # set (e.g. 1024) to let "auto" time pipelined against dequant once per shape
 PIPELINE_CHUNKS = 4          # pipelined: first K part = Kp / PIPELINE_CHUNKS (exposed); N split: N chunks
 PIPELINE_ALIGN = 128         # N split: chunk boundaries on 128-row multiples (the swizzled scales slice per chunk)
@@ -466,7 +471,7 @@ class NVFP4Linear(_QuantLinearBase):
         if dtype not in (torch.bfloat16, torch.float16) or (self.bias is not None and self.bias.dtype != dtype):
             return None
         dq = K.dequant_plan(self.weight, self.weight_scale, self.weight_scale_2,
-                            (self.out_features, self.in_features), dtype, l2_keep=True)
+                            (self.out_features, self.in_features), dtype, l2_keep=L2_KEEP)
         if dq is None:
             return None
         bias, flat, linear = self.bias, len(out_shape) == 2, F.linear
@@ -531,7 +536,8 @@ class NVFP4Linear(_QuantLinearBase):
         """[N, K] view of the device's shared scratch weight for the dequantize + GEMM kernel, or None where it
         must not be used: off CUDA / Triton, or when autograd would keep the weight for the backward (the next
         layer overwrites the scratch)."""
-        if not (K.on_cuda(x2) and K.triton_usable(self.weight)) or (torch.is_grad_enabled() and x2.requires_grad):
+        if (not L2_KEEP or not (K.on_cuda(x2) and K.triton_usable(self.weight))
+                or (torch.is_grad_enabled() and x2.requires_grad)):
             return None
         n, k = self.out_features, self.in_features
         return _scratch(x2.device, dtype, n * k, count=1)[0][: n * k].view(n, k)
