@@ -7,7 +7,7 @@ are held) is timed after the scratch has been written
 * ``evict_last+normal``: with the hint, then every line of the scratch set back to evict_normal
   (``applypriority.global.L2::evict_normal``, one small kernel);
 * ``evict_last+discard``: with the hint, then the scratch's lines discarded (``discard.global.L2``: no write-back).
-Median of ``--reps`` sums (each a separate launch), after one warm sum; the store pass is re-run before each
+Mean of ``--reps`` sums queued back to back, median over 5 rounds; the store pass is re-run before each
 measurement. Also times the two clean-up kernels themselves.
     python scripts/device/l2_pollution_probe.py
 """
@@ -65,15 +65,14 @@ def main():
         _line_op_kernel[(triton.cdiv(nlines, 256),)](scratch, nlines, OP=op, LINES=256, num_warps=8)
 
     def timed(fn, reps):
-        ts = []
+        """µs per call over ``reps`` calls queued back to back (the GPU, not the launches, sets the time)."""
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
         for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
             fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b) * 1e3)
-        return statistics.median(ts)
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) * 1e3 / reps
 
     setups = {
         "none": lambda: fill(""),
