@@ -87,6 +87,9 @@ FIDELITY_KERNELS = ("auto", "fused", "dequant", "pipelined", "pipelined_n", "tim
 #   run 9 (session 12, commits cf9b0ae..ff52f38): each weight tile's decode shared between the CTAs that need it
 #     (bf16 scratch in L2, per-slice flags, 2-CTA clusters): 0.76-0.92x bf16 at M=4096 (dequant + cuBLAS 0.84-0.95x
 #     in the same run); reverted (docs/BENCHMARKS.md, session 12, part 2)
+#   run 10 (session 14, scripts/device/l2_persist_probe.py): dequant + cuBLAS ran at 0.78-0.82x bf16 at M=4096
+#     whenever other GEMMs had gone through the L2 since its last call; the dequantize's stores with the L2
+#     evict_last hint into one shared scratch weight: 0.87-1.02x in the same order (L2_KEEP below)
 FUSED_MAX_M = 256
 # dequant kernel (M > FUSED_MAX_M): the weight goes to one shared scratch buffer per device with L2 evict_last
 # stores, so the GEMM reads it back from L2 (session 14, docs/BENCHMARKS.md). SEEDVR2BW_NVFP4_L2_KEEP=0: a fresh

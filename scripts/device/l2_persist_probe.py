@@ -1,17 +1,24 @@
 """Device probe: can the fidelity path's bf16 weight stay in L2 between the dequantize and the GEMM?
 
-Session 9 measured dequantize + cuBLAS at ~0.94x bf16 at M = 4096, the ceiling of a path whose 2 B/weight of bf16
-output go to HBM. Here the dequantize writes into one fixed scratch buffer and the L2 is asked to keep it:
-* ``persist``: a CUDA access-policy window on the stream over the scratch (hitProp persisting), with the
-  persisting L2 set-aside at its maximum and hitRatio = set-aside / window (the CUDA driver API via ctypes);
-* ``evict_last``: the dequantize's stores carry an L2 evict_last hint (a copy of the shipped kernel with
-  ``eviction_policy`` on the store), no set-aside;
-against ``bf16`` (F.linear on the bf16 weight), ``layer`` (the shipped NVFP4Linear fidelity path) and ``fixed``
-(the shipped dequantize into the same fixed scratch, no hint: the control). Eager launches (each call >= 0.1 ms
-of GPU work, so the GPU stays busy), ``--inner`` calls per timed span, ``--rounds`` rounds in rotating order;
-ratio = median over rounds of bf16 / variant in the same round. Every variant's output is checked bit-equal
-to ``fixed`` (the same GEMM on the same bf16 weight).
-    python scripts/device/l2_persist_probe.py [--m 4096] [--json out.json]
+Session 9 put dequantize + cuBLAS at ~0.94x bf16 at M = 4096, the ceiling of a path whose 2 B/weight of bf16
+output go to HBM. Variants (all dequantize into one fixed scratch buffer unless said otherwise):
+* ``bf16``: F.linear on the bf16 weight (the baseline); ``layer``: the shipped NVFP4Linear fidelity path;
+  ``fixed``: the shipped dequantize kernel, no hint (the control);
+* ``persist``: a CUDA access-policy window on the stream over the scratch (hitProp persisting), persisting L2
+  set-aside at its maximum, hitRatio = set-aside / window (CUDA driver API via ctypes);
+* ``evict_last`` / ``hint_store`` / ``hint_none``: a copy of the shipped kernel, tile (16, 128, 4 warps), with
+  L2 evict_first loads + evict_last stores / evict_last stores only / no hint; ``cfgRxCwW`` / ``cfgLRxCwW``:
+  other tiles without / with the hints (``--configs``);
+* ``nslabMBxS``: S slabs of weight rows of <= MB MiB each, dequantized (evict_last) and multiplied into column
+  slices of the output (cuBLASLt with ldd = N and the bias epilogue: ``_cublaslt.py``); ``ovslab``: the same with
+  slab i+1 dequantized on a side stream during slab i's GEMM; ``kslab``: slabs of columns (K), partial sums
+  accumulated in the bf16 output (not bit-equal).
+Timing: ``--inner`` calls per span (eager, or one CUDA-graph replay with ``--graph``), ``--rounds`` rounds in
+rotating order; ratio = median over rounds of bf16 / variant in the same round. Every variant's output is checked
+against ``fixed``'s (bit-equal, or the relative difference is printed), with the scratch zeroed first.
+``--breakdown`` times dequantize and GEMM apart; ``--deq-only`` times dequantizes back to back (host-bound for
+these sizes: not a kernel figure). Session 14's findings are in docs/BENCHMARKS.md.
+    python scripts/device/l2_persist_probe.py [--m 4096] [--graph] [--variants layer,evict_last] [--json out.json]
 """
 import argparse
 import ctypes
@@ -27,10 +34,12 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from seedvr2bw.optimization.nvfp4 import cublaslt  # noqa: E402
 from seedvr2bw.optimization.nvfp4 import format as fmt  # noqa: E402
 from seedvr2bw.optimization.nvfp4 import kernels as K  # noqa: E402
 from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _cublaslt as cublaslt  # noqa: E402  (probe-only ctypes binding, from commit cf7a84a)
 
 SHAPES = [(2560, 6912), (6912, 2560), (3072, 12288), (12288, 3072), (3072, 9216), (3072, 3072)]
 

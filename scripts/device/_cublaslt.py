@@ -1,6 +1,9 @@
 """cuBLASLt through ctypes: one bf16/fp16 linear ``D = X @ W^T + bias`` whose output may be a column slice of a
 wider matrix (row stride ldd > n), with the bias in the GEMM's epilogue.
 
+Probe-only (scripts/device/l2_persist_probe.py: weight slabs multiplied into column slices of one output); first
+written for the session 9 "slabs" kernel (commit cf7a84a), which was reverted.
+
 Why: torch only puts the bias in cuBLASLt's epilogue when the output is contiguous (``addmm`` otherwise copies the
 broadcast bias into the output first and multiplies with beta = 1: one more write and read of the output). The
 NVFP4 fidelity path for large M multiplies the weight slab by slab straight into column slices of one output
