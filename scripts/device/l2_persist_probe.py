@@ -6,9 +6,10 @@ output go to HBM. Variants (all dequantize into one fixed scratch buffer unless 
   ``fixed``: the shipped dequantize kernel, no hint (the control);
 * ``persist``: a CUDA access-policy window on the stream over the scratch (hitProp persisting), persisting L2
   set-aside at its maximum, hitRatio = set-aside / window (CUDA driver API via ctypes);
-* ``evict_last`` / ``hint_store`` / ``hint_none``: a copy of the shipped kernel, tile (16, 128, 4 warps), with
-  L2 evict_first loads + evict_last stores / evict_last stores only / no hint; ``cfgRxCwW`` / ``cfgLRxCwW``:
-  other tiles without / with the hints (``--configs``);
+* ``evict_last`` / ``hint_none``: the shipped kernel at tile (16, 128, 4 warps) with / without its L2_KEEP
+  (evict_last) stores; ``cfgRxCwW`` / ``cfgLRxCwW``: other tiles without / with them (``--configs``). (Session
+  14's runs used a copy of the kernel that also put evict_first on its loads: ``hint_store``, stores only,
+  timed the same.)
 * ``nslabMBxS``: S slabs of weight rows of <= MB MiB each, dequantized (evict_last) and multiplied into column
   slices of the output (cuBLASLt with ldd = N and the bias epilogue: ``_cublaslt.py``); ``ovslab``: the same with
   slab i+1 dequantized on a side stream during slab i's GEMM; ``kslab``: slabs of columns (K), partial sums
@@ -32,7 +33,6 @@ import _pack  # noqa: E402,F401
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from seedvr2bw.optimization.nvfp4 import format as fmt  # noqa: E402
 from seedvr2bw.optimization.nvfp4 import kernels as K  # noqa: E402
@@ -95,34 +95,6 @@ def clear_window(stream):
     _check(_cu.cuStreamSetAttribute(ctypes.c_void_p(stream.cuda_stream), CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW,
                                     ctypes.byref(v)), "cuStreamSetAttribute(clear)")
     _check(_cu.cuCtxResetPersistingL2Cache(), "cuCtxResetPersistingL2Cache")
-
-
-# --- the shipped dequantize kernel with an L2 eviction hint on its stores -----------------------------------------
-@triton.jit
-def _dequant_hint_kernel(p_ptr, s_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4, C0, HALF_C,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, LOAD_POLICY: tl.constexpr,
-                         STORE_POLICY: tl.constexpr):
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    NB: tl.constexpr = BLOCK_C // 8
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    blk = pid_c * NB + tl.arange(0, NB)
-    pcol = blk[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    rmask = rows < R
-    mask = rmask[:, None, None] & (pcol < HALF_C)
-    p = tl.load(p_ptr + rows[:, None, None].to(tl.int64) * HALF + C0 + pcol, mask=mask, other=0,
-                eviction_policy=LOAD_POLICY)
-    g = tl.load(g_ptr)
-    soff = K._swz_offset(rows[:, None].to(tl.int64), (C0 // 8 + blk)[None, :], NCB4)
-    s = tl.load(s_ptr + soff, mask=rmask[:, None] & (blk[None, :] * 8 < HALF_C), other=0.0,
-                eviction_policy=LOAD_POLICY).to(tl.float32)
-    total = (g * s)[:, :, None]
-    hb, lb = K._e2m1_pairs_scaled(p, tl.full(p.shape, 1.0, tl.bfloat16), False)
-    vals = tl.reshape(tl.join(hb.to(tl.float32) * total, lb.to(tl.float32) * total), (BLOCK_R, BLOCK_C * 2))
-    ocols = pid_c * BLOCK_C * 2 + tl.arange(0, BLOCK_C * 2)
-    omask = (rows[:, None] < N_OUT) & (ocols[None, :] < K_OUT)
-    tl.store(o_ptr + rows[:, None].to(tl.int64) * K_OUT + ocols[None, :], vals.to(o_ptr.dtype.element_ty),
-             mask=omask, eviction_policy=STORE_POLICY)
 
 
 def time_rounds(fns, inner, rounds, graph=False):
@@ -219,7 +191,6 @@ def main():
     stream = torch.cuda.current_stream()
     gen = torch.Generator(device="cpu").manual_seed(5)
     results = []
-    hint_ptx = None
     for k, n in shapes:
         w = (torch.randn(n, k, generator=gen) * 0.02).to(dev)
         t = fmt.quantize_nvfp4(w, return_tensor=True)
@@ -235,26 +206,23 @@ def main():
         def deq_fixed():
             return K.dequantize_nvfp4_triton(lin.weight, lin.weight_scale, g, (n, k), dtype=torch.bfloat16, out=buf)
 
-        br, bc = 16, 128
-        half_c = k // 2
-        grid = (triton.cdiv(n, br), triton.cdiv(half_c, bc))
+        lut = K.byte_lut(dev)
 
-        def hint_launch(packed, scales, out, rows, c0, cols, load="evict_first", store="evict_last", cfg=(16, 128, 4)):
+        def hint_launch(packed, scales, out, rows, c0, cols, store="evict_last", cfg=(16, 128, 4)):
+            """The shipped dequantize kernel (``kernels._dequant_kernel``, not autotuned) at tile ``cfg``;
+            store="evict_last": its L2_KEEP stores."""
             hc = cols // 2
             r_, c_, w_ = cfg
-            _dequant_hint_kernel[(triton.cdiv(rows, r_), triton.cdiv(hc, c_))](
-                packed, scales, g, out, packed.shape[0], packed.shape[1], rows, cols, scales.shape[1] // 4, c0 // 2,
-                hc, BLOCK_R=r_, BLOCK_C=c_, LOAD_POLICY=load, STORE_POLICY=store, num_warps=w_)
+            K._dequant_kernel.fn[(triton.cdiv(rows, r_), triton.cdiv(hc, c_))](
+                packed, scales, lut, g, out, packed.shape[0], packed.shape[1], rows, cols, scales.shape[1] // 4,
+                c0 // 2, hc, BLOCK_R=r_, BLOCK_C=c_, ASM_DECODE=True, L2_KEEP=store == "evict_last", num_warps=w_)
             return out
 
         def deq_hint():
             return hint_launch(lin.weight, lin.weight_scale, buf, n, 0, k)
 
-        def deq_store_hint():
-            return hint_launch(lin.weight, lin.weight_scale, buf, n, 0, k, load="")
-
         def deq_no_hint():
-            return hint_launch(lin.weight, lin.weight_scale, buf, n, 0, k, load="", store="")
+            return hint_launch(lin.weight, lin.weight_scale, buf, n, 0, k, store="")
 
         def n_slabs_overlap(mb):
             """Two scratch slabs; slab i+1 is dequantized on a high-priority side stream while slab i's GEMM runs."""
@@ -331,7 +299,6 @@ def main():
             "persist": (lambda: (set_persisting_limit(want), set_window(stream, buf.data_ptr(), min(nbytes, max_window), hit)),
                         lambda: F.linear(x, deq_fixed(), bias), lambda: clear_window(stream)),
             "evict_last": (nothing, lambda: F.linear(x, deq_hint(), bias), nothing),
-            "hint_store": (nothing, lambda: F.linear(x, deq_store_hint(), bias), nothing),
             "hint_none": (nothing, lambda: F.linear(x, deq_no_hint(), bias), nothing),
             "persist_hint": (lambda: (set_persisting_limit(want), set_window(stream, buf.data_ptr(), min(nbytes, max_window), hit)),
                              lambda: F.linear(x, deq_hint(), bias), lambda: clear_window(stream)),
@@ -339,8 +306,8 @@ def main():
         for spec in filter(None, args.configs.split(",")):
             cfg = tuple(int(v) for v in spec.split(":"))
             fns[f"cfg{cfg[0]}x{cfg[1]}w{cfg[2]}"] = (
-                nothing, (lambda cfg=cfg: F.linear(x, hint_launch(lin.weight, lin.weight_scale, buf, n, 0, k, load="",
-                                                                  store="", cfg=cfg), bias)), nothing)
+                nothing, (lambda cfg=cfg: F.linear(x, hint_launch(lin.weight, lin.weight_scale, buf, n, 0, k, store="",
+                                                                  cfg=cfg), bias)), nothing)
             fns[f"cfgL{cfg[0]}x{cfg[1]}w{cfg[2]}"] = (
                 nothing, (lambda cfg=cfg: F.linear(x, hint_launch(lin.weight, lin.weight_scale, buf, n, 0, k,
                                                                   cfg=cfg), bias)), nothing)
@@ -369,23 +336,12 @@ def main():
             torch.cuda.synchronize()
             exact[nm] = bool(torch.equal(y, ref)) or f"rel {((y.float() - ref.float()).norm() / ref.float().norm()).item():.2e}"
             teardown()
-        if hint_ptx is None:
-            try:
-                kern = _dequant_hint_kernel.warmup(lin.weight, lin.weight_scale, g, buf, 1, 1, 1, 1, 1, 0, 1,
-                                                   BLOCK_R=br, BLOCK_C=bc, LOAD_POLICY="evict_first",
-                                                   STORE_POLICY="evict_last", num_warps=4, grid=(1,))
-                ptx = kern.asm["ptx"]
-                hint_ptx = sorted({ln.strip().split()[0] + " " + ln.strip().split()[1] for ln in ptx.splitlines()
-                                   if "st.global" in ln or "createpolicy" in ln})
-            except Exception as exc:  # noqa: BLE001 - diagnostic only
-                hint_ptx = [f"unavailable: {exc}"]
-            print("evict hint PTX:", hint_ptx, flush=True)
         if args.deq_only:
             line = []
             for spec in filter(None, args.configs.split(",")) or ["16:128:4"]:
                 cfg = tuple(int(v) for v in spec.split(":"))
                 for store in ("", "evict_last"):
-                    f = (lambda cfg=cfg, store=store: hint_launch(lin.weight, lin.weight_scale, buf, n, 0, k, load="",
+                    f = (lambda cfg=cfg, store=store: hint_launch(lin.weight, lin.weight_scale, buf, n, 0, k,
                                                                   store=store, cfg=cfg))
                     for _ in range(5):
                         f()
@@ -403,7 +359,7 @@ def main():
         if args.breakdown:
             bd = {}
             for nm, deq in (("bf16", None), ("fixed", deq_fixed), ("hint_none", deq_no_hint),
-                            ("hint_store", deq_store_hint), ("evict_last", deq_hint)):
+                            ("evict_last", deq_hint)):
                 bd[nm] = split_times(deq, (lambda w: F.linear(x, w if w is not None else wb, bias)), args.inner)
             print(f"K={k} N={n} breakdown (dequant us, GEMM us): " + " | ".join(
                 f"{nm} {d:.1f} + {g:.1f}" for nm, (d, g) in bd.items()), flush=True)
@@ -429,7 +385,7 @@ def main():
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"info": info, "hint_ptx": hint_ptx, "results": results}, fh, indent=1)
+            json.dump({"info": info, "results": results}, fh, indent=1)
 
 
 if __name__ == "__main__":
