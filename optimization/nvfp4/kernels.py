@@ -562,7 +562,7 @@ def dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype=torc
     and that is reused call after call (the fidelity path's shared scratch weight). H100, M = 4096
     (scripts/device/l2_persist_probe.py, session 14): without the hint, dequantize + cuBLAS ran at 0.79-0.82x
     bf16 whenever other work had gone through the L2 since the last call (the dequantize alone ~50 us for a
-    34 MiB weight instead of ~20); with it, 0.87-0.98x in every order."""
+    34 MiB weight instead of ~20); with it, 0.87-1.02x in every order (the most for weights that fit in L2)."""
     _check_triton(packed)
     n, k = shape
     if col0 % 16:
