@@ -478,12 +478,10 @@ class NVFP4Linear(_QuantLinearBase):
         if dq is None:
             return None
         bias, flat, linear = self.bias, len(out_shape) == 2, F.linear
-        scratch_weight, grad_enabled = self._scratch_weight, torch.is_grad_enabled
+        scratch_weight = self._scratch_weight
 
         def plan(xc):
-            if grad_enabled() and xc.requires_grad:
-                return None
-            w = dq(scratch_weight(xc, dtype))
+            w = dq(scratch_weight(xc, dtype))      # None (autograd keeps the weight): a fresh buffer
             if w is None:
                 return None
             y = linear(xc, w, bias)

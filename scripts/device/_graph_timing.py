@@ -2,7 +2,8 @@
 import torch
 
 
-def graphed(fn, inner, reps=25):
+def capture(fn, inner):
+    """A CUDA graph of ``inner`` calls of fn, after warm-up calls (compiles, autotuning) outside the capture."""
     fn()
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
@@ -15,6 +16,11 @@ def graphed(fn, inner, reps=25):
     with torch.cuda.graph(g):
         for _ in range(inner):
             fn()
+    return g
+
+
+def graphed(fn, inner, reps=25):
+    g = capture(fn, inner)
     for _ in range(3):
         g.replay()
     ts = []

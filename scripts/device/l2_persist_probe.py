@@ -40,6 +40,7 @@ from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _cublaslt as cublaslt  # noqa: E402  (probe-only ctypes binding, from commit cf7a84a)
+from _graph_timing import capture  # noqa: E402
 
 SHAPES = [(2560, 6912), (6912, 2560), (3072, 12288), (12288, 3072), (3072, 9216), (3072, 3072)]
 
@@ -110,18 +111,7 @@ def time_rounds(fns, inner, rounds, graph=False):
             setup()
             use_graph = graph and "persist" not in nm
             if use_graph and nm not in graphs:
-                fn()
-                torch.cuda.synchronize()
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    fn()
-                torch.cuda.current_stream().wait_stream(s)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for _ in range(inner):
-                        fn()
-                graphs[nm] = g
+                graphs[nm] = capture(fn, inner)
             for _ in range(3 if not use_graph else 1):
                 graphs[nm].replay() if use_graph else fn()
             torch.cuda.synchronize()
