@@ -1,0 +1,214 @@
+"""Hopper (sm_90a) fused NVFP4 x bf16 GEMM for large M: the persistent, warp-specialized kernel in ``w4a16_rs.cu``
+(TMA producer, two consumer warpgroups that decode the weight straight into wgmma's A registers while three wgmma
+groups are queued). Compiled at run time by NVRTC (``torch.cuda._compile_kernel``, no CUDA toolkit needed) and
+launched through the driver, like ``wgmma_w4a16.py`` (the small-M kernel).
+
+Scope: bf16 activations with contiguous rows (16-byte aligned), K % 64 == 0, N % 128 == 0 (every SeedVR2 / FLUX
+linear), sm_90. Anything else, or any compile / launch failure, returns None and the caller keeps its other path.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE_PATH = Path(__file__).with_name("w4a16_rs.cu")
+ENABLED = [os.environ.get("SEEDVR2BW_RS_KERNEL", "1") != "0"]
+MAX_SMEM = 232448            # sm_90 opt-in shared memory per block
+BN = 128                     # weight rows per tile
+DIAG = [0]                   # probe-only kernel knobs (see the .cu's DIAG); 0 in production
+_KERNELS: dict = {}          # config key -> _Kernel, or None after a failure
+_DISABLED_REASON: list = []
+
+
+def wgmma_call(tn: int) -> str:
+    """CUDA source of ``wgmma_bm``: one wgmma m64n{tn}k16, fp32 accumulators d[tn/2], A in registers, B by
+    descriptor (K-major); D = A B + (acc ? D : 0)."""
+    n = tn // 2
+    dl = ", ".join(f"%{i}" for i in range(n))
+    asm = (f"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{n + 5}, 0;\\n"
+           f"wgmma.mma_async.sync.aligned.m64n{tn}k16.f32.bf16.bf16 {{{dl}}}, "
+           f"{{%{n}, %{n + 1}, %{n + 2}, %{n + 3}}}, %{n + 4}, p, 1, 1, 0;\\n}}\\n")
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(n))
+    return (f"static __device__ __forceinline__ void wgmma_bm(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u64 desc, "
+            f"u32 acc) {{\n"
+            f'    asm volatile("{asm}"\n        : {outs}\n'
+            f'        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));\n}}\n')
+
+
+def kernel_source(tn: int, stages: int, epi_tok: int, cluster: int, has_bias: bool, diag: int = 0) -> tuple[str, str]:
+    """(kernel name, CUDA source) for one configuration."""
+    name = f"w4a16_rs_{tn}_{stages}_{epi_tok}_{cluster}_{int(has_bias)}_{diag}"
+    head = (f"#define TN {tn}\n#define STAGES {stages}\n#define EPI_TOK {epi_tok}\n#define CLUSTER {cluster}\n"
+            f"#define DIAG {diag}\n#define HAS_BIAS {int(has_bias)}\n#define KERNEL_NAME {name}\n")
+    body = _SOURCE_PATH.read_text().replace("//%%WGMMA%%", wgmma_call(tn), 1)
+    return name, head + body
+
+
+def slot_bytes(tn: int) -> int:
+    return -(-(tn * 128 + BN * 32 + 512) // 1024) * 1024
+
+
+def smem_bytes(tn: int, stages: int, epi_tok: int) -> int:
+    """Dynamic shared memory: the ring, the two consumer warpgroups' epilogue staging, 1024-byte alignment slack."""
+    return stages * slot_bytes(tn) + 2 * epi_tok * 128 + 1024
+
+
+def _check_config(tn, stages, epi_tok, cluster):
+    if tn not in (64, 128, 192, 256) or tn % epi_tok or epi_tok % 16 or cluster not in (1, 2) or stages < 2:
+        raise ValueError(f"config {(tn, stages, epi_tok, cluster)} does not tile")
+    if smem_bytes(tn, stages, epi_tok) > MAX_SMEM:
+        raise ValueError(f"{smem_bytes(tn, stages, epi_tok)} B of shared memory > {MAX_SMEM}")
+
+
+_CU_TENSOR_MAP = dict(uint8=0, uint16=1, no_interleave=0, no_swizzle=0, swizzle_128b=3, l2_promote_128b=2,
+                      l2_promote_256b=3, oob_zero=0)
+
+
+def _encode_map(ptr: int, dtype_code: int, inner: int, rows: int, row_bytes: int, box_inner: int, box_rows: int,
+                swizzle: int):
+    """A CUtensorMap (128 bytes) of a row-major 2-D tensor: `inner` elements a row, `rows` rows `row_bytes` apart;
+    TMA boxes of box_inner x box_rows; rows past the end read as zeros."""
+    from torch.cuda import _utils as cu
+    lib = cu._get_gpu_runtime_library()
+    tmap = (ctypes.c_uint64 * 16)()
+    dims = (ctypes.c_uint64 * 2)(inner, rows)
+    strides = (ctypes.c_uint64 * 1)(row_bytes)
+    box = (ctypes.c_uint32 * 2)(box_inner, box_rows)
+    estr = (ctypes.c_uint32 * 2)(1, 1)
+    c = _CU_TENSOR_MAP
+    cu._check_cuda(lib.cuTensorMapEncodeTiled(tmap, dtype_code, 2, ctypes.c_void_p(ptr), dims, strides, box, estr,
+                                              c["no_interleave"], swizzle, c["l2_promote_128b"], c["oob_zero"]))
+    return tmap
+
+
+def x_map(x: torch.Tensor, rows: int):
+    """Tensor map of the activations x[M, K] (bf16): boxes of 64 k x `rows` tokens, 128-byte swizzle."""
+    return _encode_map(x.data_ptr(), _CU_TENSOR_MAP["uint16"], x.shape[1], x.shape[0], x.stride(0) * 2, 64, rows,
+                       _CU_TENSOR_MAP["swizzle_128b"])
+
+
+def w_map(packed: torch.Tensor):
+    """Tensor map of the packed weight [N, K/2] (uint8): boxes of 32 bytes (64 k) x 128 rows, no swizzle."""
+    return _encode_map(packed.data_ptr(), _CU_TENSOR_MAP["uint8"], packed.shape[1], packed.shape[0],
+                       packed.stride(0), 32, BN, _CU_TENSOR_MAP["no_swizzle"])
+
+
+class _LaunchConfig(ctypes.Structure):      # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
+class _LaunchAttr(ctypes.Structure):        # CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_uint * 16)]
+
+
+_CLUSTER_DIMENSION = 4                      # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+
+
+class _Kernel:
+    """A compiled configuration and its launcher (cuLaunchKernel, or cuLaunchKernelEx with a cluster)."""
+    threads = 384
+
+    def __init__(self, tn, stages, epi_tok, cluster, has_bias, diag):
+        from torch.cuda import _utils as cu
+        _check_config(tn, stages, epi_tok, cluster)
+        name, src = kernel_source(tn, stages, epi_tok, cluster, has_bias, diag)
+        self.tn, self.cluster = tn, cluster
+        self.smem = smem_bytes(tn, stages, epi_tok)
+        self.kernel = torch.cuda._compile_kernel(src, name, compute_capability="90a")
+        self.kernel.set_shared_memory_config(self.smem)
+        lib = cu._get_gpu_runtime_library()
+        self._launch, self._launch_ex, self._check = lib.cuLaunchKernel, lib.cuLaunchKernelEx, cu._check_cuda
+
+    def launch(self, grid: int, arr, stream: int):
+        if self.cluster == 1:
+            self._check(self._launch(self.kernel.func, grid, 1, 1, self.threads, 1, 1, self.smem,
+                                     ctypes.c_void_p(stream), arr, None))
+            return
+        attr = _LaunchAttr(_CLUSTER_DIMENSION, 0, (ctypes.c_uint * 16)(self.cluster, 1, 1))
+        conf = _LaunchConfig((ctypes.c_uint * 3)(grid, 1, 1), (ctypes.c_uint * 3)(self.threads, 1, 1), self.smem,
+                             ctypes.c_void_p(stream), ctypes.cast(ctypes.byref(attr), ctypes.c_void_p), 1)
+        self._check(self._launch_ex(ctypes.byref(conf), self.kernel.func, arr, None))
+
+
+def get_kernel(tn, stages, epi_tok, cluster, has_bias):
+    key = (tn, stages, epi_tok, cluster, has_bias, DIAG[0])
+    if key not in _KERNELS:
+        try:
+            _KERNELS[key] = _Kernel(*key)
+        except Exception as e:  # noqa: BLE001 - no NVRTC, old driver, compile error: the caller's path stays
+            _KERNELS[key] = None
+            _DISABLED_REASON.append(f"{key}: {type(e).__name__}: {str(e)[:400]}")
+            log.warning("NVFP4 RS W4A16 kernel %s unavailable (%s)", key, e)
+    return _KERNELS[key]
+
+
+def supported(x: torch.Tensor, n: int, k: int) -> bool:
+    """Shapes, dtype and device this kernel takes."""
+    if not x.is_cuda or x.dtype != torch.bfloat16 or x.dim() != 2:
+        return False
+    if k % 64 or n % BN or x.shape[1] != k or x.stride(1) != 1 or x.stride(0) % 8:
+        return False
+    return torch.cuda.get_device_capability(x.device) == (9, 0)
+
+
+def waves(units: int, slots: int) -> float:
+    """Fraction of the persistent grid's last round that is busy (1.0: every round full)."""
+    rounds = -(-units // slots)
+    return units / (rounds * slots)
+
+
+def config_for(m: int, n: int, k: int, sms: int = 132) -> tuple:
+    """(tn, stages, epi_tok, cluster). 256-token tiles (each decoded weight feeds 256 tokens) unless 128-token
+    tiles fill the last round of the persistent grid clearly better (e.g. N = 2560 at M = 4096: 320 tiles of 256
+    tokens on 132 SMs leave the third round 42 % busy; 640 tiles of 128 fill 97 % of five)."""
+    tiles256 = -(-m // 256) * (n // BN)
+    tiles128 = -(-m // 128) * (n // BN)
+    if waves(tiles128, sms) > waves(tiles256, sms) + 0.1:
+        return 128, 6, 64, 1
+    return 256, 4, 64, 1
+
+
+def _args(xmap, wmap, block_scale, g, bias, y, M, n, Kd):
+    vals = [xmap, wmap]
+    vals += [ctypes.c_void_p(t.data_ptr()) for t in (block_scale, g, bias, y)]
+    vals += [ctypes.c_int(v) for v in (M, n, Kd, block_scale.shape[1] // 4)]
+    arr = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
+    arr._values = vals          # the array holds bare addresses: the values must live as long as it does
+    return arr
+
+
+def rs_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=None, config=None,
+              grid: int | None = None, out: torch.Tensor | None = None):
+    """y[M, n] = x[M, K] @ dequant(W)^T (+ bias) with this kernel, or None when it cannot run here.
+    config = (tn, stages, epi_tok, cluster), default ``config_for``; grid: CTAs (default: the SM count);
+    out: a contiguous [M, n] bf16 tensor to write (tests poison it first)."""
+    from . import kernels as K
+    M, Kd = x.shape
+    if (not supported(x, n, Kd) or packed.shape[1] * 2 != Kd or packed.shape[0] < n
+            or (x.data_ptr() | packed.data_ptr() | block_scale.data_ptr()) % 16):
+        return None
+    sms = K._sm_count(x.device)
+    tn, stages, epi_tok, cluster = config or config_for(M, n, Kd, sms)
+    if n % (BN * cluster):
+        return None
+    y = out if out is not None else torch.empty((M, n), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    kern = get_kernel(tn, stages, epi_tok, cluster, bias is not None)
+    if kern is None:
+        return None
+    units = -(-M // tn) * (n // BN) // cluster
+    grid = min(units, (grid or sms) // cluster) * cluster
+    g = global_scale.to(device=x.device, dtype=torch.float32).reshape(1)
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    arr = _args(x_map(x, tn // cluster), w_map(packed), block_scale, g, bias if bias is not None else g, y, M, n, Kd)
+    kern.launch(grid, arr, K.raw_stream(x.device.index))
+    return y

@@ -1,0 +1,354 @@
+// Fused NVFP4-weight x bf16-activation GEMM for Hopper (sm_90a), large M: y[M, N] = x[M, K] @ dequant(W)[N, K]^T.
+// Compiled at run time by NVRTC (rs_w4a16.py fills in the #defines and the wgmma wrapper); no CUDA headers.
+//
+// Swap AB as in w4a16_wgmma.cu: each consumer warpgroup computes y^T for 64 weight rows x TN tokens with wgmma
+// m64nTNk16, the weight decoded straight into the A-operand registers (RS: the decoded weight never touches shared
+// or global memory) and the activations as the B operand, TMA-copied into 128-byte-swizzled shared memory.
+//
+// Persistent and warp-specialized, one CTA per SM (384 threads):
+// - producer warpgroup (40 registers): one thread runs the ring of STAGES slots; per k tile (64 k) it copies the
+//   activation tile (TN tokens, by TMA; with CLUSTER 2 each CTA of a pair copies half of the pair's shared token
+//   tile and multicasts it to both), the packed weight tile (128 rows x 32 bytes, by TMA) and its 512 bytes of
+//   block scales (one bulk copy: the 128x4 swizzled scale layout keeps a 128-row x 64-k tile contiguous);
+// - two consumer warpgroups (232 registers) run the wgmma and decode. Per k tile, 4 k16 steps s: issue wgmma s,
+//   commit, wait until at most 3 groups are pending, decode step s + 1 into its own 4 A registers (step 0 of the
+//   next k tile after step 3). The decode thus always runs in the shadow of 3 queued wgmma groups, and each A
+//   register set is rewritten only after the wgmma that read it has completed (4 register sets, groups complete
+//   in order): ptxas sees no register a pending wgmma reads being redefined, so it keeps the wgmma asynchronous.
+//   The slot of k tile t - 1 is released at step 2 of k tile t (its last wgmma is done by then).
+// - epilogue per tile (both consumer warpgroups): accumulators x global scale x 2^10 (+ bias) -> bf16, stmatrix.trans
+//   into a staging buffer, 16-byte coalesced stores. The producer meanwhile fills the ring for the next tile.
+// Tiles are token-tile-major (the weight tiles of one token tile are consecutive): the activation tile is re-read
+// from L2 by every weight tile while it is hot.
+//
+// Decode, per 32-bit word q of 4 packed bytes (high nibble = the even k) and byte b: see w4a16_wgmma.cu (3 integer
+// instructions and one bf16x2 multiply per two weights, exact, subnormal block scales included; the 2^-10 it leaves
+// is undone in the epilogue together with the global scale).
+
+#ifndef DIAG
+#define DIAG 0                       // probe-only knobs, wrong results: 2 = constant A (no decode), 4 = no stores
+#endif
+#ifndef CLUSTER
+#define CLUSTER 1                    // 2: CTA pairs share the token tile (TMA multicast), weight tiles 2p and 2p + 1
+#endif
+#define BN 128                       // weight rows per tile: 64 per consumer warpgroup
+#define NT 384                       // threads: the producer warpgroup, then the two consumer warpgroups
+#define X_BYTES (TN * 128)           // activation tile: TN tokens x 64 k, bf16, 128B-swizzled
+#define W_BYTES (BN * 32)            // packed weight tile: BN rows x 64 k, 4 bit, row-major (32 B a row)
+#define S_BYTES 512                  // block scales of the tile: 128 rows x 4 (swizzled 32 x 16 B)
+#define SLOT_BYTES ((X_BYTES + W_BYTES + S_BYTES + 1023) / 1024 * 1024)
+#define EPI_BYTES (EPI_TOK * 128)    // per consumer warpgroup: EPI_TOK tokens x 64 weight rows, bf16
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef unsigned long long u64;
+
+struct __align__(64) TensorMap { u64 v[16]; };   // CUtensorMap, filled by the host (cuTensorMapEncodeTiled)
+
+static __device__ __forceinline__ u32 smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+// TMA: box at (inner coordinate c0, row c1) -> shared dst, completing its bytes on the mbarrier
+static __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                 ::"r"(dst), "l"((u64)map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+// the same into the same offset of every CTA in `mask`, completing on each one's barrier at `bar`'s offset
+static __device__ __forceinline__ void tma_load_2d_mc(u32 dst, const TensorMap* map, int c0, int c1, u32 bar,
+                                                      u16 mask) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%2, %3}], [%4], %5;\n"
+                 ::"r"(dst), "l"((u64)map), "r"(c0), "r"(c1), "r"(bar), "h"(mask) : "memory");
+}
+// a contiguous block of `bytes` (multiple of 16) from global memory
+static __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+static __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+static __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+static __device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+static __device__ __forceinline__ void mbar_arrive_peer(u32 bar, u32 peer) {   // the same barrier in CTA `peer`
+    asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
+                 "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar), "r"(peer) : "memory");
+}
+static __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n.reg .pred done;\nWAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+static __device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+static __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+static __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+static __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+static __device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
+}
+// byte b of q -> bf16x2 [lo half: the high nibble (even k), hi half: the low nibble] x 2^-126, exact
+static __device__ __forceinline__ u32 e2m1x2(u32 q, u32 q4, const int b) {
+    const u32 z = prmt(q, q4, b | ((b | 8) << 4) | ((b + 4) << 8) | (((b + 4) | 8) << 12));
+    return (z << 2) & 0x81C081C0u;
+}
+// two E4M3 scales (bytes 0, 1 of s) -> bf16x2 [s0, s1] x 2^116
+static __device__ __forceinline__ u32 scale_pair(u32 s) {
+    const u32 two118 = 0x7A807A80u;
+    return bf16x2_mul(bf16x2_mul(prmt(s, 0u, 0x4140u) << 4, two118), two118);
+}
+static __device__ __forceinline__ u64 desc_sw128(u32 addr) {
+    // wgmma shared-memory descriptor, K-major, 128-byte swizzle: start >> 4, leading offset (unused) 1, stride
+    // between 8-row groups 1024 B
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+static __device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+static __device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+    return v;
+}
+// four 8x8 bf16 matrices of the mma fragment layout, stored transposed: lane l names row l % 8 of matrix l / 8
+static __device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 a, u32 b, u32 c, u32 d) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+static __device__ __forceinline__ void named_barrier(int id) {   // one consumer warpgroup
+    asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
+}
+static __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// generated by rs_w4a16.py (wgmma_w4a16.wgmma_call): static __device__ void wgmma_bm(float* d, u32 a0..a3, u64 desc)
+//%%WGMMA%%
+
+// this CTA's j-th tile -> (first token, first weight row); tiles token-tile-major. CLUSTER 2: units are pairs of
+// weight tiles (2p, 2p + 1) of one token tile; CTA rank r of the cluster takes weight tile 2p + r
+static __device__ __forceinline__ void tile_coords(int j, int num_nt, int& m0, int& n0) {
+#if CLUSTER == 1
+    const int tile = blockIdx.x + j * gridDim.x;
+    m0 = (tile / num_nt) * TN;
+    n0 = (tile % num_nt) * BN;
+#else
+    const int pu = (blockIdx.x >> 1) + j * (gridDim.x >> 1), pairs = num_nt >> 1;
+    m0 = (pu / pairs) * TN;
+    n0 = ((pu % pairs) * 2 + (blockIdx.x & 1)) * BN;
+#endif
+}
+
+// CLUSTER 2 must be launched with a cluster dimension of (2, 1, 1) and N / 128 even (rs_w4a16.py checks)
+extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
+    const __grid_constant__ TensorMap xmap, const __grid_constant__ TensorMap wmap, const u8* __restrict__ wsc,
+    const float* __restrict__ g, const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int K, int ncb4) {
+    extern __shared__ __align__(1024) u8 smem_raw[];
+    u8* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);   // 1024-aligned (the swizzle atom)
+    const u32 slots = smem_addr(smem);
+    const u32 epis = slots + STAGES * SLOT_BYTES;
+    // full[s]: the three copies into slot s landed; empty[s]: every consumer warp (of both CTAs of a pair) is done
+    // with slot s
+    __shared__ __align__(8) u64 bars[2 * STAGES];
+    const u32 full0 = smem_addr(bars), empty0 = full0 + 8 * STAGES;
+
+    const int tid = threadIdx.x;
+    const int KT = K >> 6;                               // k tiles per output tile
+    const int num_mt = (M + TN - 1) / TN, num_nt = N / BN;
+    const int units = num_mt * num_nt / CLUSTER, unit = blockIdx.x / CLUSTER, nunits = gridDim.x / CLUSTER;
+    const int my_tiles = (units - unit + nunits - 1) / nunits;
+
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full0 + 8 * s, 1);                     // the producer's expect_tx; the copies' bytes complete it
+            mbar_init(empty0 + 8 * s, 8 * CLUSTER);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+#if CLUSTER > 1
+    cluster_sync();                                      // the peer's barriers exist before anything reaches them
+#else
+    __syncthreads();
+#endif
+
+    if (tid < 128) {
+        // ===================================== producer =====================================
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (tid == 0) {
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)&xmap) : "memory");
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)&wmap) : "memory");
+            int u = 0;
+#pragma unroll 1
+            for (int j = 0; j < my_tiles; ++j) {
+                int m0, n0;
+                tile_coords(j, num_nt, m0, n0);
+                const u8* srow = wsc + (size_t)(n0 >> 7) * ncb4 * 512;
+#pragma unroll 1
+                for (int kt = 0; kt < KT; ++kt, ++u) {
+                    const int slot = u % STAGES;
+                    if (u >= STAGES) mbar_wait(empty0 + 8 * slot, ((u / STAGES) - 1) & 1);
+                    const u32 sb = slots + slot * SLOT_BYTES, bar = full0 + 8 * slot;
+                    mbar_expect_tx(bar, X_BYTES + W_BYTES + S_BYTES);
+#if CLUSTER == 1
+                    tma_load_2d(sb, &xmap, kt * 64, m0, bar);
+#else
+                    // this CTA's half of the pair's token tile, into both CTAs' slot
+                    tma_load_2d_mc(sb + (blockIdx.x & 1) * (X_BYTES / 2), &xmap, kt * 64,
+                                   m0 + (blockIdx.x & 1) * (TN / 2), bar, (u16)3);
+#endif
+                    tma_load_2d(sb + X_BYTES, &wmap, kt * 32, n0, bar);
+                    bulk_load(sb + X_BYTES + W_BYTES, srow + kt * 512, S_BYTES, bar);
+                }
+            }
+        }
+    } else {
+        // ===================================== consumers =====================================
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+        const int c = (tid >> 7) - 1, t = tid & 127;
+        const int warp = t >> 5, lane = t & 31, q = lane & 3;
+        const int rl = 16 * warp + (lane >> 2);          // this thread's rows rl, rl + 8 of the warpgroup's 64
+        const int r0 = 64 * c + rl;                      // ... of the 128-row tile
+        const u32 sel_c = q | ((q + 4) << 4);
+        const u32 s_off0 = X_BYTES + W_BYTES + (r0 & 31) * 16 + ((r0 >> 5) & 3) * 4;
+        const u32 s_off1 = X_BYTES + W_BYTES + ((r0 + 8) & 31) * 16 + (((r0 + 8) >> 5) & 3) * 4;
+        const u32 w_off0 = X_BYTES + r0 * 32, w_off1 = w_off0 + 8 * 32;
+        const float mult = g[0] * 1024.f;
+        const u32 peer = (blockIdx.x & 1) ^ 1;
+        const int total = my_tiles * KT;
+
+        float d[TN / 2];                                 // 64 weight rows x TN tokens
+        u32 a[16];                                       // A registers of the 4 k16 steps of a k tile
+        u32 qa[2], qb[2], pa[4], pb[4];                  // this k tile's packed bytes and scale pairs
+
+        // a k tile's packed bytes of rows r0, r0 + 8 and their block scales, from slot base sb
+        auto prep = [&](u32 sb) {
+            const uint4 v0 = ld_shared_v4(sb + w_off0), v1 = ld_shared_v4(sb + w_off0 + 16);
+            const uint4 w0 = ld_shared_v4(sb + w_off1), w1 = ld_shared_v4(sb + w_off1 + 16);
+            // byte q of each 4-byte chunk (chunk j = k 8j..8j+7): the k pairs 2q, 2q+1 of this thread's fragment
+            qa[0] = prmt(prmt(v0.x, v0.y, sel_c), prmt(v0.z, v0.w, sel_c), 0x5410u);
+            qa[1] = prmt(prmt(v1.x, v1.y, sel_c), prmt(v1.z, v1.w, sel_c), 0x5410u);
+            qb[0] = prmt(prmt(w0.x, w0.y, sel_c), prmt(w0.z, w0.w, sel_c), 0x5410u);
+            qb[1] = prmt(prmt(w1.x, w1.y, sel_c), prmt(w1.z, w1.w, sel_c), 0x5410u);
+            const u32 sa = ld_shared_u32(sb + s_off0), sv = ld_shared_u32(sb + s_off1);
+            const u32 fa01 = scale_pair(sa), fa23 = scale_pair(sa >> 16);
+            const u32 fb01 = scale_pair(sv), fb23 = scale_pair(sv >> 16);
+            pa[0] = prmt(fa01, fa01, 0x1010u); pa[1] = prmt(fa01, fa01, 0x3232u);
+            pa[2] = prmt(fa23, fa23, 0x1010u); pa[3] = prmt(fa23, fa23, 0x3232u);
+            pb[0] = prmt(fb01, fb01, 0x1010u); pb[1] = prmt(fb01, fb01, 0x3232u);
+            pb[2] = prmt(fb23, fb23, 0x1010u); pb[3] = prmt(fb23, fb23, 0x3232u);
+        };
+        // k16 step s of the prepped k tile -> a[4s .. 4s + 3] (chunks 2s: a0, a1; 2s + 1: a2, a3)
+        auto decode = [&](const int s) {
+            if (DIAG & 2) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) a[4 * s + i] = 0x3F803F80u;
+                return;
+            }
+            const int h = s >> 1, j = s & 1;
+            const u32 qa4 = qa[h] << 4, qb4 = qb[h] << 4;
+            a[4 * s + 0] = bf16x2_mul(e2m1x2(qa[h], qa4, 2 * j), pa[s]);
+            a[4 * s + 1] = bf16x2_mul(e2m1x2(qb[h], qb4, 2 * j), pb[s]);
+            a[4 * s + 2] = bf16x2_mul(e2m1x2(qa[h], qa4, 2 * j + 1), pa[s]);
+            a[4 * s + 3] = bf16x2_mul(e2m1x2(qb[h], qb4, 2 * j + 1), pb[s]);
+        };
+        auto release = [&](int it) {                     // k tile it's slot: every wgmma reading it is done
+            if (lane == 0) {
+                mbar_arrive(empty0 + 8 * (it % STAGES));
+                if (CLUSTER > 1) mbar_arrive_peer(empty0 + 8 * (it % STAGES), peer);
+            }
+        };
+
+        if (total > 0) {
+            mbar_wait(full0, 0);
+            if (!(DIAG & 2)) prep(slots);
+            decode(0);
+        }
+        int it = 0;
+#pragma unroll 1
+        for (int j = 0; j < my_tiles; ++j) {
+            int m0, n0;
+            tile_coords(j, num_nt, m0, n0);
+#pragma unroll 1
+            for (int kt = 0; kt < KT; ++kt, ++it) {
+                const u32 sb = slots + (it % STAGES) * SLOT_BYTES;
+#pragma unroll
+                for (int s = 0; s < 4; ++s) {
+                    wgmma_fence();
+                    wgmma_bm(d, a[4 * s], a[4 * s + 1], a[4 * s + 2], a[4 * s + 3], desc_sw128(sb + s * 32),
+                             (kt | s) != 0);
+                    wgmma_commit();
+                    wgmma_wait<3>();                     // the group 4 commits back is done: its A set is free
+                    if (s == 2 && kt > 0) release(it - 1);
+                    if (s < 3) {
+                        decode(s + 1);
+                    } else if (it + 1 < total) {
+                        const int nx = it + 1;
+                        mbar_wait(full0 + 8 * (nx % STAGES), (nx / STAGES) & 1);
+                        if (!(DIAG & 2)) prep(slots + (nx % STAGES) * SLOT_BYTES);
+                        decode(0);
+                    }
+                }
+            }
+            wgmma_wait<0>();
+            release(it - 1);
+
+            // epilogue: d[i] is (weight row rl + 8 ((i/2)%2), token 8 (i/4) + 2 (lane%4) + i%2): per 8 tokens two 8x8
+            // matrices of the mma fragment layout. stmatrix.trans puts them in the staging buffer as
+            // [token][64 weight rows] (16-byte chunks XOR-swizzled by token % 8), then each token's 128 bytes go out
+            float b0 = 0.f, b1 = 0.f;
+            if (HAS_BIAS) {
+                b0 = __uint_as_float((u32)bias[n0 + r0] << 16);
+                b1 = __uint_as_float((u32)bias[n0 + r0 + 8] << 16);
+            }
+            const u32 stage = epis + c * EPI_BYTES;
+            const int ml = lane & 7, mk = lane >> 3;     // this lane's row of matrix mk in an stmatrix.x4
+#pragma unroll
+            for (int e = 0; e < TN / EPI_TOK; ++e) {
+#pragma unroll
+                for (int jj = 0; jj < EPI_TOK / 8; jj += 2) {
+                    const int jg = e * (EPI_TOK / 8) + jj;   // 8-token group of the tile
+                    const float* da = d + 4 * jg;
+                    const float* db = d + 4 * (jg + 1);
+                    const int tok = 8 * (jj + (mk >> 1)) + ml, chunk = 2 * warp + (mk & 1);
+                    stmatrix_x4_trans(stage + tok * 128 + ((chunk ^ ml) << 4),
+                                      pack_bf16x2(da[0] * mult + b0, da[1] * mult + b0),
+                                      pack_bf16x2(da[2] * mult + b1, da[3] * mult + b1),
+                                      pack_bf16x2(db[0] * mult + b0, db[1] * mult + b0),
+                                      pack_bf16x2(db[2] * mult + b1, db[3] * mult + b1));
+                }
+                named_barrier(1 + c);
+#pragma unroll
+                for (int r = 0; r < EPI_TOK * 8 / 128; ++r) {
+                    const int idx = t + 128 * r, tok = idx >> 3, cp = idx & 7;
+                    const uint4 v = ld_shared_v4(stage + tok * 128 + (cp << 4));
+                    const int m = m0 + e * EPI_TOK + tok;
+                    if (m < M && (!(DIAG & 4) || v.x == 12345u))
+                        *(uint4*)(y + (size_t)m * N + n0 + 64 * c + 8 * (cp ^ (tok & 7))) = v;
+                }
+                named_barrier(1 + c);
+            }
+        }
+    }
+#if CLUSTER > 1
+    cluster_sync();                                      // no multicast copy or remote arrive reaches an exited peer
+#endif
+}
