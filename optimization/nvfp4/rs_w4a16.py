@@ -22,7 +22,6 @@ ENABLED = [os.environ.get("SEEDVR2BW_RS_KERNEL", "1") != "0"]
 MAX_SMEM = 232448            # sm_90 opt-in shared memory per block
 BN = 128                     # weight rows per tile
 DIAG = [0]                   # probe-only kernel knobs (see the .cu's DIAG); 0 in production
-SCHED = [0]                  # probe-only mainloop schedule (see the .cu's SCHED); 0 in production
 _KERNELS: dict = {}          # config key -> _Kernel, or None after a failure
 _DISABLED_REASON: list = []
 
@@ -42,13 +41,11 @@ def wgmma_call(tn: int) -> str:
             f'        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));\n}}\n')
 
 
-def kernel_source(tn: int, stages: int, epi_tok: int, cluster: int, has_bias: bool, diag: int = 0,
-                  sched: int = 0) -> tuple[str, str]:
+def kernel_source(tn: int, stages: int, epi_tok: int, cluster: int, has_bias: bool, diag: int = 0) -> tuple[str, str]:
     """(kernel name, CUDA source) for one configuration."""
-    name = f"w4a16_rs_{tn}_{stages}_{epi_tok}_{cluster}_{int(has_bias)}_{diag}_{sched}"
+    name = f"w4a16_rs_{tn}_{stages}_{epi_tok}_{cluster}_{int(has_bias)}_{diag}"
     head = (f"#define TN {tn}\n#define STAGES {stages}\n#define EPI_TOK {epi_tok}\n#define CLUSTER {cluster}\n"
-            f"#define DIAG {diag}\n#define SCHED {sched}\n#define HAS_BIAS {int(has_bias)}\n"
-            f"#define KERNEL_NAME {name}\n")
+            f"#define DIAG {diag}\n#define HAS_BIAS {int(has_bias)}\n#define KERNEL_NAME {name}\n")
     body = _SOURCE_PATH.read_text().replace("//%%WGMMA%%", wgmma_call(tn), 1)
     return name, head + body
 
@@ -118,10 +115,10 @@ class _Kernel:
     """A compiled configuration and its launcher (cuLaunchKernel, or cuLaunchKernelEx with a cluster)."""
     threads = 384
 
-    def __init__(self, tn, stages, epi_tok, cluster, has_bias, diag, sched):
+    def __init__(self, tn, stages, epi_tok, cluster, has_bias, diag):
         from torch.cuda import _utils as cu
         _check_config(tn, stages, epi_tok, cluster)
-        name, src = kernel_source(tn, stages, epi_tok, cluster, has_bias, diag, sched)
+        name, src = kernel_source(tn, stages, epi_tok, cluster, has_bias, diag)
         self.tn, self.cluster = tn, cluster
         self.smem = smem_bytes(tn, stages, epi_tok)
         self.kernel = torch.cuda._compile_kernel(src, name, compute_capability="90a")
@@ -141,7 +138,7 @@ class _Kernel:
 
 
 def get_kernel(tn, stages, epi_tok, cluster, has_bias):
-    key = (tn, stages, epi_tok, cluster, has_bias, DIAG[0], SCHED[0])
+    key = (tn, stages, epi_tok, cluster, has_bias, DIAG[0])
     if key not in _KERNELS:
         try:
             _KERNELS[key] = _Kernel(*key)

@@ -97,21 +97,20 @@ def time_rounds(fns, inner, rounds):
 
 
 def variant(name, x, t, n, bias):
-    """fn for an rs variant name: rs | rsT_S_C[_E] with optional suffixes _dD (DIAG bits) and _sS (SCHED);
+    """fn for an rs variant name: rs | rsT_S_C[_E] with optional suffixes _dD (DIAG bits);
     nodec = rs_d2, nostore = rs_d4."""
     name = {"nodec": "rs_d2", "nostore": "rs_d4"}.get(name, name)
     parts = name[2:].split("_") if name.startswith("rs") else []
     diag = sum(int(p[1:]) for p in parts if p.startswith("d"))
-    sched = sum(int(p[1:]) for p in parts if p.startswith("s"))
     nums = [int(p) for p in parts if p.isdigit()]
     cfg = (nums[0], nums[1], nums[3] if len(nums) > 3 else 64, nums[2]) if nums else None
 
     def fn():
-        R.DIAG[0], R.SCHED[0] = diag, sched
+        R.DIAG[0] = diag
         try:
             return R.rs_linear(x, t.packed, t.block_scale, t.global_scale, n, bias, cfg)
         finally:
-            R.DIAG[0] = R.SCHED[0] = 0
+            R.DIAG[0] = 0
     fn.exact = diag == 0
     return fn
 
