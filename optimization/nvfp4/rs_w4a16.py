@@ -41,10 +41,10 @@ def wgmma_call(tn: int) -> str:
             f'        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));\n}}\n')
 
 
-def kernel_source(tn: int, stages: int, epi_tok: int, cluster: int, has_bias: bool, diag: int = 0) -> tuple[str, str]:
+def kernel_source(tn: int, stages: int, cluster: int, has_bias: bool, diag: int = 0) -> tuple[str, str]:
     """(kernel name, CUDA source) for one configuration."""
-    name = f"w4a16_rs_{tn}_{stages}_{epi_tok}_{cluster}_{int(has_bias)}_{diag}"
-    head = (f"#define TN {tn}\n#define STAGES {stages}\n#define EPI_TOK {epi_tok}\n#define CLUSTER {cluster}\n"
+    name = f"w4a16_rs_{tn}_{stages}_{cluster}_{int(has_bias)}_{diag}"
+    head = (f"#define TN {tn}\n#define STAGES {stages}\n#define CLUSTER {cluster}\n"
             f"#define DIAG {diag}\n#define HAS_BIAS {int(has_bias)}\n#define KERNEL_NAME {name}\n")
     body = _SOURCE_PATH.read_text().replace("//%%WGMMA%%", wgmma_call(tn), 1)
     return name, head + body
@@ -54,16 +54,21 @@ def slot_bytes(tn: int) -> int:
     return -(-(tn * 128 + BN * 32 + 512) // 1024) * 1024
 
 
-def smem_bytes(tn: int, stages: int, epi_tok: int) -> int:
-    """Dynamic shared memory: the ring, the two consumer warpgroups' epilogue staging, 1024-byte alignment slack."""
-    return stages * slot_bytes(tn) + 2 * epi_tok * 128 + 1024
+def smem_bytes(tn: int, stages: int) -> int:
+    """Dynamic shared memory: the ring, the two consumer warpgroups' output tiles (TMA store staging), 1024-byte
+    alignment slack."""
+    return stages * slot_bytes(tn) + 2 * tn * 128 + 1024
 
 
-def _check_config(tn, stages, epi_tok, cluster):
-    if tn not in (64, 128, 192, 256) or tn % epi_tok or epi_tok % 16 or cluster not in (1, 2) or stages < 2:
-        raise ValueError(f"config {(tn, stages, epi_tok, cluster)} does not tile")
-    if smem_bytes(tn, stages, epi_tok) > MAX_SMEM:
-        raise ValueError(f"{smem_bytes(tn, stages, epi_tok)} B of shared memory > {MAX_SMEM}")
+def max_stages(tn: int) -> int:
+    return (MAX_SMEM - 2 * tn * 128 - 1024) // slot_bytes(tn)
+
+
+def _check_config(tn, stages, cluster):
+    if tn % 16 or not 64 <= tn <= 256 or cluster not in (1, 2) or stages < 2:
+        raise ValueError(f"config {(tn, stages, cluster)} does not tile")
+    if smem_bytes(tn, stages) > MAX_SMEM:
+        raise ValueError(f"{smem_bytes(tn, stages)} B of shared memory > {MAX_SMEM}")
 
 
 _CU_TENSOR_MAP = dict(uint8=0, uint16=1, no_interleave=0, no_swizzle=0, swizzle_128b=3, l2_promote_128b=2,
@@ -88,7 +93,8 @@ def _encode_map(ptr: int, dtype_code: int, inner: int, rows: int, row_bytes: int
 
 
 def x_map(x: torch.Tensor, rows: int):
-    """Tensor map of the activations x[M, K] (bf16): boxes of 64 k x `rows` tokens, 128-byte swizzle."""
+    """Tensor map of a bf16 matrix x[R, C] (activations, or the output): boxes of 64 columns x `rows` rows, 128-byte
+    swizzle."""
     return _encode_map(x.data_ptr(), _CU_TENSOR_MAP["uint16"], x.shape[1], x.shape[0], x.stride(0) * 2, 64, rows,
                        _CU_TENSOR_MAP["swizzle_128b"])
 
@@ -115,12 +121,12 @@ class _Kernel:
     """A compiled configuration and its launcher (cuLaunchKernel, or cuLaunchKernelEx with a cluster)."""
     threads = 384
 
-    def __init__(self, tn, stages, epi_tok, cluster, has_bias, diag):
+    def __init__(self, tn, stages, cluster, has_bias, diag):
         from torch.cuda import _utils as cu
-        _check_config(tn, stages, epi_tok, cluster)
-        name, src = kernel_source(tn, stages, epi_tok, cluster, has_bias, diag)
+        _check_config(tn, stages, cluster)
+        name, src = kernel_source(tn, stages, cluster, has_bias, diag)
         self.tn, self.cluster = tn, cluster
-        self.smem = smem_bytes(tn, stages, epi_tok)
+        self.smem = smem_bytes(tn, stages)
         self.kernel = torch.cuda._compile_kernel(src, name, compute_capability="90a")
         self.kernel.set_shared_memory_config(self.smem)
         lib = cu._get_gpu_runtime_library()
@@ -137,8 +143,8 @@ class _Kernel:
         self._check(self._launch_ex(ctypes.byref(conf), self.kernel.func, arr, None))
 
 
-def get_kernel(tn, stages, epi_tok, cluster, has_bias):
-    key = (tn, stages, epi_tok, cluster, has_bias, DIAG[0])
+def get_kernel(tn, stages, cluster, has_bias):
+    key = (tn, stages, cluster, has_bias, DIAG[0])
     if key not in _KERNELS:
         try:
             _KERNELS[key] = _Kernel(*key)
@@ -164,20 +170,25 @@ def waves(units: int, slots: int) -> float:
     return units / (rounds * slots)
 
 
+TILE_TOKENS = (256, 240, 224, 208, 192)
+DECODE_COST = 0.04           # the decode's share of a 256-token tile's time (H100: rs_probe nodec vs rs, 3b99329)
+
+
 def config_for(m: int, n: int, k: int, sms: int = 132) -> tuple:
-    """(tn, stages, epi_tok, cluster). 256-token tiles (each decoded weight feeds 256 tokens) unless 128-token
-    tiles fill the last round of the persistent grid clearly better (e.g. N = 2560 at M = 4096: 320 tiles of 256
-    tokens on 132 SMs leave the third round 42 % busy; 640 tiles of 128 fill 97 % of five)."""
-    tiles256 = -(-m // 256) * (n // BN)
-    tiles128 = -(-m // 128) * (n // BN)
-    if waves(tiles128, sms) > waves(tiles256, sms) + 0.1:
-        return 128, 6, 64, 1
-    return 256, 4, 64, 1
+    """(tn, stages, cluster): the tokens per tile that minimize the estimated time, rounds of the persistent grid
+    x tile work (tn) x the decode's cost per token (each decoded weight feeds tn tokens). E.g. N = 2560 at
+    M = 4096: 320 tiles of 256 tokens on 132 SMs take 3 rounds (the last 42 % busy), 380 tiles of 224 take 2.9:
+    224 it is. 128-token tiles measured 0.65x bf16 on every SeedVR2 shape (twice the decode per token)."""
+    def cost(tn):
+        rounds = -(-(-(-m // tn) * (n // BN)) // sms)
+        return rounds * tn * (1 + DECODE_COST * 256 / tn)
+    tn = min(TILE_TOKENS, key=cost)
+    return tn, min(4, max_stages(tn)), 1
 
 
-def _args(xmap, wmap, block_scale, g, bias, y, M, n, Kd):
-    vals = [xmap, wmap]
-    vals += [ctypes.c_void_p(t.data_ptr()) for t in (block_scale, g, bias, y)]
+def _args(xmap, wmap, ymap, block_scale, g, bias, M, n, Kd):
+    vals = [xmap, wmap, ymap]
+    vals += [ctypes.c_void_p(t.data_ptr()) for t in (block_scale, g, bias)]
     vals += [ctypes.c_int(v) for v in (M, n, Kd, block_scale.shape[1] // 4)]
     arr = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
     arr._values = vals          # the array holds bare addresses: the values must live as long as it does
@@ -187,7 +198,7 @@ def _args(xmap, wmap, block_scale, g, bias, y, M, n, Kd):
 def rs_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=None, config=None,
               grid: int | None = None, out: torch.Tensor | None = None):
     """y[M, n] = x[M, K] @ dequant(W)^T (+ bias) with this kernel, or None when it cannot run here.
-    config = (tn, stages, epi_tok, cluster), default ``config_for``; grid: CTAs (default: the SM count);
+    config = (tn, stages, cluster), default ``config_for``; grid: CTAs (default: the SM count);
     out: a contiguous [M, n] bf16 tensor to write (tests poison it first)."""
     from . import kernels as K
     M, Kd = x.shape
@@ -195,13 +206,13 @@ def rs_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=N
             or (x.data_ptr() | packed.data_ptr() | block_scale.data_ptr()) % 16):
         return None
     sms = K._sm_count(x.device)
-    tn, stages, epi_tok, cluster = config or config_for(M, n, Kd, sms)
+    tn, stages, cluster = config or config_for(M, n, Kd, sms)
     if n % (BN * cluster):
         return None
     y = out if out is not None else torch.empty((M, n), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    kern = get_kernel(tn, stages, epi_tok, cluster, bias is not None)
+    kern = get_kernel(tn, stages, cluster, bias is not None)
     if kern is None:
         return None
     units = -(-M // tn) * (n // BN) // cluster
@@ -209,6 +220,7 @@ def rs_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=N
     g = global_scale.to(device=x.device, dtype=torch.float32).reshape(1)
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    arr = _args(x_map(x, tn // cluster), w_map(packed), block_scale, g, bias if bias is not None else g, y, M, n, Kd)
+    arr = _args(x_map(x, tn // cluster), w_map(packed), x_map(y, tn), block_scale, g,
+                bias if bias is not None else g, M, n, Kd)
     kern.launch(grid, arr, K.raw_stream(x.device.index))
     return y

@@ -37,7 +37,7 @@
 #define W_BYTES (BN * 32)            // packed weight tile: BN rows x 64 k, 4 bit, row-major (32 B a row)
 #define S_BYTES 512                  // block scales of the tile: 128 rows x 4 (swizzled 32 x 16 B)
 #define SLOT_BYTES ((X_BYTES + W_BYTES + S_BYTES + 1023) / 1024 * 1024)
-#define EPI_BYTES (EPI_TOK * 128)    // per consumer warpgroup: EPI_TOK tokens x 64 weight rows, bf16
+#define EPI_BYTES (TN * 128)         // per consumer warpgroup: the TN tokens x 64 weight rows of a tile, bf16
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -106,10 +106,14 @@ static __device__ __forceinline__ u32 e2m1x2(u32 q, u32 q4, const int b) {
     const u32 z = prmt(q, q4, b | ((b | 8) << 4) | ((b + 4) << 8) | (((b + 4) | 8) << 12));
     return (z << 2) & 0x81C081C0u;
 }
-// two E4M3 scales (bytes 0, 1 of s) -> bf16x2 [s0, s1] x 2^116
+// two E4M3 scales (bytes 0, 1 of s) -> bf16x2 [s0, s1] x 2^116, exact, in integer ops after one convert: every
+// E4M3 value is a normal fp16, and fp16 bits >> 3 put its exponent and 3 mantissa bits on bf16's, with the exponent
+// short of bf16's by 127 - 15; + 116 more gives the factor. (A zero scale becomes 2^101: its block's codes are all
+// zero, so the products stay zero.)
 static __device__ __forceinline__ u32 scale_pair(u32 s) {
-    const u32 two118 = 0x7A807A80u;
-    return bf16x2_mul(bf16x2_mul(prmt(s, 0u, 0x4140u) << 4, two118), two118);
+    u32 h;
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(h) : "r"(s));
+    return ((h >> 3) & 0x0FFF0FFFu) + 0x72007200u;
 }
 static __device__ __forceinline__ u64 desc_sw128(u32 addr) {
     // wgmma shared-memory descriptor, K-major, 128-byte swizzle: start >> 4, leading offset (unused) 1, stride
@@ -130,6 +134,19 @@ static __device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
 static __device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 a, u32 b, u32 c, u32 d) {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
                  ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+// TMA store of the box at (inner coordinate c0, row c1) from shared src (rows past the tensor's end are dropped)
+static __device__ __forceinline__ void tma_store_2d(const TensorMap* map, int c0, int c1, u32 src) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
+                 ::"l"((u64)map), "r"(c0), "r"(c1), "r"(src) : "memory");
+}
+static __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+static __device__ __forceinline__ void bulk_wait_read() {      // this thread's stores have read their sources
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+static __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+static __device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 static __device__ __forceinline__ void named_barrier(int id) {   // one consumer warpgroup
     asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
@@ -159,8 +176,9 @@ static __device__ __forceinline__ void tile_coords(int j, int num_nt, int& m0, i
 
 // CLUSTER 2 must be launched with a cluster dimension of (2, 1, 1) and N / 128 even (rs_w4a16.py checks)
 extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
-    const __grid_constant__ TensorMap xmap, const __grid_constant__ TensorMap wmap, const u8* __restrict__ wsc,
-    const float* __restrict__ g, const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int K, int ncb4) {
+    const __grid_constant__ TensorMap xmap, const __grid_constant__ TensorMap wmap,
+    const __grid_constant__ TensorMap ymap, const u8* __restrict__ wsc, const float* __restrict__ g,
+    const u16* __restrict__ bias, int M, int N, int K, int ncb4) {
     extern __shared__ __align__(1024) u8 smem_raw[];
     u8* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);   // 1024-aligned (the swizzle atom)
     const u32 slots = smem_addr(smem);
@@ -334,42 +352,38 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             release(pslot);
 
             // epilogue: d[i] is (weight row rl + 8 ((i/2)%2), token 8 (i/4) + 2 (lane%4) + i%2): per 8 tokens two 8x8
-            // matrices of the mma fragment layout. stmatrix.trans puts them in the staging buffer as
-            // [token][64 weight rows] (16-byte chunks XOR-swizzled by token % 8), then each token's 128 bytes go out
+            // matrices of the mma fragment layout. stmatrix.trans puts them in this warpgroup's staging buffer as
+            // [token][64 weight rows], 128 bytes a token, 16-byte chunks XOR-swizzled by token % 8 (TMA's 128-byte
+            // swizzle); one thread then stores the whole TN x 64 tile by TMA and the warpgroup goes on with the next
+            // tile while the copy runs (its staging buffer is reused only after the copy has read it).
             float b0 = 0.f, b1 = 0.f;
             if (HAS_BIAS) {
                 b0 = __uint_as_float((u32)bias[n0 + r0] << 16);
                 b1 = __uint_as_float((u32)bias[n0 + r0 + 8] << 16);
             }
+            if (t == 0) bulk_wait_read();                // the previous tile's store has read the staging buffer
+            named_barrier(1 + c);
             const u32 stage = epis + c * EPI_BYTES;
             const int ml = lane & 7, mk = lane >> 3;     // this lane's row of matrix mk in an stmatrix.x4
 #pragma unroll
-            for (int e = 0; e < TN / EPI_TOK; ++e) {
-#pragma unroll
-                for (int jj = 0; jj < EPI_TOK / 8; jj += 2) {
-                    const int jg = e * (EPI_TOK / 8) + jj;   // 8-token group of the tile
-                    const float* da = d + 4 * jg;
-                    const float* db = d + 4 * (jg + 1);
-                    const int tok = 8 * (jj + (mk >> 1)) + ml, chunk = 2 * warp + (mk & 1);
-                    stmatrix_x4_trans(stage + tok * 128 + ((chunk ^ ml) << 4),
-                                      pack_bf16x2(da[0] * mult + b0, da[1] * mult + b0),
-                                      pack_bf16x2(da[2] * mult + b1, da[3] * mult + b1),
-                                      pack_bf16x2(db[0] * mult + b0, db[1] * mult + b0),
-                                      pack_bf16x2(db[2] * mult + b1, db[3] * mult + b1));
-                }
-                named_barrier(1 + c);
-#pragma unroll
-                for (int r = 0; r < EPI_TOK * 8 / 128; ++r) {
-                    const int idx = t + 128 * r, tok = idx >> 3, cp = idx & 7;
-                    const uint4 v = ld_shared_v4(stage + tok * 128 + (cp << 4));
-                    const int m = m0 + e * EPI_TOK + tok;
-                    if (m < M && (!(DIAG & 4) || v.x == 12345u) && (!(DIAG & 16) || sink != 0x12345u)
-                        && live != 0x9E3779B9u)
-                        *(uint4*)(y + (size_t)m * N + n0 + 64 * c + 8 * (cp ^ (tok & 7))) = v;
-                }
-                named_barrier(1 + c);
+            for (int jg = 0; jg < TN / 8; jg += 2) {     // 8-token groups jg, jg + 1
+                const float* da = d + 4 * jg;
+                const float* dn = d + 4 * (jg + 1);
+                const int tok = 8 * (jg + (mk >> 1)) + ml, chunk = 2 * warp + (mk & 1);
+                stmatrix_x4_trans(stage + tok * 128 + ((chunk ^ ml) << 4),
+                                  pack_bf16x2(da[0] * mult + b0, da[1] * mult + b0),
+                                  pack_bf16x2(da[2] * mult + b1, da[3] * mult + b1),
+                                  pack_bf16x2(dn[0] * mult + b0, dn[1] * mult + b0),
+                                  pack_bf16x2(dn[2] * mult + b1, dn[3] * mult + b1));
+            }
+            fence_proxy_async();                         // these shared-memory writes -> the TMA store's reads
+            named_barrier(1 + c);
+            if (t == 0 && !(DIAG & 4) && (!(DIAG & 16) || sink != 0x12345u) && live != 0x9E3779B9u) {
+                tma_store_2d(&ymap, n0 + 64 * c, m0, stage);
+                bulk_commit();
             }
         }
+        if (t == 0) bulk_wait_all();                     // the last store is done before the CTA's memory goes
     }
 #if CLUSTER > 1
     cluster_sync();                                      // no multicast copy or remote arrive reaches an exited peer
