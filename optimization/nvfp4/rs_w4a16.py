@@ -170,19 +170,19 @@ def waves(units: int, slots: int) -> float:
     return units / (rounds * slots)
 
 
-TILE_TOKENS = (256, 240, 224, 208, 192)
-DECODE_COST = 0.04           # the decode's share of a 256-token tile's time (H100: rs_probe nodec vs rs, 3b99329)
+TILE_TOKENS = (256, 240, 224)
 
 
 def config_for(m: int, n: int, k: int, sms: int = 132) -> tuple:
-    """(tn, stages, cluster): the tokens per tile that minimize the estimated time, rounds of the persistent grid
-    x tile work (tn) x the decode's cost per token (each decoded weight feeds tn tokens). E.g. N = 2560 at
-    M = 4096: 320 tiles of 256 tokens on 132 SMs take 3 rounds (the last 42 % busy), 380 tiles of 224 take 2.9:
-    224 it is. 128-token tiles measured 0.65x bf16 on every SeedVR2 shape (twice the decode per token)."""
+    """(tn, stages, cluster): the tokens per tile (256, 240 or 224) with the least rounds x tokens on the persistent
+    grid, 256 unless another is >= 5 % less. E.g. N = 2560 at M = 4096: 320 tiles of 256 tokens on 132 SMs take 3
+    rounds, the last 42 % busy; 380 tiles of 224 take 3 rounds too, 12 % less work each (H100: 0.86x bf16 vs
+    0.76x, rs_probe 4b9b906). Fewer tokens a tile cost more than their share: every step's decode is the same
+    (192 tokens: 0.66-0.85x; 128: 0.65x)."""
     def cost(tn):
-        rounds = -(-(-(-m // tn) * (n // BN)) // sms)
-        return rounds * tn * (1 + DECODE_COST * 256 / tn)
-    tn = min(TILE_TOKENS, key=cost)
+        return -(-(-(-m // tn) * (n // BN)) // sms) * tn
+    best = min(TILE_TOKENS, key=cost)
+    tn = best if cost(best) < 0.95 * cost(256) else 256
     return tn, min(4, max_stages(tn)), 1
 
 

@@ -27,7 +27,9 @@
 
 #ifndef DIAG
 #define DIAG 0                       // probe-only knobs, wrong results: 2 = constant A (no decode), 4 = no stores,
-#endif                               // 8 = no scale multiply, 16 = decode kept but wgmma fed constant A
+#endif                               // 8 = no scale multiply, 16 = decode kept but wgmma fed constant A;
+                                     // right results: 32 = output stores with L2 evict_first, 64 = weight and
+                                     // scale loads with L2 evict_last
 #ifndef CLUSTER
 #define CLUSTER 1                    // 2: CTA pairs share the token tile (TMA multicast), weight tiles 2p and 2p + 1
 #endif
@@ -140,6 +142,30 @@ static __device__ __forceinline__ void tma_store_2d(const TensorMap* map, int c0
     asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
                  ::"l"((u64)map), "r"(c0), "r"(c1), "r"(src) : "memory");
 }
+static __device__ __forceinline__ void tma_store_2d_hint(const TensorMap* map, int c0, int c1, u32 src, u64 pol) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%1, %2}], [%3], %4;\n"
+                 ::"l"((u64)map), "r"(c0), "r"(c1), "r"(src), "l"(pol) : "memory");
+}
+static __device__ __forceinline__ void tma_load_2d_hint(u32 dst, const TensorMap* map, int c0, int c1, u32 bar,
+                                                        u64 pol) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+                 " [%0], [%1, {%2, %3}], [%4], %5;\n"
+                 ::"r"(dst), "l"((u64)map), "r"(c0), "r"(c1), "r"(bar), "l"(pol) : "memory");
+}
+static __device__ __forceinline__ void bulk_load_hint(u32 dst, const void* src, u32 bytes, u32 bar, u64 pol) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
+}
+static __device__ __forceinline__ u64 policy_evict_first() {
+    u64 p;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+    return p;
+}
+static __device__ __forceinline__ u64 policy_evict_last() {
+    u64 p;
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(p));
+    return p;
+}
 static __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 static __device__ __forceinline__ void bulk_wait_read() {      // this thread's stores have read their sources
     asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
@@ -233,8 +259,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                     tma_load_2d_mc(sb + (blockIdx.x & 1) * (X_BYTES / 2), &xmap, kt * 64,
                                    m0 + (blockIdx.x & 1) * (TN / 2), bar, (u16)3);
 #endif
-                    tma_load_2d(sb + X_BYTES, &wmap, kt * 32, n0, bar);
-                    bulk_load(sb + X_BYTES + W_BYTES, srow + kt * 512, S_BYTES, bar);
+                    if (DIAG & 64) {
+                        tma_load_2d_hint(sb + X_BYTES, &wmap, kt * 32, n0, bar, policy_evict_last());
+                        bulk_load_hint(sb + X_BYTES + W_BYTES, srow + kt * 512, S_BYTES, bar, policy_evict_last());
+                    } else {
+                        tma_load_2d(sb + X_BYTES, &wmap, kt * 32, n0, bar);
+                        bulk_load(sb + X_BYTES + W_BYTES, srow + kt * 512, S_BYTES, bar);
+                    }
                 }
             }
         }
@@ -379,7 +410,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             fence_proxy_async();                         // these shared-memory writes -> the TMA store's reads
             named_barrier(1 + c);
             if (t == 0 && !(DIAG & 4) && (!(DIAG & 16) || sink != 0x12345u) && live != 0x9E3779B9u) {
-                tma_store_2d(&ymap, n0 + 64 * c, m0, stage);
+                if (DIAG & 32) tma_store_2d_hint(&ymap, n0 + 64 * c, m0, stage, policy_evict_first());
+                else tma_store_2d(&ymap, n0 + 64 * c, m0, stage);
                 bulk_commit();
             }
         }
