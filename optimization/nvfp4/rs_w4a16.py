@@ -21,7 +21,6 @@ _SOURCE_PATH = Path(__file__).with_name("w4a16_rs.cu")
 ENABLED = [os.environ.get("SEEDVR2BW_RS_KERNEL", "1") != "0"]
 MAX_SMEM = 232448            # sm_90 opt-in shared memory per block
 BN = 128                     # weight rows per tile
-ST_ROWS = 32                 # tokens per output TMA store (the .cu's ST_ROWS)
 DIAG = [0]                   # probe-only kernel knobs (see the .cu's DIAG); 0 in production
 _KERNELS: dict = {}          # config key -> _Kernel, or None after a failure
 _DISABLED_REASON: list = []
@@ -66,7 +65,7 @@ def max_stages(tn: int) -> int:
 
 
 def _check_config(tn, stages, cluster):
-    if tn % ST_ROWS or not 64 <= tn <= 256 or cluster not in (1, 2) or stages < 2:
+    if tn % 16 or not 64 <= tn <= 256 or cluster not in (1, 2) or stages < 2:
         raise ValueError(f"config {(tn, stages, cluster)} does not tile")
     if smem_bytes(tn, stages) > MAX_SMEM:
         raise ValueError(f"{smem_bytes(tn, stages)} B of shared memory > {MAX_SMEM}")
@@ -171,11 +170,11 @@ def waves(units: int, slots: int) -> float:
     return units / (rounds * slots)
 
 
-TILE_TOKENS = (256, 224)
+TILE_TOKENS = (256, 240, 224)
 
 
 def config_for(m: int, n: int, k: int, sms: int = 132) -> tuple:
-    """(tn, stages, cluster): the tokens per tile (256 or 224) with the least rounds x tokens on the persistent
+    """(tn, stages, cluster): the tokens per tile (256, 240 or 224) with the least rounds x tokens on the persistent
     grid, 256 unless another is >= 5 % less. E.g. N = 2560 at M = 4096: 320 tiles of 256 tokens on 132 SMs take 3
     rounds, the last 42 % busy; 380 tiles of 224 take 3 rounds too, 12 % less work each (H100: 0.86x bf16 vs
     0.76x, rs_probe 4b9b906). Fewer tokens a tile cost more than their share: every step's decode is the same
@@ -221,7 +220,7 @@ def rs_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=N
     g = global_scale.to(device=x.device, dtype=torch.float32).reshape(1)
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    arr = _args(x_map(x, tn // cluster), w_map(packed), x_map(y, ST_ROWS), block_scale, g,
+    arr = _args(x_map(x, tn // cluster), w_map(packed), x_map(y, tn), block_scale, g,
                 bias if bias is not None else g, M, n, Kd)
     kern.launch(grid, arr, K.raw_stream(x.device.index))
     return y

@@ -51,7 +51,7 @@ def check(dev, gen, log):
         (4133, 3072, 3072, None, None),             # the default config, an M tail
         (4096, 2560, 6912, (256, 4, 1), None),
         (4096, 6912, 2560, None, None),             # 224 tokens a tile
-        (777, 3072, 1024, (192, 4, 1), 5),
+        (777, 3072, 1024, (208, 4, 1), 5),
     ]
     worst = 0.0
     for M, Kd, N, cfg, grid in cases:
