@@ -65,7 +65,7 @@ def max_stages(tn: int) -> int:
 
 
 def _check_config(tn, stages, cluster):
-    if tn % 16 or not 64 <= tn <= 256 or cluster not in (1, 2) or stages < 2:
+    if tn % 16 or not 64 <= tn <= 256 or cluster not in (1, 2) or stages < 3:
         raise ValueError(f"config {(tn, stages, cluster)} does not tile")
     if smem_bytes(tn, stages) > MAX_SMEM:
         raise ValueError(f"{smem_bytes(tn, stages)} B of shared memory > {MAX_SMEM}")
@@ -170,7 +170,7 @@ def waves(units: int, slots: int) -> float:
     return units / (rounds * slots)
 
 
-TILE_TOKENS = (256, 240, 224)
+TILE_TOKENS = (256, 224)
 
 
 def config_for(m: int, n: int, k: int, sms: int = 132) -> tuple:
