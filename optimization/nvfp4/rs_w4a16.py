@@ -1,7 +1,8 @@
 """Hopper (sm_90a) fused NVFP4 x bf16 GEMM for large M: the persistent, warp-specialized kernel in ``w4a16_rs.cu``
 (TMA producer, two consumer warpgroups that decode the weight straight into wgmma's A registers while three wgmma
-groups are queued). Compiled at run time by NVRTC (``torch.cuda._compile_kernel``, no CUDA toolkit needed) and
-launched through the driver, like ``wgmma_w4a16.py`` (the small-M kernel).
+groups are queued, stream-K for the tiles of a last partial round). Compiled at run time by NVRTC
+(``torch.cuda._compile_kernel``, no CUDA toolkit needed) and launched through the driver, like ``wgmma_w4a16.py``
+(the small-M kernel).
 
 Scope: bf16 activations with contiguous rows (16-byte aligned), K % 64 == 0, N % 128 == 0 (every SeedVR2 / FLUX
 linear), sm_90. Anything else, or any compile / launch failure, returns None and the caller keeps its other path.
@@ -41,11 +42,11 @@ def wgmma_call(tn: int) -> str:
             f'        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));\n}}\n')
 
 
-def kernel_source(tn: int, stages: int, cluster: int, has_bias: bool, diag: int = 0) -> tuple[str, str]:
+def kernel_source(tn: int, stages: int, has_bias: bool, diag: int = 0) -> tuple[str, str]:
     """(kernel name, CUDA source) for one configuration."""
-    name = f"w4a16_rs_{tn}_{stages}_{cluster}_{int(has_bias)}_{diag}"
-    head = (f"#define TN {tn}\n#define STAGES {stages}\n#define CLUSTER {cluster}\n"
-            f"#define DIAG {diag}\n#define HAS_BIAS {int(has_bias)}\n#define KERNEL_NAME {name}\n")
+    name = f"w4a16_rs_{tn}_{stages}_{int(has_bias)}_{diag}"
+    head = (f"#define TN {tn}\n#define STAGES {stages}\n#define DIAG {diag}\n#define HAS_BIAS {int(has_bias)}\n"
+            f"#define KERNEL_NAME {name}\n")
     body = _SOURCE_PATH.read_text().replace("//%%WGMMA%%", wgmma_call(tn), 1)
     return name, head + body
 
@@ -64,21 +65,22 @@ def max_stages(tn: int) -> int:
     return (MAX_SMEM - 2 * tn * 128 - 1024) // slot_bytes(tn)
 
 
-def _check_config(tn, stages, cluster):
-    if tn % 16 or not 64 <= tn <= 256 or cluster not in (1, 2) or stages < 3:
-        raise ValueError(f"config {(tn, stages, cluster)} does not tile")
+def _check_config(tn, stages):
+    # >= 3 stages: the consumers wait for k tile t + 1 before they release k tile t - 1
+    if tn % 16 or not 64 <= tn <= 256 or stages < 3:
+        raise ValueError(f"config {(tn, stages)} does not tile")
     if smem_bytes(tn, stages) > MAX_SMEM:
         raise ValueError(f"{smem_bytes(tn, stages)} B of shared memory > {MAX_SMEM}")
 
 
 _CU_TENSOR_MAP = dict(uint8=0, uint16=1, no_interleave=0, no_swizzle=0, swizzle_128b=3, l2_promote_128b=2,
-                      l2_promote_256b=3, oob_zero=0)
+                      oob_zero=0)
 
 
 def _encode_map(ptr: int, dtype_code: int, inner: int, rows: int, row_bytes: int, box_inner: int, box_rows: int,
                 swizzle: int):
     """A CUtensorMap (128 bytes) of a row-major 2-D tensor: `inner` elements a row, `rows` rows `row_bytes` apart;
-    TMA boxes of box_inner x box_rows; rows past the end read as zeros."""
+    TMA boxes of box_inner x box_rows; rows past the end read as zeros (and are not written by stores)."""
     from torch.cuda import _utils as cu
     lib = cu._get_gpu_runtime_library()
     tmap = (ctypes.c_uint64 * 16)()
@@ -105,46 +107,28 @@ def w_map(packed: torch.Tensor):
                        packed.stride(0), 32, BN, _CU_TENSOR_MAP["no_swizzle"])
 
 
-class _LaunchConfig(ctypes.Structure):      # CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
-
-
-class _LaunchAttr(ctypes.Structure):        # CUlaunchAttribute: id, padding, a 64-byte value union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_uint * 16)]
-
-
-_CLUSTER_DIMENSION = 4                      # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-
-
 class _Kernel:
-    """A compiled configuration and its launcher (cuLaunchKernel, or cuLaunchKernelEx with a cluster)."""
+    """A compiled configuration and its launcher (one cuLaunchKernel through ctypes)."""
     threads = 384
 
-    def __init__(self, tn, stages, cluster, has_bias, diag):
+    def __init__(self, tn, stages, has_bias, diag):
         from torch.cuda import _utils as cu
-        _check_config(tn, stages, cluster)
-        name, src = kernel_source(tn, stages, cluster, has_bias, diag)
-        self.tn, self.cluster = tn, cluster
+        _check_config(tn, stages)
+        name, src = kernel_source(tn, stages, has_bias, diag)
+        self.tn = tn
         self.smem = smem_bytes(tn, stages)
         self.kernel = torch.cuda._compile_kernel(src, name, compute_capability="90a")
         self.kernel.set_shared_memory_config(self.smem)
         lib = cu._get_gpu_runtime_library()
-        self._launch, self._launch_ex, self._check = lib.cuLaunchKernel, lib.cuLaunchKernelEx, cu._check_cuda
+        self._launch, self._check = lib.cuLaunchKernel, cu._check_cuda
 
     def launch(self, grid: int, arr, stream: int):
-        if self.cluster == 1:
-            self._check(self._launch(self.kernel.func, grid, 1, 1, self.threads, 1, 1, self.smem,
-                                     ctypes.c_void_p(stream), arr, None))
-            return
-        attr = _LaunchAttr(_CLUSTER_DIMENSION, 0, (ctypes.c_uint * 16)(self.cluster, 1, 1))
-        conf = _LaunchConfig((ctypes.c_uint * 3)(grid, 1, 1), (ctypes.c_uint * 3)(self.threads, 1, 1), self.smem,
-                             ctypes.c_void_p(stream), ctypes.cast(ctypes.byref(attr), ctypes.c_void_p), 1)
-        self._check(self._launch_ex(ctypes.byref(conf), self.kernel.func, arr, None))
+        self._check(self._launch(self.kernel.func, grid, 1, 1, self.threads, 1, 1, self.smem,
+                                 ctypes.c_void_p(stream), arr, None))
 
 
-def get_kernel(tn, stages, cluster, has_bias):
-    key = (tn, stages, cluster, has_bias, DIAG[0])
+def get_kernel(tn, stages, has_bias):
+    key = (tn, stages, has_bias, DIAG[0])
     if key not in _KERNELS:
         try:
             _KERNELS[key] = _Kernel(*key)
@@ -164,63 +148,94 @@ def supported(x: torch.Tensor, n: int, k: int) -> bool:
     return torch.cuda.get_device_capability(x.device) == (9, 0)
 
 
-def waves(units: int, slots: int) -> float:
-    """Fraction of the persistent grid's last round that is busy (1.0: every round full)."""
-    rounds = -(-units // slots)
-    return units / (rounds * slots)
-
-
 TILE_TOKENS = (256, 224)
 
 
+def tiles(m: int, n: int, tn: int) -> int:
+    return -(-m // tn) * (n // BN)
+
+
 def config_for(m: int, n: int, k: int, sms: int = 132) -> tuple:
-    """(tn, stages, cluster): the tokens per tile (256, 240 or 224) with the least rounds x tokens on the persistent
-    grid, 256 unless another is >= 5 % less. E.g. N = 2560 at M = 4096: 320 tiles of 256 tokens on 132 SMs take 3
-    rounds, the last 42 % busy; 380 tiles of 224 take 3 rounds too, 12 % less work each (H100: 0.86x bf16 vs
-    0.76x, rs_probe 4b9b906). Fewer tokens a tile cost more than their share: every step's decode is the same
-    (192 tokens: 0.66-0.85x; 128: 0.65x)."""
+    """(tn, stages): 256 tokens a tile, or 224 when that makes the rounds x tokens of the persistent grid >= 5 %
+    less (each decoded weight feeds tn tokens, so fewer cost more than their share: 192 tokens measured 0.66-0.85x
+    bf16, 128 0.65x, on the SeedVR2 shapes). The tail of a last partial round is stream-K (``split``), so rounds
+    count fractionally here."""
+    kt = k // 64
+
     def cost(tn):
-        return -(-(-(-m // tn) * (n // BN)) // sms) * tn
-    best = min(TILE_TOKENS, key=cost)
-    tn = best if cost(best) < 0.95 * cost(256) else 256
-    return tn, min(4, max_stages(tn)), 1
+        dp, sk, g_sk = split(tiles(m, n, tn), kt, sms)
+        return (dp // sms * kt + (-(-sk * kt // g_sk) + SK_FIXUP if sk else 0)) * tn
+    tn = 224 if cost(224) < 0.95 * cost(256) else 256
+    return tn, min(4, max_stages(tn))
 
 
-def _args(xmap, wmap, ymap, block_scale, g, bias, M, n, Kd):
+MIN_SK_UNITS = 8             # stream-K: at least this many k tiles a CTA
+SK_FIXUP = 4                 # stream-K: the partial sums' write + read cost about this many k tiles
+
+
+def split(n_tiles: int, kt: int, sms: int) -> tuple[int, int, int]:
+    """(dp_tiles, sk_tiles, g_sk): data-parallel tiles (whole rounds of ``sms`` CTAs), then the remaining tiles
+    stream-K over g_sk CTAs, when that beats one more round (a round of kt k tiles vs kt x sk_tiles / g_sk + the
+    partial sums' cost)."""
+    rem = n_tiles % sms
+    if rem == 0 or kt < 2 * MIN_SK_UNITS:
+        return n_tiles, 0, 1
+    g_sk = min(sms, rem * kt // MIN_SK_UNITS)
+    if g_sk <= rem or -(-rem * kt // g_sk) + SK_FIXUP >= kt:
+        return n_tiles, 0, 1
+    return n_tiles - rem, rem, g_sk
+
+
+_SK_BUFFERS: dict = {}       # (device, stream) -> (workspace, flags); flags return to 0 after every launch
+
+
+def _sk_buffers(device, stream: int, tn: int, ctas: int):
+    key = (str(device), stream)
+    need = ctas * 256 * (tn // 2)
+    ws, flags = _SK_BUFFERS.get(key, (None, None))
+    if ws is None or ws.numel() < need or flags.numel() < ctas:
+        ws = torch.empty(need, dtype=torch.float32, device=device)
+        flags = torch.zeros(ctas, dtype=torch.int32, device=device)
+        _SK_BUFFERS[key] = (ws, flags)
+    return ws, flags
+
+
+def _args(xmap, wmap, ymap, block_scale, g, bias, ws, flags, ints):
     vals = [xmap, wmap, ymap]
-    vals += [ctypes.c_void_p(t.data_ptr()) for t in (block_scale, g, bias)]
-    vals += [ctypes.c_int(v) for v in (M, n, Kd, block_scale.shape[1] // 4)]
+    vals += [ctypes.c_void_p(t.data_ptr()) for t in (block_scale, g, bias, ws, flags)]
+    vals += [ctypes.c_int(v) for v in ints]
     arr = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
     arr._values = vals          # the array holds bare addresses: the values must live as long as it does
     return arr
 
 
 def rs_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=None, config=None,
-              grid: int | None = None, out: torch.Tensor | None = None):
+              grid: int | None = None, out: torch.Tensor | None = None, stream_k: bool = True):
     """y[M, n] = x[M, K] @ dequant(W)^T (+ bias) with this kernel, or None when it cannot run here.
-    config = (tn, stages, cluster), default ``config_for``; grid: CTAs (default: the SM count);
-    out: a contiguous [M, n] bf16 tensor to write (tests poison it first)."""
+    config = (tn, stages), default ``config_for``; grid: CTAs (default: the SM count); out: a contiguous [M, n]
+    bf16 tensor to write (tests poison it first); stream_k=False: whole tiles only."""
     from . import kernels as K
     M, Kd = x.shape
     if (not supported(x, n, Kd) or packed.shape[1] * 2 != Kd or packed.shape[0] < n
             or (x.data_ptr() | packed.data_ptr() | block_scale.data_ptr()) % 16):
         return None
-    sms = K._sm_count(x.device)
-    tn, stages, cluster = config or config_for(M, n, Kd, sms)
-    if n % (BN * cluster):
-        return None
+    sms = grid or K._sm_count(x.device)
+    tn, stages = config or config_for(M, n, Kd, sms)
     y = out if out is not None else torch.empty((M, n), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    kern = get_kernel(tn, stages, cluster, bias is not None)
+    kern = get_kernel(tn, stages, bias is not None)
     if kern is None:
         return None
-    units = -(-M // tn) * (n // BN) // cluster
-    grid = min(units, (grid or sms) // cluster) * cluster
+    n_tiles = tiles(M, n, tn)
+    dp, sk, g_sk = split(n_tiles, Kd // 64, sms) if stream_k else (n_tiles, 0, 1)
+    ctas = min(n_tiles, sms) if sk == 0 else sms
+    stream = K.raw_stream(x.device.index)
+    ws, flags = _sk_buffers(x.device, stream, tn, sms)
     g = global_scale.to(device=x.device, dtype=torch.float32).reshape(1)
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    arr = _args(x_map(x, tn // cluster), w_map(packed), x_map(y, tn), block_scale, g,
-                bias if bias is not None else g, M, n, Kd)
-    kern.launch(grid, arr, K.raw_stream(x.device.index))
+    arr = _args(x_map(x, tn), w_map(packed), x_map(y, tn), block_scale, g, bias if bias is not None else g, ws, flags,
+                (M, n, Kd, block_scale.shape[1] // 4, dp, sk, g_sk))
+    kern.launch(ctas, arr, stream)
     return y

@@ -7,19 +7,27 @@
 //
 // Persistent and warp-specialized, one CTA per SM (384 threads):
 // - producer warpgroup (40 registers): one thread runs the ring of STAGES slots; per k tile (64 k) it copies the
-//   activation tile (TN tokens, by TMA; with CLUSTER 2 each CTA of a pair copies half of the pair's shared token
-//   tile and multicasts it to both), the packed weight tile (128 rows x 32 bytes, by TMA) and its 512 bytes of
-//   block scales (one bulk copy: the 128x4 swizzled scale layout keeps a 128-row x 64-k tile contiguous);
-// - two consumer warpgroups (232 registers) run the wgmma and decode. Per k tile, 4 k16 steps s: issue wgmma s,
+//   activation tile (TN tokens, TMA), the packed weight tile (128 rows x 32 bytes, TMA) and its 512 bytes of block
+//   scales (one bulk copy: the 128x4 swizzled scale layout keeps a 128-row x 64-k tile contiguous);
+// - two consumer warpgroups (232 registers) run the wgmma and the decode. Per k tile, 4 k16 steps s: issue wgmma s,
 //   commit, wait until at most 3 groups are pending, decode step s + 1 into its own 4 A registers (step 0 of the
-//   next k tile after step 3). The decode thus always runs in the shadow of 3 queued wgmma groups, and each A
-//   register set is rewritten only after the wgmma that read it has completed (4 register sets, groups complete
-//   in order): ptxas sees no register a pending wgmma reads being redefined, so it keeps the wgmma asynchronous.
+//   next k tile after step 3). The decode thus runs in the shadow of 3 queued wgmma groups, and each A register set
+//   is rewritten only after the wgmma that read it has completed (4 sets, groups complete in order). Each set is
+//   also read right before it is rewritten, which keeps the 4 sets in distinct registers: NVRTC's ptxas otherwise
+//   may give one set the registers of another that a pending wgmma still reads, and then serializes every wgmma.
 //   The slot of k tile t - 1 is released at step 2 of k tile t (its last wgmma is done by then).
-// - epilogue per tile (both consumer warpgroups): accumulators x global scale x 2^10 (+ bias) -> bf16, stmatrix.trans
-//   into a staging buffer, 16-byte coalesced stores. The producer meanwhile fills the ring for the next tile.
-// Tiles are token-tile-major (the weight tiles of one token tile are consecutive): the activation tile is re-read
-// from L2 by every weight tile while it is hot.
+// - epilogue (both consumer warpgroups): accumulators x global scale x 2^10 (+ bias) -> bf16, stmatrix.trans into
+//   a staging tile, one TMA store (L2 evict_first); the next tile starts while it runs.
+//
+// Work split: tiles of 128 weight rows x TN tokens, token-tile-major (the weight tiles of one token tile are
+// consecutive, so the activation tile is re-read from L2 while hot). The first DP_TILES tiles go round-robin to the
+// G CTAs (data-parallel rounds). The rest, SK_TILES < G tiles that would leave most SMs idle in a last round, are
+// split by k tiles ("stream-K"): their SK_TILES x KT k tiles are cut into G_SK equal contiguous ranges, one per
+// CTA. A CTA whose range holds the end of a tile finishes it: it waits for the fp32 partial sums of the CTAs that
+// did the tile's earlier k tiles (flags), adds them, and stores. The others write their partial to a workspace slot
+// of their own and set their flag. A CTA does its range's tiles last to first, so the partial it writes is its first
+// item and the tile it finishes its last: every wait is for a lower-numbered CTA's first item, which all CTAs, being
+// resident together (one per SM, grid <= SMs), reach without waiting.
 //
 // Decode, per 32-bit word q of 4 packed bytes (high nibble = the even k) and byte b: see w4a16_wgmma.cu (3 integer
 // instructions and one bf16x2 multiply per two weights, exact, subnormal block scales included; the 2^-10 it leaves
@@ -27,11 +35,7 @@
 
 #ifndef DIAG
 #define DIAG 0                       // probe-only knobs, wrong results: 2 = constant A (no decode), 4 = no stores,
-#endif                               // 8 = no scale multiply, 16 = decode kept but wgmma fed constant A;
-                                     // right results: 64 = weight and scale loads with L2 evict_last
-#ifndef CLUSTER
-#define CLUSTER 1                    // 2: CTA pairs share the token tile (TMA multicast), weight tiles 2p and 2p + 1
-#endif
+#endif                               // 8 = no scale multiply, 16 = decode kept but wgmma fed constant A
 #define BN 128                       // weight rows per tile: 64 per consumer warpgroup
 #define NT 384                       // threads: the producer warpgroup, then the two consumer warpgroups
 #define X_BYTES (TN * 128)           // activation tile: TN tokens x 64 k, bf16, 128B-swizzled
@@ -39,6 +43,7 @@
 #define S_BYTES 512                  // block scales of the tile: 128 rows x 4 (swizzled 32 x 16 B)
 #define SLOT_BYTES ((X_BYTES + W_BYTES + S_BYTES + 1023) / 1024 * 1024)
 #define EPI_BYTES (TN * 128)         // per consumer warpgroup: the TN tokens x 64 weight rows of a tile, bf16
+#define PART_FLOATS (256 * TN / 2)   // a partial tile in the workspace: 256 consumer threads x TN/2 accumulators
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -55,13 +60,6 @@ static __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
                  ::"r"(dst), "l"((u64)map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
-// the same into the same offset of every CTA in `mask`, completing on each one's barrier at `bar`'s offset
-static __device__ __forceinline__ void tma_load_2d_mc(u32 dst, const TensorMap* map, int c0, int c1, u32 bar,
-                                                      u16 mask) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-                 " [%0], [%1, {%2, %3}], [%4], %5;\n"
-                 ::"r"(dst), "l"((u64)map), "r"(c0), "r"(c1), "r"(bar), "h"(mask) : "memory");
-}
 // a contiguous block of `bytes` (multiple of 16) from global memory
 static __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
@@ -76,17 +74,10 @@ static __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
 static __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-static __device__ __forceinline__ void mbar_arrive_peer(u32 bar, u32 peer) {   // the same barrier in CTA `peer`
-    asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
-                 "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar), "r"(peer) : "memory");
-}
 static __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     asm volatile("{\n.reg .pred done;\nWAIT:\n"
                  "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
                  "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-static __device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 static __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -173,6 +164,17 @@ static __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.
 static __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+static __device__ __forceinline__ u32 ld_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+static __device__ __forceinline__ void st_release(u32* p, u32 v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+static __device__ __forceinline__ void consumers_barrier() {     // both consumer warpgroups
+    asm volatile("bar.sync 3, 256;\n" ::: "memory");
+}
 static __device__ __forceinline__ void named_barrier(int id) {   // one consumer warpgroup
     asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
 }
@@ -185,53 +187,69 @@ static __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
 // generated by rs_w4a16.py (wgmma_w4a16.wgmma_call): static __device__ void wgmma_bm(float* d, u32 a0..a3, u64 desc)
 //%%WGMMA%%
 
-// this CTA's j-th tile -> (first token, first weight row); tiles token-tile-major. CLUSTER 2: units are pairs of
-// weight tiles (2p, 2p + 1) of one token tile; CTA rank r of the cluster takes weight tile 2p + r
-static __device__ __forceinline__ void tile_coords(int j, int num_nt, int& m0, int& n0) {
-#if CLUSTER == 1
-    const int tile = blockIdx.x + j * gridDim.x;
-    m0 = (tile / num_nt) * TN;
-    n0 = (tile % num_nt) * BN;
-#else
-    const int pu = (blockIdx.x >> 1) + j * (gridDim.x >> 1), pairs = num_nt >> 1;
-    m0 = (pu / pairs) * TN;
-    n0 = ((pu % pairs) * 2 + (blockIdx.x & 1)) * BN;
-#endif
-}
+// the work a CTA does, in order: its data-parallel tiles, then its stream-K range's tiles last to first
+struct Sched {
+    int num_nt, KT, dp_rounds, dp_tiles, sk_tiles, g_sk;
+    int u0, u1, t_first, t_last;     // this CTA's stream-K range of k tiles [u0, u1), its tiles (of the SK tiles)
 
-// CLUSTER 2 must be launched with a cluster dimension of (2, 1, 1) and N / 128 even (rs_w4a16.py checks)
+    __device__ void init(int num_nt_, int KT_, int dp_tiles_, int sk_tiles_, int g_sk_, int cta) {
+        num_nt = num_nt_, KT = KT_, dp_tiles = dp_tiles_, sk_tiles = sk_tiles_, g_sk = g_sk_;
+        dp_rounds = dp_tiles / gridDim.x;
+        const int U = sk_tiles * KT;
+        u0 = cta < g_sk ? range_start(cta) : 0;
+        u1 = cta < g_sk ? range_start(cta + 1) : 0;
+        t_first = u0 / KT;
+        t_last = u1 > u0 ? (u1 - 1) / KT : t_first - 1;
+        (void)U;
+    }
+    __device__ int range_start(int b) const { return (int)((long long)b * sk_tiles * KT / g_sk); }
+    __device__ int items() const { return dp_rounds + (t_last - t_first + 1); }
+    // item i -> tile coordinates, k tiles [kb, ke); fin: this CTA stores the tile; prior: other CTAs did its
+    // k tiles [0, kb) (only when fin)
+    __device__ void item(int i, int& m0, int& n0, int& kb, int& ke) const {
+        int tile;
+        if (i < dp_rounds) {
+            tile = blockIdx.x + i * gridDim.x;
+            kb = 0;
+            ke = KT;
+        } else {
+            const int t = t_last - (i - dp_rounds), t0 = t * KT;
+            kb = max(u0, t0) - t0;
+            ke = min(u1, t0 + KT) - t0;
+            tile = dp_tiles + t;
+        }
+        m0 = (tile / num_nt) * TN;
+        n0 = (tile % num_nt) * BN;
+    }
+};
+
 extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     const __grid_constant__ TensorMap xmap, const __grid_constant__ TensorMap wmap,
     const __grid_constant__ TensorMap ymap, const u8* __restrict__ wsc, const float* __restrict__ g,
-    const u16* __restrict__ bias, int M, int N, int K, int ncb4) {
+    const u16* __restrict__ bias, float* __restrict__ ws, u32* __restrict__ flags, int M, int N, int K, int ncb4,
+    int dp_tiles, int sk_tiles, int g_sk) {
     extern __shared__ __align__(1024) u8 smem_raw[];
     u8* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);   // 1024-aligned (the swizzle atom)
     const u32 slots = smem_addr(smem);
     const u32 epis = slots + STAGES * SLOT_BYTES;
-    // full[s]: the three copies into slot s landed; empty[s]: every consumer warp (of both CTAs of a pair) is done
-    // with slot s
+    // full[s]: the three copies into slot s landed; empty[s]: every consumer warp is done with slot s
     __shared__ __align__(8) u64 bars[2 * STAGES];
     const u32 full0 = smem_addr(bars), empty0 = full0 + 8 * STAGES;
 
     const int tid = threadIdx.x;
-    const int KT = K >> 6;                               // k tiles per output tile
-    const int num_mt = (M + TN - 1) / TN, num_nt = N / BN;
-    const int units = num_mt * num_nt / CLUSTER, unit = blockIdx.x / CLUSTER, nunits = gridDim.x / CLUSTER;
-    const int my_tiles = (units - unit + nunits - 1) / nunits;
+    Sched sc;
+    sc.init(N / BN, K >> 6, dp_tiles, sk_tiles, g_sk, blockIdx.x);
+    const int n_items = sc.items();
 
     if (tid == 0) {
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full0 + 8 * s, 1);                     // the producer's expect_tx; the copies' bytes complete it
-            mbar_init(empty0 + 8 * s, 8 * CLUSTER);
+            mbar_init(empty0 + 8 * s, 8);                    // the 8 consumer warps
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-#if CLUSTER > 1
-    cluster_sync();                                      // the peer's barriers exist before anything reaches them
-#else
     __syncthreads();
-#endif
 
     if (tid < 128) {
         // ===================================== producer =====================================
@@ -239,25 +257,18 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         if (tid == 0) {
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)&xmap) : "memory");
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)&wmap) : "memory");
-            int u = 0;
+            int slot = 0, phase = 0, u = 0;
 #pragma unroll 1
-            for (int j = 0; j < my_tiles; ++j) {
-                int m0, n0;
-                tile_coords(j, num_nt, m0, n0);
+            for (int i = 0; i < n_items; ++i) {
+                int m0, n0, kb, ke;
+                sc.item(i, m0, n0, kb, ke);
                 const u8* srow = wsc + (size_t)(n0 >> 7) * ncb4 * 512;
 #pragma unroll 1
-                for (int kt = 0; kt < KT; ++kt, ++u) {
-                    const int slot = u % STAGES;
-                    if (u >= STAGES) mbar_wait(empty0 + 8 * slot, ((u / STAGES) - 1) & 1);
+                for (int kt = kb; kt < ke; ++kt, ++u) {
+                    if (u >= STAGES) mbar_wait(empty0 + 8 * slot, phase ^ 1);
                     const u32 sb = slots + slot * SLOT_BYTES, bar = full0 + 8 * slot;
                     mbar_expect_tx(bar, X_BYTES + W_BYTES + S_BYTES);
-#if CLUSTER == 1
                     tma_load_2d(sb, &xmap, kt * 64, m0, bar);
-#else
-                    // this CTA's half of the pair's token tile, into both CTAs' slot
-                    tma_load_2d_mc(sb + (blockIdx.x & 1) * (X_BYTES / 2), &xmap, kt * 64,
-                                   m0 + (blockIdx.x & 1) * (TN / 2), bar, (u16)3);
-#endif
                     if (DIAG & 64) {
                         tma_load_2d_hint(sb + X_BYTES, &wmap, kt * 32, n0, bar, policy_evict_last());
                         bulk_load_hint(sb + X_BYTES + W_BYTES, srow + kt * 512, S_BYTES, bar, policy_evict_last());
@@ -265,13 +276,17 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                         tma_load_2d(sb + X_BYTES, &wmap, kt * 32, n0, bar);
                         bulk_load(sb + X_BYTES + W_BYTES, srow + kt * 512, S_BYTES, bar);
                     }
+                    if (++slot == STAGES) {
+                        slot = 0;
+                        phase ^= 1;
+                    }
                 }
             }
         }
     } else {
         // ===================================== consumers =====================================
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-        const int c = (tid >> 7) - 1, t = tid & 127;
+        const int c = (tid >> 7) - 1, t = tid & 127, ct = tid - 128;
         const int warp = t >> 5, lane = t & 31, q = lane & 3;
         const int rl = 16 * warp + (lane >> 2);          // this thread's rows rl, rl + 8 of the warpgroup's 64
         const int r0 = 64 * c + rl;                      // ... of the 128-row tile
@@ -280,8 +295,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         const u32 s_off1 = X_BYTES + W_BYTES + ((r0 + 8) & 31) * 16 + (((r0 + 8) >> 5) & 3) * 4;
         const u32 w_off0 = X_BYTES + r0 * 32, w_off1 = w_off0 + 8 * 32;
         const float mult = g[0] * 1024.f;
-        const u32 peer = (blockIdx.x & 1) ^ 1;
-        const int total = my_tiles * KT;
+        int total = 0;                                   // k tiles this CTA runs
+        for (int i = 0; i < n_items; ++i) {
+            int m0, n0, kb, ke;
+            sc.item(i, m0, n0, kb, ke);
+            total += ke - kb;
+        }
 
         float d[TN / 2];                                 // 64 weight rows x TN tokens
         u32 a[16] = {};                                  // A registers of the 4 k16 steps of a k tile
@@ -335,10 +354,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             if (DIAG & 16) sink ^= a[4 * s] ^ a[4 * s + 1] ^ a[4 * s + 2] ^ a[4 * s + 3];
         };
         auto release = [&](int slot) {                   // every wgmma reading the slot is done
-            if (lane == 0) {
-                mbar_arrive(empty0 + 8 * slot);
-                if (CLUSTER > 1) mbar_arrive_peer(empty0 + 8 * slot, peer);
-            }
+            if (lane == 0) mbar_arrive(empty0 + 8 * slot);
         };
 
         // the ring position of the current k tile (slot, the fill's phase) and of the previous one
@@ -350,23 +366,24 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         }
         int it = 0;
 #pragma unroll 1
-        for (int j = 0; j < my_tiles; ++j) {
-            int m0, n0;
-            tile_coords(j, num_nt, m0, n0);
+        for (int i = 0; i < n_items; ++i) {
+            int m0, n0, kb, ke;
+            sc.item(i, m0, n0, kb, ke);
 #pragma unroll 1
-            for (int kt = 0; kt < KT; ++kt, ++it) {
+            for (int kt = kb; kt < ke; ++kt, ++it) {
                 // descriptor of the slot's token tile; k16 step s starts 32 bytes further (the start field is
                 // address >> 4 and stays below 2^14 for any shared address, so adding 2 s never carries out)
                 const u64 db = desc_sw128(slots + slot * SLOT_BYTES);
                 const int nslot = slot + 1 == STAGES ? 0 : slot + 1, nphase = phase ^ (nslot == 0);
 #pragma unroll
                 for (int s = 0; s < 4; ++s) {
+                    const u32 acc = (kt != kb) | (s != 0);
                     wgmma_fence();
-                    if (DIAG & 16) wgmma_bm(d, ka, ka, ka, ka, db + 2 * s, (kt | s) != 0);
-                    else wgmma_bm(d, a[4 * s], a[4 * s + 1], a[4 * s + 2], a[4 * s + 3], db + 2 * s, (kt | s) != 0);
+                    if (DIAG & 16) wgmma_bm(d, ka, ka, ka, ka, db + 2 * s, acc);
+                    else wgmma_bm(d, a[4 * s], a[4 * s + 1], a[4 * s + 2], a[4 * s + 3], db + 2 * s, acc);
                     wgmma_commit();
                     wgmma_wait<3>();                     // the group 4 commits back is done: its A set is free
-                    if (s == 2 && kt > 0) release(pslot);  // the previous k tile's last wgmma is done
+                    if (s == 2 && kt > kb) release(pslot);  // the previous k tile's last wgmma is done
                     if (s < 3) {
                         decode(s + 1);
                     } else if (it + 1 < total) {
@@ -382,6 +399,41 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             wgmma_wait<0>();
             release(pslot);
 
+            if (i >= sc.dp_rounds) {
+                float* mine = ws + (size_t)blockIdx.x * PART_FLOATS + (size_t)ct * (TN / 2);
+                if (ke < sc.KT) {
+                    // stream-K, not the tile's end: this CTA's partial sum to its workspace slot, then its flag
+#pragma unroll
+                    for (int v = 0; v < TN / 2; v += 4)
+                        *(float4*)(mine + v) = make_float4(d[v], d[v + 1], d[v + 2], d[v + 3]);
+                    __threadfence();
+                    consumers_barrier();
+                    if (ct == 0) st_release(flags + blockIdx.x, 1u);
+                    continue;
+                }
+                if (kb > 0) {
+                    // stream-K, the tile's end: add the partials of the CTAs that did its k tiles [0, kb), each a
+                    // lower-numbered CTA (its range ends where the next one's starts)
+                    const int t0 = ((m0 / TN) * sc.num_nt + n0 / BN - sc.dp_tiles) * sc.KT;   // the tile's first unit
+#pragma unroll 1
+                    for (int b = blockIdx.x - 1; b >= 0; --b) {
+                        while (ld_acquire(flags + b) != 1u) {
+                        }
+                        const float* part = ws + (size_t)b * PART_FLOATS + (size_t)ct * (TN / 2);
+#pragma unroll
+                        for (int v = 0; v < TN / 2; v += 4) {
+                            const float4 p4 = *(const float4*)(part + v);
+                            d[v] += p4.x;
+                            d[v + 1] += p4.y;
+                            d[v + 2] += p4.z;
+                            d[v + 3] += p4.w;
+                        }
+                        consumers_barrier();             // every thread has read b's partial: its flag goes back
+                        if (ct == 0) flags[b] = 0u;      // to 0 for the next launch
+                        if (sc.range_start(b) <= t0) break;
+                    }
+                }
+            }
             // epilogue: d[i] is (weight row rl + 8 ((i/2)%2), token 8 (i/4) + 2 (lane%4) + i%2): per 8 tokens two 8x8
             // matrices of the mma fragment layout. stmatrix.trans puts them in this warpgroup's staging buffer as
             // [token][64 weight rows], 128 bytes a token, 16-byte chunks XOR-swizzled by token % 8 (TMA's 128-byte
@@ -416,7 +468,4 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         }
         if (t == 0) bulk_wait_all();                     // the last store is done before the CTA's memory goes
     }
-#if CLUSTER > 1
-    cluster_sync();                                      // no multicast copy or remote arrive reaches an exited peer
-#endif
 }

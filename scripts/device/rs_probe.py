@@ -7,8 +7,8 @@ compared with the fp32 product of the dequantized weight (relative L2; bf16 outp
 ``--part time``: the six SeedVR2 shapes; per shape, CUDA-graph replays of ``--inner`` calls, ``--rounds`` rounds in
 rotating order; ratio = median over rounds of bf16 / variant in the same round. Variants: ``bf16`` (F.linear on
 the dequantized bf16 weight), ``layer`` (NVFP4Linear fidelity, dequantize + cuBLAS), ``rs`` (the default config),
-``rsT_S_C`` (tokens per tile, stages, cluster), ``nodec`` / ``nostore`` (DIAG 2 / 4: no decode / no output
-stores, wrong results, bounds only).
+``rsT_S`` (tokens per tile, stages), ``..._nosk`` (no stream-K tail), ``nodec`` / ``nostore`` (DIAG 2 / 4: no
+decode / no output stores, wrong results, bounds only).
     python scripts/device/rs_probe.py --part check,time [--m 4096,16384] [--variants ...] [--json out.json]
 """
 import argparse
@@ -43,36 +43,40 @@ def quantized(n, k, gen, dev, adversarial=True):
 
 def check(dev, gen, log):
     cases = [  # (M, K, N, config, grid)
-        (130, 256, 128, (256, 4, 1), None),
-        (300, 640, 256, (128, 6, 1), None),
-        (300, 640, 256, (256, 4, 2), None),
-        (1000, 512, 512, (256, 4, 1), 3),           # 3 CTAs loop over 16 tiles (stores wait for the staging)
-        (1000, 512, 512, (128, 6, 2), 4),           # 2 clusters loop over 32 tiles
+        (130, 256, 128, (256, 4), None),
+        (300, 640, 256, (128, 6), None),
+        (1000, 512, 512, (256, 4), 3),              # 3 CTAs loop over 16 tiles (stores wait for the staging)
+        (1000, 2048, 512, (256, 4), 3),             # stream-K: 1 tile over 3 CTAs (head, middle, end)
+        (1000, 2048, 512, (224, 4), 7),             # stream-K: 2 tiles over 7 CTAs
+        (1000, 2048, 512, (256, 4), 5),             # stream-K over 4 of 5 CTAs
         (4133, 3072, 3072, None, None),             # the default config, an M tail
-        (4096, 2560, 6912, (256, 4, 1), None),
-        (4096, 6912, 2560, None, None),             # 224 tokens a tile
-        (777, 3072, 1024, (208, 4, 1), 5),
+        (4096, 2560, 6912, (256, 4), None),
+        (4096, 6912, 2560, None, None),             # stream-K, 56 tiles over 132 CTAs
+        (777, 3072, 1024, (192, 4), 5),
     ]
     worst = 0.0
     for M, Kd, N, cfg, grid in cases:
         t = quantized(N, Kd, gen, dev)
         wdq = t.dequantize(torch.float32)
         x = torch.randn(M, Kd, generator=gen).to(dev, torch.bfloat16)
+        tn = (cfg or R.config_for(M, N, Kd))[0]
+        sk = R.split(R.tiles(M, N, tn), Kd // 64, grid or 132)
         for with_bias in (False, True):
             bias = (torch.randn(N, generator=gen) * 0.1).to(dev, torch.bfloat16) if with_bias else None
             ref = F.linear(x.float(), wdq, bias.float() if with_bias else None)
-            out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=dev)
-            y = R.rs_linear(x, t.packed, t.block_scale, t.global_scale, N, bias, cfg, grid, out=out)
-            torch.cuda.synchronize()
-            if y is None:
-                log(f"check M={M} K={Kd} N={N} cfg={cfg}: kernel unavailable {R._DISABLED_REASON[-1:]}")
-                worst = float("inf")
-                continue
-            e = rel(y, ref)
-            nan = int(torch.isnan(y).sum())
-            worst = max(worst, e if nan == 0 else float("inf"))
-            log(f"check M={M} K={Kd} N={N} cfg={cfg or R.config_for(M, N, Kd)} grid={grid} bias={with_bias}: "
-                f"rel {e:.2e} nan {nan}")
+            for rep in range(2):                    # twice: stream-K flags must be back to 0 after a launch
+                out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=dev)
+                y = R.rs_linear(x, t.packed, t.block_scale, t.global_scale, N, bias, cfg, grid, out=out)
+                torch.cuda.synchronize()
+                if y is None:
+                    log(f"check M={M} K={Kd} N={N} cfg={cfg}: kernel unavailable {R._DISABLED_REASON[-1:]}")
+                    worst = float("inf")
+                    continue
+                e = rel(y, ref)
+                nan = int(torch.isnan(y).sum())
+                worst = max(worst, e if nan == 0 else float("inf"))
+                log(f"check M={M} K={Kd} N={N} cfg={cfg or R.config_for(M, N, Kd)} grid={grid} split={sk} "
+                    f"bias={with_bias} rep={rep}: rel {e:.2e} nan {nan}")
     log(f"check worst rel {worst:.3e} -> {'PASS' if worst < 5e-3 else 'FAIL'}")
     return worst
 
@@ -97,18 +101,19 @@ def time_rounds(fns, inner, rounds):
 
 
 def variant(name, x, t, n, bias):
-    """fn for an rs variant name: rs | rsT_S_C with optional suffixes _dD (DIAG bits);
-    nodec = rs_d2, nostore = rs_d4."""
+    """fn for an rs variant name: rs | rsT_S (tokens per tile, stages) with optional suffixes _dD (DIAG bits) and
+    _nosk (whole tiles only); nodec = rs_d2, nostore = rs_d4."""
     name = {"nodec": "rs_d2", "nostore": "rs_d4"}.get(name, name)
     parts = name[2:].split("_") if name.startswith("rs") else []
     diag = sum(int(p[1:]) for p in parts if p.startswith("d"))
     nums = [int(p) for p in parts if p.isdigit()]
-    cfg = (nums[0], nums[1], nums[2]) if nums else None
+    cfg = (nums[0], nums[1]) if nums else None
+    sk = "nosk" not in parts
 
     def fn():
         R.DIAG[0] = diag
         try:
-            return R.rs_linear(x, t.packed, t.block_scale, t.global_scale, n, bias, cfg)
+            return R.rs_linear(x, t.packed, t.block_scale, t.global_scale, n, bias, cfg, stream_k=sk)
         finally:
             R.DIAG[0] = 0
     fn.exact = diag & 31 == 0
@@ -141,7 +146,8 @@ def time_part(dev, gen, args, log):
             ms = {nm: statistics.median(v) for nm, v in per.items()}
             flops = 2.0 * m * n * k
             row = {"m": m, "k": k, "n": n, "ms": ms, "x_bf16": ratio, "rel": errs,
-                   "bf16_tflops": flops / ms["bf16"] / 1e9, "config": R.config_for(m, n, k)}
+                   "bf16_tflops": flops / ms["bf16"] / 1e9, "config": R.config_for(m, n, k),
+                   "split": R.split(R.tiles(m, n, R.config_for(m, n, k)[0]), k // 64, 132)}
             results.append(row)
             log(f"M={m} {k}x{n} bf16 {ms['bf16']:.4f} ms ({row['bf16_tflops']:.0f} TF/s) | "
                 + " ".join(f"{nm} {ratio[nm]:.3f}" for nm in per if nm != "bf16")
