@@ -189,31 +189,29 @@ static __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
 
 // the work a CTA does, in order: its data-parallel tiles, then its stream-K range's tiles last to first
 struct Sched {
-    int num_nt, KT, dp_rounds, dp_tiles, sk_tiles, g_sk;
+    int num_nt, KT, dp_items, dp_tiles, sk_tiles, g_sk;
     int u0, u1, t_first, t_last;     // this CTA's stream-K range of k tiles [u0, u1), its tiles (of the SK tiles)
 
     __device__ void init(int num_nt_, int KT_, int dp_tiles_, int sk_tiles_, int g_sk_, int cta) {
         num_nt = num_nt_, KT = KT_, dp_tiles = dp_tiles_, sk_tiles = sk_tiles_, g_sk = g_sk_;
-        dp_rounds = dp_tiles / gridDim.x;
-        const int U = sk_tiles * KT;
+        dp_items = cta < dp_tiles ? (dp_tiles - cta + gridDim.x - 1) / gridDim.x : 0;
         u0 = cta < g_sk ? range_start(cta) : 0;
         u1 = cta < g_sk ? range_start(cta + 1) : 0;
         t_first = u0 / KT;
         t_last = u1 > u0 ? (u1 - 1) / KT : t_first - 1;
-        (void)U;
     }
     __device__ int range_start(int b) const { return (int)((long long)b * sk_tiles * KT / g_sk); }
-    __device__ int items() const { return dp_rounds + (t_last - t_first + 1); }
+    __device__ int items() const { return dp_items + (t_last - t_first + 1); }
     // item i -> tile coordinates, k tiles [kb, ke); fin: this CTA stores the tile; prior: other CTAs did its
     // k tiles [0, kb) (only when fin)
     __device__ void item(int i, int& m0, int& n0, int& kb, int& ke) const {
         int tile;
-        if (i < dp_rounds) {
+        if (i < dp_items) {
             tile = blockIdx.x + i * gridDim.x;
             kb = 0;
             ke = KT;
         } else {
-            const int t = t_last - (i - dp_rounds), t0 = t * KT;
+            const int t = t_last - (i - dp_items), t0 = t * KT;
             kb = max(u0, t0) - t0;
             ke = min(u1, t0 + KT) - t0;
             tile = dp_tiles + t;
@@ -399,13 +397,15 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             wgmma_wait<0>();
             release(pslot);
 
-            if (i >= sc.dp_rounds) {
-                float* mine = ws + (size_t)blockIdx.x * PART_FLOATS + (size_t)ct * (TN / 2);
+            if (i >= sc.dp_items) {
+                // a partial tile in the workspace: float4 v of consumer thread ct at (v * 256 + ct) * 4 floats, so
+                // that a warp's accesses are 512 contiguous bytes
+                float* mine = ws + (size_t)blockIdx.x * PART_FLOATS + ct * 4;
                 if (ke < sc.KT) {
                     // stream-K, not the tile's end: this CTA's partial sum to its workspace slot, then its flag
 #pragma unroll
                     for (int v = 0; v < TN / 2; v += 4)
-                        *(float4*)(mine + v) = make_float4(d[v], d[v + 1], d[v + 2], d[v + 3]);
+                        *(float4*)(mine + v * 256) = make_float4(d[v], d[v + 1], d[v + 2], d[v + 3]);
                     __threadfence();
                     consumers_barrier();
                     if (ct == 0) st_release(flags + blockIdx.x, 1u);
@@ -419,10 +419,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                     for (int b = blockIdx.x - 1; b >= 0; --b) {
                         while (ld_acquire(flags + b) != 1u) {
                         }
-                        const float* part = ws + (size_t)b * PART_FLOATS + (size_t)ct * (TN / 2);
+                        const float* part = ws + (size_t)b * PART_FLOATS + ct * 4;
 #pragma unroll
                         for (int v = 0; v < TN / 2; v += 4) {
-                            const float4 p4 = *(const float4*)(part + v);
+                            const float4 p4 = *(const float4*)(part + v * 256);
                             d[v] += p4.x;
                             d[v + 1] += p4.y;
                             d[v + 2] += p4.z;
