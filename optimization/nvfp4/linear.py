@@ -38,15 +38,18 @@ import torch.nn.functional as F
 
 from . import format as fmt
 from . import kernels as K
+from . import rs_w4a16 as R
 from .checkpoint import detect_layer_format, load_fp8_layer, load_nvfp4_layer
 from .format import NVFP4Tensor
 
 log = logging.getLogger(__name__)
 
 PATHS = ("fp4_tensorcore", "fp8_speed", "fidelity", "reference")
-FIDELITY_KERNELS = ("auto", "fused", "dequant", "pipelined", "pipelined_n", "timed")
+FIDELITY_KERNELS = ("auto", "fused", "rs", "dequant", "pipelined", "pipelined_n", "timed")
 # fidelity path, kernel by rows M (bf16/fp16 activations on CUDA), fidelity_kernel="auto":
 #   M <= FUSED_MAX_M           -> fused W4A16 Triton kernel (reads the 4-bit weight; no bf16 weight is written)
+#   M >= rs_w4a16.MIN_M, sm_90, bf16 -> the RS W4A16 kernel (rs_w4a16.py: persistent, TMA, the weight decoded into
+#                                  wgmma's A registers, stream-K tail), SEEDVR2BW_RS_KERNEL=0 turns it off
 #   M >= PIPELINE_MIN_M         -> the faster of dequant and pipelined (K split in two: the larger part of the
 #                                  weight is dequantized on a side stream while cuBLAS multiplies the first part),
 #                                  timed once per (M bucket, shape) on the device (None: never)
@@ -459,6 +462,9 @@ class NVFP4Linear(_QuantLinearBase):
                 kern = self._fidelity_kernel_for(x2)
                 if kern == "dequant":
                     return self._dequant_plan(x2, out_shape)
+                if kern == "rs":
+                    return R.rs_plan(x2, self.weight, self.weight_scale, self.weight_scale_2, self.out_features,
+                                     self._bias_as(x2.dtype), out_shape)
                 if kern != "fused":
                     return None
                 return K.w4a16_plan(x2, self.weight, self.weight_scale, self.weight_scale_2, self.out_features,
@@ -525,6 +531,15 @@ class NVFP4Linear(_QuantLinearBase):
         w = self.nvfp4.dequantize(torch.float32)
         b = self.bias.float() if self.bias is not None else None
         return F.linear(x2.float(), w, b).to(x2.dtype)
+
+    def _bias_as(self, dtype):
+        """The bias in the activations' dtype (None without a bias), converted once."""
+        if self.bias is None or self.bias.dtype == dtype:
+            return self.bias
+        key = ("bias", dtype, str(self.bias.device))
+        if key not in self._derived:
+            self._derived[key] = self.bias.to(dtype)
+        return self._derived[key]
 
     def _fidelity_fused(self, x2):
         b = self.bias if self.bias is not None else None
@@ -667,6 +682,11 @@ class NVFP4Linear(_QuantLinearBase):
         out.addmm_(xp[:, k1:], w1.t())
         return out
 
+    def _rs_ok(self, x2) -> bool:
+        """The RS kernel takes this call: no autograd through it (a backward needs the dequantized weight)."""
+        return (not (torch.is_grad_enabled() and x2.requires_grad)
+                and R.usable(x2, self.out_features, self.in_features))
+
     def _fidelity_kernel_for(self, x2) -> str:
         m = x2.shape[0]
         kern = self.fidelity_kernel
@@ -676,6 +696,8 @@ class NVFP4Linear(_QuantLinearBase):
             return "fused" if fused_ok else "dequant"
         if kern in ("dequant", "pipelined", "pipelined_n"):
             return kern
+        if kern == "rs":
+            return "rs" if self._rs_ok(x2) else "dequant"
         if not K.on_cuda(x2):
             return "dequant"
         pipe_ok = self.weight.shape[1] * 2 >= 256
@@ -693,6 +715,8 @@ class NVFP4Linear(_QuantLinearBase):
             return choice
         if fused_ok and m <= FUSED_MAX_M:
             return "fused"
+        if self._rs_ok(x2):
+            return "rs"
         if pipe_ok and PIPELINE_MIN_M is not None and m >= PIPELINE_MIN_M:
             # large M: pipelined vs dequant timed once per (M bucket, shape) on this device (see the note)
             key = ("auto", K._m_bucket(m), self.out_features, self.in_features, str(x2.device))
@@ -714,6 +738,11 @@ class NVFP4Linear(_QuantLinearBase):
                 log.warning("[SeedVR2-BW] NVFP4 fused W4A16 kernel unavailable, using dequant + cuBLAS: %s",
                             _FUSED_BROKEN[-1])
                 return self._fidelity_dequant(x2)
+        if kern == "rs":
+            y = R.rs_linear(x2.contiguous(), self.weight, self.weight_scale, self.weight_scale_2, self.out_features,
+                            self._bias_as(x2.dtype))
+            if y is not None:
+                return y
         if kern == "pipelined":
             return self._fidelity_pipelined(x2).to(x2.dtype)
         if kern == "pipelined_n":

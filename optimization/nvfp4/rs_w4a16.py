@@ -239,3 +239,93 @@ def rs_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=N
                 (M, n, Kd, block_scale.shape[1] // 4, dp, sk, g_sk))
     kern.launch(ctas, arr, stream)
     return y
+
+
+MIN_M = 1024                 # fewer tokens: dequantize + cuBLAS (see linear.py's note)
+
+
+def usable(x: torch.Tensor, n: int, k: int) -> bool:
+    """Whether the product of x [M, k] with an [n, k] NVFP4 weight runs on this kernel here: switch, M, shape,
+    device and the per-device self-test."""
+    return ENABLED[0] and x.shape[0] >= MIN_M and supported(x, n, k) and selftest(x.device)
+
+
+def rs_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
+    """A launcher for later calls with inputs like x (same shape, dtype, device, contiguous), made after
+    ``rs_linear`` ran this exact call once. Per call: an alignment check, the output allocation, the tensor maps of
+    x and the output (and of the weight, if block swap moved it), one cuLaunchKernel. None when no plan can be
+    made."""
+    from . import kernels as K
+    M, Kd = x.shape
+    if (not usable(x, n, Kd) or not x.is_contiguous() or global_scale.dtype != torch.float32
+            or global_scale.numel() != 1 or global_scale.device != x.device
+            or (bias is not None and bias.dtype != x.dtype)):
+        return None
+    sms = K._sm_count(x.device)
+    tn, stages = config_for(M, n, Kd, sms)
+    kern = get_kernel(tn, stages, bias is not None)
+    if kern is None:
+        return None
+    n_tiles = tiles(M, n, tn)
+    dp, sk, g_sk = split(n_tiles, Kd // 64, sms)
+    ctas = min(n_tiles, sms) if sk == 0 else sms
+    index = x.device.index
+    b = bias if bias is not None else global_scale
+    ints = (M, n, Kd, block_scale.shape[1] // 4, dp, sk, g_sk)
+    out_shape, flat = tuple(out_shape), len(out_shape) == 2
+    wkey = [None, None]
+
+    def plan(xc):
+        if (xc.data_ptr() | packed.data_ptr() | block_scale.data_ptr()) & 15:
+            return None
+        y = xc.new_empty((M, n))
+        if wkey[0] != packed.data_ptr():                 # block swap gives the weight new storage
+            wkey[0], wkey[1] = packed.data_ptr(), w_map(packed)
+        stream = K.raw_stream(index)
+        ws, flags = _sk_buffers(xc.device, stream, tn, sms)
+        arr = _args(x_map(xc, tn), wkey[1], x_map(y, tn), block_scale, global_scale, b, ws, flags, ints)
+        kern.launch(ctas, arr, stream)
+        return y if flat else y.view(out_shape)
+    return plan
+
+
+_SELFTEST: dict = {}
+
+
+def selftest(device) -> bool:
+    """Once per device: the kernel against the fp32 product of the dequantized weight on a small problem with an M
+    tail, bias, zero and subnormal block scales, 6 tiles on 5 and 4 CTAs (stream-K: one tile over 4 CTAs, two over
+    2 each) and on the whole GPU. Logs one
+    line either way; a failure turns the kernel off for this device (dequantize + cuBLAS takes its place)."""
+    key = str(device)
+    if key in _SELFTEST:
+        return _SELFTEST[key]
+    _SELFTEST[key] = False
+    from . import format as fmt
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(7)
+        w = torch.randn(256, 2048, generator=gen) * 0.02
+        w[0, :16] = 0.0
+        w[1, 16:32] *= 1e-5
+        t = fmt.quantize_nvfp4(w, return_tensor=True).to(device)
+        x = torch.randn(520, 2048, generator=gen).to(device, torch.bfloat16)
+        bias = (torch.randn(256, generator=gen) * 0.1).to(device, torch.bfloat16)
+        ref = torch.nn.functional.linear(x.float(), t.dequantize(torch.float32), bias.float())
+        worst = 0.0
+        for grid in (5, 4, None):
+            for _ in range(2):                            # twice: the stream-K flags are back to 0 after a launch
+                y = rs_linear(x, t.packed, t.block_scale, t.global_scale, 256, bias, (256, 4), grid,
+                              out=torch.full_like(ref, float("nan"), dtype=torch.bfloat16))
+                if y is None:
+                    raise RuntimeError(_DISABLED_REASON[-1] if _DISABLED_REASON else "kernel unavailable")
+                worst = max(worst, ((y.float() - ref).norm() / ref.norm()).item())
+        if not worst < 1e-2:
+            raise RuntimeError(f"self-test relative error {worst:.3g} (expected ~2e-3)")
+        _SELFTEST[key] = True
+        log.info("[SeedVR2-BW] NVFP4 fidelity: sm_90a RS W4A16 kernel on for %s, M >= %d (self-test rel err %.2e; "
+                 "SEEDVR2BW_RS_KERNEL=0 turns it off)", key, MIN_M, worst)
+    except Exception as exc:  # noqa: BLE001
+        _DISABLED_REASON.append(f"self-test: {type(exc).__name__}: {str(exc)[:300]}")
+        log.warning("[SeedVR2-BW] NVFP4 fidelity: sm_90a RS W4A16 kernel off for %s, dequantize + cuBLAS is used (%s)",
+                    key, _DISABLED_REASON[-1])
+    return _SELFTEST[key]

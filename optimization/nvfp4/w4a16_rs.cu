@@ -98,14 +98,12 @@ static __device__ __forceinline__ u32 e2m1x2(u32 q, u32 q4, const int b) {
     const u32 z = prmt(q, q4, b | ((b | 8) << 4) | ((b + 4) << 8) | (((b + 4) | 8) << 12));
     return (z << 2) & 0x81C081C0u;
 }
-// two E4M3 scales (bytes 0, 1 of s) -> bf16x2 [s0, s1] x 2^116, exact, in integer ops after one convert: every
-// E4M3 value is a normal fp16, and fp16 bits >> 3 put its exponent and 3 mantissa bits on bf16's, with the exponent
-// short of bf16's by 127 - 15; + 116 more gives the factor. (A zero scale becomes 2^101: its block's codes are all
-// zero, so the products stay zero.)
+// two E4M3 scales (bytes 0, 1 of s) -> bf16x2 [s0, s1] x 2^116, exact: code << 4 is the scale x 2^-120 as a bf16
+// (subnormal scales and zero included), times 2^118 twice. (cvt.f16x2.e4m3x2 + integer ops would save the
+// multiplies but turn a zero scale into 2^101.)
 static __device__ __forceinline__ u32 scale_pair(u32 s) {
-    u32 h;
-    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(h) : "r"(s));
-    return ((h >> 3) & 0x0FFF0FFFu) + 0x72007200u;
+    const u32 two118 = 0x7A807A80u;
+    return bf16x2_mul(bf16x2_mul(prmt(s, 0u, 0x4140u) << 4, two118), two118);
 }
 static __device__ __forceinline__ u64 desc_sw128(u32 addr) {
     // wgmma shared-memory descriptor, K-major, 128-byte swizzle: start >> 4, leading offset (unused) 1, stride
