@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE_PATH = Path(__file__).with_name("w4a16_rs.cu")
 ENABLED = [os.environ.get("SEEDVR2BW_RS_KERNEL", "1") != "0"]
+STREAM_K = [os.environ.get("SEEDVR2BW_RS_STREAM_K", "1") != "0"]   # 0: whole tiles only (see split)
 MAX_SMEM = 232448            # sm_90 opt-in shared memory per block
 BN = 128                     # weight rows per tile
 DIAG = [0]                   # probe-only kernel knobs (see the .cu's DIAG); 0 in production
@@ -164,7 +165,7 @@ def config_for(m: int, n: int, k: int, sms: int = 132) -> tuple:
 
     def cost(tn):
         dp, sk, g_sk = split(tiles(m, n, tn), kt, sms)
-        return (dp // sms * kt + (-(-sk * kt // g_sk) + SK_FIXUP if sk else 0)) * tn
+        return (-(-dp // sms) * kt + (-(-sk * kt // g_sk) + SK_FIXUP if sk else 0)) * tn
     tn = 224 if cost(224) < 0.95 * cost(256) else 256
     return tn, min(4, max_stages(tn))
 
@@ -175,13 +176,14 @@ SK_FIXUP = 4                 # stream-K: the partial sums' write + read cost abo
 
 def split(n_tiles: int, kt: int, sms: int) -> tuple[int, int, int]:
     """(dp_tiles, sk_tiles, g_sk): data-parallel tiles (whole rounds of ``sms`` CTAs), then the remaining tiles
-    stream-K over g_sk CTAs, when that beats one more round (a round of kt k tiles vs kt x sk_tiles / g_sk + the
-    partial sums' cost)."""
+    stream-K over g_sk CTAs, when that saves at least 2 x SK_FIXUP k tiles on one more round (kt k tiles vs
+    kt x sk_tiles / g_sk + the partial sums' cost). H100, bench_nvfp4 5c5f014: 120 tiles of 48 k tiles split over
+    132 CTAs (a 0.4 k-tile gain, every tile through the workspace) ran at 0.50x bf16, dequantize + cuBLAS 0.76x."""
     rem = n_tiles % sms
-    if rem == 0 or kt < 2 * MIN_SK_UNITS:
+    if rem == 0 or kt < 2 * MIN_SK_UNITS or not STREAM_K[0]:
         return n_tiles, 0, 1
     g_sk = min(sms, rem * kt // MIN_SK_UNITS)
-    if g_sk <= rem or -(-rem * kt // g_sk) + SK_FIXUP >= kt:
+    if g_sk <= rem or -(-rem * kt // g_sk) + 3 * SK_FIXUP > kt:
         return n_tiles, 0, 1
     return n_tiles - rem, rem, g_sk
 
