@@ -415,8 +415,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                     const int t0 = ((m0 / TN) * sc.num_nt + n0 / BN - sc.dp_tiles) * sc.KT;   // the tile's first unit
 #pragma unroll 1
                     for (int b = blockIdx.x - 1; b >= 0; --b) {
-                        while (ld_acquire(flags + b) != 1u) {
+                        // one thread polls, gently (256 threads a CTA polling the L2 slowed the partials' writes:
+                        // 2x the time at M = 1024), and the barrier passes its acquire on to the others
+                        if (ct == 0) {
+                            while (ld_acquire(flags + b) != 1u) __nanosleep(100);
                         }
+                        consumers_barrier();
                         const float* part = ws + (size_t)b * PART_FLOATS + ct * 4;
 #pragma unroll
                         for (int v = 0; v < TN / 2; v += 4) {
