@@ -48,8 +48,9 @@ PATHS = ("fp4_tensorcore", "fp8_speed", "fidelity", "reference")
 FIDELITY_KERNELS = ("auto", "fused", "rs", "dequant", "pipelined", "pipelined_n", "timed")
 # fidelity path, kernel by rows M (bf16/fp16 activations on CUDA), fidelity_kernel="auto":
 #   M <= FUSED_MAX_M           -> fused W4A16 Triton kernel (reads the 4-bit weight; no bf16 weight is written)
-#   M >= rs_w4a16.MIN_M, sm_90, bf16 -> the RS W4A16 kernel (rs_w4a16.py: persistent, TMA, the weight decoded into
-#                                  wgmma's A registers, stream-K tail), SEEDVR2BW_RS_KERNEL=0 turns it off
+#   M >= rs_w4a16.AUTO_M, sm_90, bf16 -> the RS W4A16 kernel (rs_w4a16.py: persistent, TMA, the weight decoded
+#                                  into wgmma's A registers, stream-K tail), SEEDVR2BW_RS_KERNEL=0 turns it off;
+#                                  rs_w4a16.MIN_M <= M < AUTO_M: the faster of it and dequant, timed once per shape
 #   M >= PIPELINE_MIN_M         -> the faster of dequant and pipelined (K split in two: the larger part of the
 #                                  weight is dequantized on a side stream while cuBLAS multiplies the first part),
 #                                  timed once per (M bucket, shape) on the device (None: never)
@@ -532,6 +533,11 @@ class NVFP4Linear(_QuantLinearBase):
         b = self.bias.float() if self.bias is not None else None
         return F.linear(x2.float(), w, b).to(x2.dtype)
 
+    def _fidelity_rs(self, x2):
+        """The RS W4A16 kernel (rs_w4a16.py), or None where it cannot run."""
+        return R.rs_linear(x2.contiguous(), self.weight, self.weight_scale, self.weight_scale_2, self.out_features,
+                           self._bias_as(x2.dtype))
+
     def _bias_as(self, dtype):
         """The bias in the activations' dtype (None without a bias), converted once."""
         if self.bias is None or self.bias.dtype == dtype:
@@ -716,7 +722,17 @@ class NVFP4Linear(_QuantLinearBase):
         if fused_ok and m <= FUSED_MAX_M:
             return "fused"
         if self._rs_ok(x2):
-            return "rs"
+            if m >= R.AUTO_M:
+                return "rs"
+            # 1024 <= M < 4096: whichever of the RS kernel and dequant + cuBLAS is faster here, timed once per shape
+            # (H100, bench_nvfp4 a9c4148: RS 0.87-1.00x bf16 where dequant + cuBLAS gives 0.78-0.91x, except
+            # 3072 x 3072, where RS took 0.11 ms at M = 1024 and 2048: 0.27-0.55x)
+            key = ("rs", m, self.out_features, self.in_features, str(x2.device))
+            choice = _FIDELITY_CHOICE.get(key)
+            if choice is None:
+                choice = _FIDELITY_CHOICE[key] = _time_choice(
+                    {"rs": lambda: self._fidelity_rs(x2), "dequant": lambda: self._fidelity_dequant(x2)}, reps=5)
+            return choice
         if pipe_ok and PIPELINE_MIN_M is not None and m >= PIPELINE_MIN_M:
             # large M: pipelined vs dequant timed once per (M bucket, shape) on this device (see the note)
             key = ("auto", K._m_bucket(m), self.out_features, self.in_features, str(x2.device))
@@ -739,8 +755,7 @@ class NVFP4Linear(_QuantLinearBase):
                             _FUSED_BROKEN[-1])
                 return self._fidelity_dequant(x2)
         if kern == "rs":
-            y = R.rs_linear(x2.contiguous(), self.weight, self.weight_scale, self.weight_scale_2, self.out_features,
-                            self._bias_as(x2.dtype))
+            y = self._fidelity_rs(x2)
             if y is not None:
                 return y
         if kern == "pipelined":

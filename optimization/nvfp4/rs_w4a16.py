@@ -243,7 +243,8 @@ def rs_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=N
     return y
 
 
-MIN_M = 1024                 # fewer tokens: dequantize + cuBLAS (see linear.py's note)
+MIN_M = 1024                 # fewer tokens: dequantize + cuBLAS; up to AUTO_M the layer times both (linear.py)
+AUTO_M = 4096
 
 
 def usable(x: torch.Tensor, n: int, k: int) -> bool:
@@ -271,21 +272,39 @@ def rs_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
     n_tiles = tiles(M, n, tn)
     dp, sk, g_sk = split(n_tiles, Kd // 64, sms)
     ctas = min(n_tiles, sms) if sk == 0 else sms
+    from torch.cuda import _utils as cu
+    replace, check = cu._get_gpu_runtime_library().cuTensorMapReplaceAddress, cu._check_cuda
     index = x.device.index
     b = bias if bias is not None else global_scale
-    ints = (M, n, Kd, block_scale.shape[1] // 4, dp, sk, g_sk)
+    y0 = torch.empty((M, n), dtype=x.dtype, device=x.device)
+    # the tensor maps are encoded once; a call only points them at its tensors (cuTensorMapReplaceAddress: host
+    # only, a few us less than encoding them again)
+    xm, ym, wm = x_map(x, tn), x_map(y0, tn), w_map(packed)
+    stream0 = K.raw_stream(index)
+    ws, flags = _sk_buffers(x.device, stream0, tn, sms)
+    arr = _args(xm, wm, ym, block_scale, global_scale, b, ws, flags,
+                (M, n, Kd, block_scale.shape[1] // 4, dp, sk, g_sk))
+    p_s, p_g, p_b, p_ws, p_fl = arr._values[3:8]
     out_shape, flat = tuple(out_shape), len(out_shape) == 2
-    wkey = [None, None]
+    wptr = [packed.data_ptr()]
+    del y0
 
     def plan(xc):
         if (xc.data_ptr() | packed.data_ptr() | block_scale.data_ptr()) & 15:
             return None
         y = xc.new_empty((M, n))
-        if wkey[0] != packed.data_ptr():                 # block swap gives the weight new storage
-            wkey[0], wkey[1] = packed.data_ptr(), w_map(packed)
+        check(replace(xm, ctypes.c_void_p(xc.data_ptr())))
+        check(replace(ym, ctypes.c_void_p(y.data_ptr())))
+        if wptr[0] != packed.data_ptr():                 # block swap gives the weight new storage
+            wptr[0] = packed.data_ptr()
+            check(replace(wm, ctypes.c_void_p(wptr[0])))
+        p_s.value, p_g.value, p_b.value = block_scale.data_ptr(), global_scale.data_ptr(), b.data_ptr()
         stream = K.raw_stream(index)
-        ws, flags = _sk_buffers(xc.device, stream, tn, sms)
-        arr = _args(x_map(xc, tn), wkey[1], x_map(y, tn), block_scale, global_scale, b, ws, flags, ints)
+        if stream != stream0:                            # stream-K workspace and flags are per stream
+            ws2, fl2 = _sk_buffers(xc.device, stream, tn, sms)
+            p_ws.value, p_fl.value = ws2.data_ptr(), fl2.data_ptr()
+        else:
+            p_ws.value, p_fl.value = ws.data_ptr(), flags.data_ptr()
         kern.launch(ctas, arr, stream)
         return y if flat else y.view(out_shape)
     return plan

@@ -92,7 +92,7 @@ def test_stream_k_equals_whole_tiles():
 
 def test_layer_dispatch_plan_and_swapped_weights():
     gen = torch.Generator().manual_seed(5)
-    n, k, m = 1024, 2048, max(R.MIN_M, 1500)
+    n, k, m = 1024, 2048, R.AUTO_M + 37
     t = fmt.quantize_nvfp4(torch.randn(n, k, generator=gen) * 0.05, return_tensor=True)
     bias = torch.randn(n, generator=gen) * 0.1
     lin = NVFP4Linear.from_nvfp4(t, bias=bias, path="fidelity", dtype=torch.bfloat16).to(DEV)
@@ -130,3 +130,20 @@ def test_autograd_takes_the_dequantize_path():
 
 def test_selftest_passes_here():
     assert R.selftest(torch.device(DEV)), R._DISABLED_REASON
+
+
+def test_mid_m_is_timed_against_dequant_once():
+    """1024 <= M < AUTO_M: the layer times the RS kernel against dequantize + cuBLAS once per shape and keeps the
+    faster; either gives the right product."""
+    from seedvr2bw.optimization.nvfp4 import linear as L
+    gen = torch.Generator().manual_seed(8)
+    t = fmt.quantize_nvfp4(torch.randn(512, 1024, generator=gen) * 0.05, return_tensor=True)
+    lin = NVFP4Linear.from_nvfp4(t, path="fidelity", dtype=torch.bfloat16).to(DEV)
+    x = torch.randn(R.MIN_M + 100, 1024, generator=gen).to(DEV, torch.bfloat16)
+    with torch.no_grad():
+        kern = lin._fidelity_kernel_for(x)
+        assert kern in ("rs", "dequant")
+        assert L._FIDELITY_CHOICE[("rs", x.shape[0], 512, 1024, str(x.device))] == kern
+        y = lin(x)
+    want = torch.nn.functional.linear(x.float(), t.dequantize(torch.float32).to(DEV))
+    assert ((y.float() - want).norm() / want.norm()).item() < 4e-3
