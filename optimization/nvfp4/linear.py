@@ -11,7 +11,9 @@
 * ``fidelity``: bf16 activations x NVFP4 weight, by rows M (``fidelity_kernel="auto"``, thresholds below):
   M <= FUSED_MAX_M: a fused swap-AB W4A16 kernel (reads the packed 4-bit weight, decodes in registers,
   fp32 accumulation, split-K when the grid is small): on sm_90 with bf16 and M > 64 the CUDA wgmma kernel of
-  ``wgmma_w4a16.py``, else the Triton kernel; larger M: Triton dequant to bf16 + one cuBLAS call.
+  ``wgmma_w4a16.py``, else the Triton kernel; on sm_90 with bf16 and M >= 4096 the persistent RS kernel of
+  ``rs_w4a16.py`` (1024 <= M < 4096: timed against the next option once per shape); otherwise Triton dequant to
+  bf16 + one cuBLAS call.
   Opt-in: ``"pipelined"`` (dequant of most of the weight on a side stream, overlapped with a first K-part
   GEMM), ``"pipelined_n"`` (N chunks), ``"timed"`` (time the candidates once per shape).
 * ``reference``: exact dequantize (fp32) + fp32 matmul. The oracle for every test, and the CPU path.
@@ -94,6 +96,8 @@ FIDELITY_KERNELS = ("auto", "fused", "rs", "dequant", "pipelined", "pipelined_n"
 #   run 10 (session 14, scripts/device/l2_persist_probe.py): dequant + cuBLAS ran at 0.78-0.82x bf16 at M=4096
 #     whenever other GEMMs had gone through the L2 since its last call; the dequantize's stores with the L2
 #     evict_last hint into one shared scratch weight: 0.87-1.02x in the same order (L2_KEEP below)
+#   run 11 (session 15, bench_nvfp4.py, commit 0aa2725): the RS kernel (rs_w4a16.py) 0.96-1.01x bf16 at M=4096,
+#     1.00-1.04x at 16384, dequant + cuBLAS 0.90-0.96x / 0.98-0.99x in the same run  -> RS from M >= 4096
 FUSED_MAX_M = 256
 # dequant kernel (M > FUSED_MAX_M): the weight goes to one shared scratch buffer per device with L2 evict_last
 # stores, so the GEMM reads it back from L2 (session 14, docs/BENCHMARKS.md). SEEDVR2BW_NVFP4_L2_KEEP=0: a fresh
