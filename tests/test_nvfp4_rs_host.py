@@ -5,14 +5,11 @@ memory budget, the launch arguments, and a compile of every shipped config: NVRT
 the nvidia-cuda-nvrtc wheel is installed) and nvcc (when present) must report no spills and no serialized wgmma.
 The kernel itself runs in tests/gpu/test_nvfp4_rs_gpu.py."""
 import ctypes
-import glob
-import os
-import shutil
-import subprocess
 
 import pytest
 import torch
 
+from sm90_compile import assert_no_spills_or_serialized_wgmma, needs_nvcc, nvcc_report, nvrtc_report
 from seedvr2bw.optimization.nvfp4 import rs_w4a16 as R
 
 
@@ -136,7 +133,7 @@ def test_kernel_source():
     name, src = R.kernel_source(256, 4, True)
     assert name in src and "#define TN 256" in src and "//%%WGMMA%%" not in src
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in src
-    assert R.wgmma_call(224).count('"+f"(d[') == 112
+    assert "u64 desc, u32 acc)" in src and '"r"(acc)' in src and "static __device__ __forceinline__ u32 e2m1x2(" in src
 
 
 SHIPPED = sorted({(*R.config_for(m, n, k), bias) for m in (1024, 4096, 16384)
@@ -144,56 +141,15 @@ SHIPPED = sorted({(*R.config_for(m, n, k), bias) for m in (1024, 4096, 16384)
                   for bias in (False, True)})
 
 
-def _nvrtc():
-    """libnvrtc (CUDA 13) from the nvidia-cuda-nvrtc wheel or the system, its builtins loaded first; or None."""
-    roots = []
-    try:
-        import nvidia
-        roots += [os.path.join(p, "cu13", "lib") for p in nvidia.__path__]
-    except ImportError:
-        pass
-    roots += ["/usr/local/cuda/lib64"]
-    for root in roots:
-        lib = sorted(glob.glob(os.path.join(root, "libnvrtc.so.13*")))
-        builtins = sorted(glob.glob(os.path.join(root, "libnvrtc-builtins.so.13*")))
-        if lib and builtins:
-            ctypes.CDLL(builtins[0], mode=ctypes.RTLD_GLOBAL)
-            return ctypes.CDLL(lib[0])
-    return None
-
-
 @pytest.mark.parametrize("cfg", SHIPPED)
 def test_nvrtc_compiles_without_spills_or_serialized_wgmma(cfg):
     """The compile users get (NVRTC, as torch.cuda._compile_kernel does). Its ptxas once reused one A register set
-    for the next and serialized every wgmma (C7513) where nvcc's did not; the kernel keeps the sets live against
-    that, and this checks it on every shipped config."""
-    lib = _nvrtc()
-    if lib is None:
-        pytest.skip("needs NVRTC 13 (pip install nvidia-cuda-nvrtc)")
-    name, src = R.kernel_source(*cfg)
-    prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"k.cu", 0, None, None) == 0
-    opts = [b"--gpu-architecture=sm_90a", b"-Xptxas=-v"]
-    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    text = log.value.decode(errors="replace")
-    assert rc == 0, text
-    assert "C751" not in text and "serialized" not in text, text
-    assert "0 bytes spill stores" in text and "0 bytes spill loads" in text, text
+    for the next and serialized every wgmma (C7513) where nvcc's, on the same source, did not; the kernel keeps the
+    sets live against that, and this checks it on every shipped config."""
+    assert_no_spills_or_serialized_wgmma(nvrtc_report(R.kernel_source(*cfg)[1]))
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) to compile for sm_90a")
+@needs_nvcc
 @pytest.mark.parametrize("cfg", SHIPPED[:2])
 def test_nvcc_compiles_without_spills_or_serialized_wgmma(cfg, tmp_path):
-    name, src = R.kernel_source(*cfg)
-    cu = tmp_path / f"{name}.cu"
-    cu.write_text(src)
-    r = subprocess.run(["nvcc", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "--resource-usage",
-                        "-o", str(tmp_path / "k.cubin"), str(cu)], capture_output=True, text=True, timeout=300)
-    log = r.stdout + r.stderr
-    assert r.returncode == 0, log
-    assert "0 bytes spill stores" in log and "0 bytes spill loads" in log, log
-    assert "C751" not in log and "serialized" not in log, log
+    assert_no_spills_or_serialized_wgmma(nvcc_report(R.kernel_source(*cfg)[1], tmp_path))

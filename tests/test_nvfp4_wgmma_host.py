@@ -5,13 +5,12 @@ rebuilt for every thread of a warpgroup and compared with the dequantized tile a
 The kernel itself runs in tests/gpu/test_nvfp4_wgmma_gpu.py; nvcc (when present) compiles every shipped config
 here and ptxas must report no spills and no serialized wgmma."""
 import ctypes
-import shutil
 import struct
-import subprocess
 
 import pytest
 import torch
 
+from sm90_compile import assert_no_spills_or_serialized_wgmma, needs_nvcc, nvcc_report, nvrtc_report
 from seedvr2bw.optimization.nvfp4 import format as fmt
 from seedvr2bw.optimization.nvfp4 import wgmma_w4a16 as W
 
@@ -140,8 +139,8 @@ def test_generated_wgmma_wrapper():
     name, full = W.kernel_source(2, 256, 3, 1, True, False)
     assert name in full and "#define WG 2" in full and "#define SPLIT 1" in full and "//%%WGMMA%%" not in full
     assert W.smem_bytes(1, 128, 3) == 3 * 19456 + 1024
-    # the kernel source uses exactly the constants emulated above
-    cu = W._SOURCE_PATH.read_text()
+    # the kernel source (with the shared helpers) uses exactly the constants emulated above
+    cu = W.kernel_source(1, 128, 3, 1, False, False)[1]
     for const in ("0x81C081C0u", "b | ((b | 8) << 4) | ((b + 4) << 8) | (((b + 4) | 8) << 12)", "(z << 2)",
                   "prmt(s, 0u, 0x4140u) << 4", "0x7A807A80u", "0x5410u", "0x1010u", "0x3232u",
                   "c | ((c + 4) << 4)", "qa[h] << 4"):
@@ -151,19 +150,17 @@ def test_generated_wgmma_wrapper():
 SHIPPED = [(1, 128, 3, W.default_min_blocks(1, 128), split, bias) for split in (False, True) for bias in (False, True)]
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) to compile for sm_90a")
+@needs_nvcc
 @pytest.mark.parametrize("cfg", SHIPPED + [(2, 256, 3, 1, False, True), (1, 256, 3, 2, False, True),
                                  (2, 256, 5, 1, False, True), (2, 192, 4, 1, False, True), (2, 128, 4, 2, False, True)])
 def test_compiles_for_sm90a_without_spills_or_serialized_wgmma(cfg, tmp_path):
-    name, src = W.kernel_source(*cfg)
-    cu = tmp_path / f"{name}.cu"
-    cu.write_text(src)
-    r = subprocess.run(["nvcc", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "--resource-usage",
-                        "-o", str(tmp_path / "k.cubin"), str(cu)], capture_output=True, text=True, timeout=300)
-    log = r.stdout + r.stderr
-    assert r.returncode == 0, log
-    assert "0 bytes spill stores" in log and "0 bytes spill loads" in log, log
-    assert "C7513" not in log and "serialized" not in log, log
+    assert_no_spills_or_serialized_wgmma(nvcc_report(W.kernel_source(*cfg)[1], tmp_path))
+
+
+@pytest.mark.parametrize("cfg", SHIPPED)
+def test_nvrtc_compiles_without_spills_or_serialized_wgmma(cfg):
+    """The compile users get (NVRTC: torch.cuda._compile_kernel)."""
+    assert_no_spills_or_serialized_wgmma(nvrtc_report(W.kernel_source(*cfg)[1]))
 
 
 def test_launch_arguments_outlive_their_builder():

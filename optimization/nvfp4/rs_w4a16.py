@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from . import wgmma_w4a16 as W
+
 log = logging.getLogger(__name__)
 
 _SOURCE_PATH = Path(__file__).with_name("w4a16_rs.cu")
@@ -28,28 +30,13 @@ _KERNELS: dict = {}          # config key -> _Kernel, or None after a failure
 _DISABLED_REASON: list = []
 
 
-def wgmma_call(tn: int) -> str:
-    """CUDA source of ``wgmma_bm``: one wgmma m64n{tn}k16, fp32 accumulators d[tn/2], A in registers, B by
-    descriptor (K-major); D = A B + (acc ? D : 0)."""
-    n = tn // 2
-    dl = ", ".join(f"%{i}" for i in range(n))
-    asm = (f"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{n + 5}, 0;\\n"
-           f"wgmma.mma_async.sync.aligned.m64n{tn}k16.f32.bf16.bf16 {{{dl}}}, "
-           f"{{%{n}, %{n + 1}, %{n + 2}, %{n + 3}}}, %{n + 4}, p, 1, 1, 0;\\n}}\\n")
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(n))
-    return (f"static __device__ __forceinline__ void wgmma_bm(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u64 desc, "
-            f"u32 acc) {{\n"
-            f'    asm volatile("{asm}"\n        : {outs}\n'
-            f'        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));\n}}\n')
-
-
 def kernel_source(tn: int, stages: int, has_bias: bool, diag: int = 0) -> tuple[str, str]:
     """(kernel name, CUDA source) for one configuration."""
     name = f"w4a16_rs_{tn}_{stages}_{int(has_bias)}_{diag}"
     head = (f"#define TN {tn}\n#define STAGES {stages}\n#define DIAG {diag}\n#define HAS_BIAS {int(has_bias)}\n"
             f"#define KERNEL_NAME {name}\n")
-    body = _SOURCE_PATH.read_text().replace("//%%WGMMA%%", wgmma_call(tn), 1)
-    return name, head + body
+    body = _SOURCE_PATH.read_text().replace("//%%WGMMA%%", W.wgmma_call(tn, acc_arg=True), 1)
+    return name, head + W.COMMON_PATH.read_text() + body
 
 
 def slot_bytes(tn: int) -> int:
@@ -129,24 +116,12 @@ class _Kernel:
 
 
 def get_kernel(tn, stages, has_bias):
-    key = (tn, stages, has_bias, DIAG[0])
-    if key not in _KERNELS:
-        try:
-            _KERNELS[key] = _Kernel(*key)
-        except Exception as e:  # noqa: BLE001 - no NVRTC, old driver, compile error: the caller's path stays
-            _KERNELS[key] = None
-            _DISABLED_REASON.append(f"{key}: {type(e).__name__}: {str(e)[:400]}")
-            log.warning("NVFP4 RS W4A16 kernel %s unavailable (%s)", key, e)
-    return _KERNELS[key]
+    return W.compiled(_KERNELS, _DISABLED_REASON, (tn, stages, has_bias, DIAG[0]), _Kernel, "RS W4A16 kernel")
 
 
 def supported(x: torch.Tensor, n: int, k: int) -> bool:
     """Shapes, dtype and device this kernel takes."""
-    if not x.is_cuda or x.dtype != torch.bfloat16 or x.dim() != 2:
-        return False
-    if k % 64 or n % BN or x.shape[1] != k or x.stride(1) != 1 or x.stride(0) % 8:
-        return False
-    return torch.cuda.get_device_capability(x.device) == (9, 0)
+    return W.supported(x, n, k, rows=BN)
 
 
 TILE_TOKENS = (256, 224)
@@ -322,16 +297,8 @@ def selftest(device) -> bool:
     if key in _SELFTEST:
         return _SELFTEST[key]
     _SELFTEST[key] = False
-    from . import format as fmt
     try:
-        gen = torch.Generator(device="cpu").manual_seed(7)
-        w = torch.randn(256, 2048, generator=gen) * 0.02
-        w[0, :16] = 0.0
-        w[1, 16:32] *= 1e-5
-        t = fmt.quantize_nvfp4(w, return_tensor=True).to(device)
-        x = torch.randn(520, 2048, generator=gen).to(device, torch.bfloat16)
-        bias = (torch.randn(256, generator=gen) * 0.1).to(device, torch.bfloat16)
-        ref = torch.nn.functional.linear(x.float(), t.dequantize(torch.float32), bias.float())
+        t, x, bias, ref = W.selftest_problem(256, 2048, 520, device)
         worst = 0.0
         for grid in (5, 4, None):
             for _ in range(2):                            # twice: the stream-K flags are back to 0 after a launch

@@ -29,7 +29,7 @@
 // item and the tile it finishes its last: every wait is for a lower-numbered CTA's first item, which all CTAs, being
 // resident together (one per SM, grid <= SMs), reach without waiting.
 //
-// Decode, per 32-bit word q of 4 packed bytes (high nibble = the even k) and byte b: see w4a16_wgmma.cu (3 integer
+// Decode, per 32-bit word q of 4 packed bytes (high nibble = the even k) and byte b: see sm90_common.cuh (3 integer
 // instructions and one bf16x2 multiply per two weights, exact, subnormal block scales included; the 2^-10 it leaves
 // is undone in the epilogue together with the global scale).
 
@@ -45,16 +45,9 @@
 #define EPI_BYTES (TN * 128)         // per consumer warpgroup: the TN tokens x 64 weight rows of a tile, bf16
 #define PART_FLOATS (256 * TN / 2)   // a partial tile in the workspace: 256 consumer threads x TN/2 accumulators
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-typedef unsigned long long u64;
-
+// the shared helpers (u32 ..., prmt, e2m1x2, scale_pair, desc_sw128, mbarriers, wgmma fences): sm90_common.cuh
 struct __align__(64) TensorMap { u64 v[16]; };   // CUtensorMap, filled by the host (cuTensorMapEncodeTiled)
 
-static __device__ __forceinline__ u32 smem_addr(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
 // TMA: box at (inner coordinate c0, row c1) -> shared dst, completing its bytes on the mbarrier
 static __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
@@ -65,50 +58,8 @@ static __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 b
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                  ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
-static __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
 static __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-static __device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-static __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    asm volatile("{\n.reg .pred done;\nWAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-static __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-static __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-static __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 d;
-    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-    return d;
-}
-static __device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
-    u32 d;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-    return d;
-}
-// byte b of q -> bf16x2 [lo half: the high nibble (even k), hi half: the low nibble] x 2^-126, exact
-static __device__ __forceinline__ u32 e2m1x2(u32 q, u32 q4, const int b) {
-    const u32 z = prmt(q, q4, b | ((b | 8) << 4) | ((b + 4) << 8) | (((b + 4) | 8) << 12));
-    return (z << 2) & 0x81C081C0u;
-}
-// two E4M3 scales (bytes 0, 1 of s) -> bf16x2 [s0, s1] x 2^116, exact: code << 4 is the scale x 2^-120 as a bf16
-// (subnormal scales and zero included), times 2^118 twice. (cvt.f16x2.e4m3x2 + integer ops would save the
-// multiplies but turn a zero scale into 2^101.)
-static __device__ __forceinline__ u32 scale_pair(u32 s) {
-    const u32 two118 = 0x7A807A80u;
-    return bf16x2_mul(bf16x2_mul(prmt(s, 0u, 0x4140u) << 4, two118), two118);
-}
-static __device__ __forceinline__ u64 desc_sw128(u32 addr) {
-    // wgmma shared-memory descriptor, K-major, 128-byte swizzle: start >> 4, leading offset (unused) 1, stride
-    // between 8-row groups 1024 B
-    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
 }
 static __device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
     uint4 v;

@@ -30,18 +30,23 @@ _KERNELS: dict = {}          # config key -> _Kernel, or None after a failure
 _DISABLED_REASON: list = []
 
 
-def wgmma_call(bm: int) -> str:
+def wgmma_call(bm: int, acc_arg: bool = False) -> str:
     """CUDA source of ``wgmma_bm``: one wgmma m64n{bm}k16, fp32 accumulators d[bm/2], A in registers, B by
-    descriptor (K-major), accumulate into d."""
+    descriptor (K-major), accumulate into d; with acc_arg a last argument ``u32 acc``: D = A B + (acc ? D : 0)."""
     n = bm // 2
     dl = ", ".join(f"%{i}" for i in range(n))
     asm = (f"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{n + 5}, 0;\\n"
            f"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.bf16.bf16 {{{dl}}}, "
            f"{{%{n}, %{n + 1}, %{n + 2}, %{n + 3}}}, %{n + 4}, p, 1, 1, 0;\\n}}\\n")
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(n))
-    return (f"static __device__ __forceinline__ void wgmma_bm(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {{\n"
+    sig = ", u32 acc" if acc_arg else ""
+    return (f"static __device__ __forceinline__ void wgmma_bm(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u64 desc{sig}) "
+            f"{{\n"
             f'    asm volatile("{asm}"\n        : {outs}\n'
-            f'        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));\n}}\n')
+            f'        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"({"acc" if acc_arg else "1"}));\n}}\n')
+
+
+COMMON_PATH = Path(__file__).with_name("sm90_common.cuh")
 
 
 def kernel_source(wg: int, bm: int, stages: int, min_blocks: int, split: bool, has_bias: bool,
@@ -51,7 +56,7 @@ def kernel_source(wg: int, bm: int, stages: int, min_blocks: int, split: bool, h
     head = (f"#define WG {wg}\n#define BM {bm}\n#define STAGES {stages}\n#define MINB {min_blocks}\n#define DIAG {diag}\n"
             f"#define SPLIT {int(split)}\n#define HAS_BIAS {int(has_bias)}\n#define KERNEL_NAME {name}\n")
     body = _SOURCE_PATH.read_text().replace("//%%WGMMA%%", wgmma_call(bm), 1)
-    return name, head + body
+    return name, head + COMMON_PATH.read_text() + body
 
 
 def smem_bytes(wg: int, bm: int, stages: int) -> int:
@@ -84,23 +89,30 @@ class _Kernel:
                                  ctypes.c_void_p(stream), arr, None))
 
 
-def get_kernel(wg, bm, stages, min_blocks, split, has_bias):
-    key = (wg, bm, stages, min_blocks, split, has_bias, DIAG[0])
-    if key not in _KERNELS:
+def compiled(cache: dict, reasons: list, key: tuple, make, what: str):
+    """cache[key], made by make(*key) the first time; a failure (no NVRTC, old driver, compile error) is kept as None
+    with its reason, logged once, and the caller keeps its other path."""
+    if key not in cache:
         try:
-            _KERNELS[key] = _Kernel(*key)
-        except Exception as e:  # noqa: BLE001 - no NVRTC, old driver, compile error: the Triton path stays
-            _KERNELS[key] = None
-            _DISABLED_REASON.append(f"{key}: {type(e).__name__}: {str(e)[:300]}")
-            log.warning("NVFP4 wgmma kernel %s unavailable (%s); the Triton kernel is used", key, e)
-    return _KERNELS[key]
+            cache[key] = make(*key)
+        except Exception as e:  # noqa: BLE001
+            cache[key] = None
+            reasons.append(f"{key}: {type(e).__name__}: {str(e)[:400]}")
+            log.warning("NVFP4 %s %s unavailable (%s)", what, key, e)
+    return cache[key]
 
 
-def supported(x: torch.Tensor, n: int, k: int) -> bool:
-    """Shapes, dtype and device this kernel takes (``usable`` adds the switch, M and the self-test)."""
+def get_kernel(wg, bm, stages, min_blocks, split, has_bias):
+    return compiled(_KERNELS, _DISABLED_REASON, (wg, bm, stages, min_blocks, split, has_bias, DIAG[0]), _Kernel,
+                    "wgmma kernel (the Triton kernel is used)")
+
+
+def supported(x: torch.Tensor, n: int, k: int, rows: int = 64) -> bool:
+    """Shapes, dtype and device this kernel takes (``usable`` adds the switch, M and the self-test); ``rows``: the
+    weight rows N must be a multiple of (the RS kernel's tile: 128)."""
     if not x.is_cuda or x.dtype != torch.bfloat16 or x.dim() != 2:
         return False
-    if k % 64 or n % 64 or x.shape[1] != k or x.stride(1) != 1 or x.stride(0) % 8:
+    if k % 64 or n % rows or x.shape[1] != k or x.stride(1) != 1 or x.stride(0) % 8:
         return False
     return torch.cuda.get_device_capability(x.device) == (9, 0)
 
@@ -234,6 +246,20 @@ def wgmma_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
 _SELFTEST: dict = {}
 
 
+def selftest_problem(n: int, k: int, m: int, device):
+    """(weight, x, bias, fp32 reference) of a self-test: an [n, k] NVFP4 weight with a zero block and subnormal
+    block scales, m bf16 tokens, a bf16 bias."""
+    from . import format as fmt
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    w[0, :16] = 0.0
+    w[1, 16:32] *= 1e-5
+    t = fmt.quantize_nvfp4(w, return_tensor=True).to(device)
+    x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16)
+    bias = (torch.randn(n, generator=gen) * 0.1).to(device, torch.bfloat16)
+    return t, x, bias, torch.nn.functional.linear(x.float(), t.dequantize(torch.float32), bias.float())
+
+
 def selftest(device) -> bool:
     """Once per device: the kernel (plain and split-K, with bias) against the fp32 product of the dequantized
     weight on a small problem with edge rows and subnormal / zero block scales. Logs one line either way; a
@@ -242,16 +268,8 @@ def selftest(device) -> bool:
     if key in _SELFTEST:
         return _SELFTEST[key]
     _SELFTEST[key] = False                       # re-entrancy: the check itself calls wgmma_linear directly
-    from . import format as fmt
     try:
-        gen = torch.Generator(device="cpu").manual_seed(7)
-        w = torch.randn(128, 256, generator=gen) * 0.02
-        w[0, :16] = 0.0
-        w[1, 16:32] *= 1e-5
-        t = fmt.quantize_nvfp4(w, return_tensor=True).to(device)
-        x = torch.randn(130, 256, generator=gen).to(device, torch.bfloat16)
-        bias = (torch.randn(128, generator=gen) * 0.1).to(device, torch.bfloat16)
-        ref = torch.nn.functional.linear(x.float(), t.dequantize(torch.float32), bias.float())
+        t, x, bias, ref = selftest_problem(128, 256, 130, device)
         worst = 0.0
         for cfg in ((1, 128, 3, 1), (1, 128, 3, 2)):
             y = wgmma_linear(x, t.packed, t.block_scale, t.global_scale, 128, bias, cfg)

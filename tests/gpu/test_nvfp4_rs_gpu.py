@@ -4,6 +4,7 @@ after launch, the NVFP4Linear dispatch, launch plan and block-swapped weights. S
 import pytest
 import torch
 
+from nvfp4_codes import weight_of_every_code
 from seedvr2bw.optimization.nvfp4 import format as fmt
 from seedvr2bw.optimization.nvfp4 import rs_w4a16 as R
 from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear
@@ -11,17 +12,6 @@ from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear
 DEV = "cuda"
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                                 reason="needs an sm_90 (Hopper) GPU: the kernel uses wgmma and TMA")
-# E4M3 block scales of every kind: zero, smallest subnormal, subnormals, smallest normal, normals, the largest
-SCALES = [0.0, 2.0 ** -9, 3 * 2.0 ** -9, 2.0 ** -7, 2.0 ** -6, 0.4375, 1.0, 1.125, 13.0, 240.0, 448.0]
-
-
-def _weight_of_every_code(n, k, g, seed):
-    gen = torch.Generator().manual_seed(seed)
-    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
-    packed[0, :128] = torch.arange(128, dtype=torch.uint8)
-    packed[1, :128] = torch.arange(128, 256, dtype=torch.uint8)
-    s = torch.tensor(SCALES)[torch.randint(0, len(SCALES), (n, k // 16), generator=gen)].to(torch.float8_e4m3fn)
-    return fmt.NVFP4Tensor(packed, fmt.swizzle_block_scales(s), torch.tensor(g, dtype=torch.float32), (n, k))
 
 
 def _run(x, t, n, bias=None, config=None, grid=None, stream_k=True):
@@ -38,7 +28,7 @@ def test_identity_activations_return_the_weight_bit_exactly(config, g):
     block scale, zero and subnormal ones included) must come back exactly: the decode, the fragment layout, the
     activation swizzle, the epilogue's mapping and the TMA store in one go."""
     n, k = 256, 512
-    t = _weight_of_every_code(n, k, g, seed=config[0])
+    t = weight_of_every_code(n, k, g, seed=config[0])
     want = t.dequantize(torch.float32)                       # exact: <= 6 significant bits times a power of 2
     x = torch.eye(k, dtype=torch.bfloat16, device=DEV)
     y = _run(x, t.to(DEV), n, config=config)

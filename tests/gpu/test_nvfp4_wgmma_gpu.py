@@ -4,6 +4,7 @@ Skips without an sm_90 GPU (the kernel needs wgmma)."""
 import pytest
 import torch
 
+from nvfp4_codes import weight_of_every_code
 from seedvr2bw.optimization.nvfp4 import format as fmt
 from seedvr2bw.optimization.nvfp4 import kernels as K
 from seedvr2bw.optimization.nvfp4 import wgmma_w4a16 as W
@@ -15,17 +16,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
 CONFIGS = [(1, 128, 3, 1), (1, 128, 3, 2), (1, 128, 4, 1), (1, 256, 3, 1), (2, 128, 4, 1), (2, 256, 3, 1),
            (1, 64, 4, 1), (2, 256, 4, 2), (2, 256, 5, 1), (2, 192, 4, 1), (2, 128, 3, 1), (4, 128, 4, 1),
            (4, 64, 4, 2)]
-# E4M3 block scales of every kind: zero, smallest subnormal, subnormals, smallest normal, normals, the largest
-SCALES = [0.0, 2.0 ** -9, 3 * 2.0 ** -9, 2.0 ** -7, 2.0 ** -6, 0.4375, 1.0, 1.125, 13.0, 240.0, 448.0]
-
-
-def _weight_of_every_code(n, k, g, seed):
-    gen = torch.Generator().manual_seed(seed)
-    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
-    packed[0, :128] = torch.arange(128, dtype=torch.uint8)
-    packed[1, :128] = torch.arange(128, 256, dtype=torch.uint8)
-    s = torch.tensor(SCALES)[torch.randint(0, len(SCALES), (n, k // 16), generator=gen)].to(torch.float8_e4m3fn)
-    return fmt.NVFP4Tensor(packed, fmt.swizzle_block_scales(s), torch.tensor(g, dtype=torch.float32), (n, k))
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
@@ -35,7 +25,7 @@ def test_identity_activations_return_the_weight_bit_exactly(cfg, g):
     every kind of block scale, subnormal ones included) must come back exactly: checks the decode, the fragment
     layout, the activation swizzle, the split-K partials and the epilogue's mapping in one go."""
     n, k = 256, 256
-    t = _weight_of_every_code(n, k, g, seed=cfg[0] * 10 + cfg[3])
+    t = weight_of_every_code(n, k, g, seed=cfg[0] * 10 + cfg[3])
     want = t.dequantize(torch.float32)                       # exact: <= 6 significant bits times a power of 2
     x = torch.eye(k, dtype=torch.bfloat16, device=DEV)
     td = t.to(DEV)
