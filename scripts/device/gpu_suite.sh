@@ -6,6 +6,7 @@
 #   bash scripts/device/gpu_suite.sh dit        # DiT step time / MFU, fused on vs off, bf16 parity
 #   bash scripts/device/gpu_suite.sh blockswap  # BlockSwap acceptance figures
 #   bash scripts/device/gpu_suite.sh nvfp4      # NVFP4 paths vs bf16 and comfy-kitchen   (carry .ck)
+#   bash scripts/device/gpu_suite.sh rs         # the RS W4A16 kernel: checks, x bf16 (scripts/device/rs_probe.py)
 #   bash scripts/device/gpu_suite.sh flux       # FLUX LoRA s/step vs TrainLoraNode        (carry .comfy_src)
 #   bash scripts/device/gpu_suite.sh diag       # the diagnostic, --quick cold then warm, then the full run
 #
@@ -31,6 +32,10 @@ blockswap)
     python3 scripts/bench_blockswap.py --commit "$GIT_COMMIT" --repeats 9 --json "$OUT/blockswap.json" 2>&1 | tee "$OUT/blockswap.log" | tail -40 ;;
 nvfp4)
     python3 scripts/bench_nvfp4.py --inner 8 --components --json "$OUT/nvfp4.json" 2>&1 | tee "$OUT/nvfp4.log" | tail -60 ;;
+rs)
+    # the large-M fidelity kernel: correctness on edge cases, then x bf16 with and without stream-K and the decode
+    python3 scripts/device/rs_probe.py --part check,time --m 4096,16384 --variants rs,rs_nosk,nodec \
+        --json "$OUT/rs.json" 2>&1 | tee "$OUT/rs.log" | grep -v "^check M" ;;
 flux)
     python3 scripts/bench_flux_lora.py --comfy .comfy_src --res 512,1024 --modes bf16,fp8,nvfp4,trainloranode \
         --json "$OUT/flux.json" 2>&1 | tee "$OUT/flux.log" | tail -30 ;;
