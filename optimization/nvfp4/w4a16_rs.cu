@@ -26,8 +26,9 @@
 // CTA. A CTA whose range holds the end of a tile finishes it: it waits for the fp32 partial sums of the CTAs that
 // did the tile's earlier k tiles (flags), adds them, and stores. The others write their partial to a workspace slot
 // of their own and set their flag. A CTA does its range's tiles last to first, so the partial it writes is its first
-// item and the tile it finishes its last: every wait is for a lower-numbered CTA's first item, which all CTAs, being
-// resident together (one per SM, grid <= SMs), reach without waiting.
+// item and the tile it finishes its last: every wait is for a lower-numbered CTA's first item, which that CTA reaches
+// without waiting for anyone. CTAs start in index order and the grid is at most one CTA per SM, so a waiting CTA's
+// predecessors are running (or done) and the waits end.
 //
 // Decode, per 32-bit word q of 4 packed bytes (high nibble = the even k) and byte b: see sm90_common.cuh (3 integer
 // instructions and one bf16x2 multiply per two weights, exact, subnormal block scales included; the 2^-10 it leaves
