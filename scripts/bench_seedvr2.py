@@ -112,9 +112,30 @@ def random_dit(cfg, backend: str) -> NaDiT:
     return model
 
 
+def set_linears(model, kind: str) -> None:
+    """The DiT's linears as ``kind``: bf16 (as built), nvfp4 (NVFP4 fidelity path, as the pack picks its kernel),
+    nvfp4_dequant (the same weights, the RS kernel off: dequantize + cuBLAS). bf16 must come before the others: the
+    quantization is in place."""
+    from seedvr2bw.optimization.nvfp4 import rs_w4a16
+    from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear, quantize_model_linears
+    if kind != "bf16" and not any(isinstance(m, NVFP4Linear) for m in model.modules()):
+        quantize_model_linears(model, policy="fidelity")
+    rs_w4a16.ENABLED[0] = kind != "nvfp4_dequant"
+
+
 def bench_dit(name, cfg, cases, args, peak):
     rows = []
     model = random_dit(cfg, args.backends[0])
+    for kind in args.linears:
+        set_linears(model, kind)
+        rows += _bench_dit_cases(model, name, cfg, cases, args, peak, kind)
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _bench_dit_cases(model, name, cfg, cases, args, peak, linears):
+    rows = []
     weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 30
     for backend, (res, frames), fz in [(b, c, f) for b in args.backends for c in cases for f in args.fused_modes]:
         os.environ["SEEDVR2BW_FUSED"] = "1" if fz == "on" else "0"
@@ -130,7 +151,8 @@ def bench_dit(name, cfg, cases, args, peak):
         t = torch.tensor([1000.0], device="cuda")
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        row = {"model": name, "backend": backend, "fused": fz, "res": res, "frames": frames, "padded_frames": padded, "latent": list(latent),
+        row = {"model": name, "backend": backend if linears == "bf16" else f"{backend}/{linears}", "linears": linears,
+               "fused": fz, "res": res, "frames": frames, "padded_frames": padded, "latent": list(latent),
                "tokens": fl["tokens"], "max_window_tokens": fl["max_segment"], "tflop": fl["total"] / 1e12,
                "attn_flop_share": fl["attention"] / fl["total"], "weights_gib": weights_gib}
         try:
@@ -145,8 +167,6 @@ def bench_dit(name, cfg, cases, args, peak):
         rows.append(row)
         print(fmt_row(row), flush=True)
         del vid, txt
-    del model
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -276,14 +296,14 @@ def bench_fused_ops(n=21600, d=3072, heads=24, hidden=12288):
 
 # --------------------------------------------------------------------------------------------------
 def fmt_header():
-    return (f"{'model':>5} {'attention':>12} {'fused':>5} {'res':>6} {'frm':>4} {'latent THW':>13} {'tokens':>7} {'maxwin':>6} "
+    return (f"{'model':>5} {'attention/linears':>18} {'fused':>5} {'res':>6} {'frm':>4} {'latent THW':>13} {'tokens':>7} {'maxwin':>6} "
             f"{'TFLOP':>8} {'attn%':>6} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8}")
 
 
 def fmt_row(r):
     if "error" in r:
-        return f"{r['model']:>5} {r['backend']:>12} {r.get('fused', '-'):>5} {r['res']:>6} {r['frames']:>4} {str(tuple(r['latent'])):>13} {r['tokens']:>7}  {r['error']}"
-    return (f"{r['model']:>5} {r['backend']:>12} {r.get('fused', '-'):>5} {r['res']:>6} {r['frames']:>4} {str(tuple(r['latent'])):>13} {r['tokens']:>7} "
+        return f"{r['model']:>5} {r['backend']:>18} {r.get('fused', '-'):>5} {r['res']:>6} {r['frames']:>4} {str(tuple(r['latent'])):>13} {r['tokens']:>7}  {r['error']}"
+    return (f"{r['model']:>5} {r['backend']:>18} {r.get('fused', '-'):>5} {r['res']:>6} {r['frames']:>4} {str(tuple(r['latent'])):>13} {r['tokens']:>7} "
             f"{r['max_window_tokens']:>6} {r['tflop']:>8.1f} {100 * r['attn_flop_share']:>5.1f}% {r['step_s']:>8.3f} "
             f"{r['tflops']:>8.1f} {100 * r['mfu']:>5.1f}% {r['peak_vram_gib']:>8.1f}")
 
@@ -313,10 +333,15 @@ def main():
                     help="explicit cases, e.g. 720p:21,1080p:1 (overrides --res/--frames)")
     ap.add_argument("--fused", default="on", choices=["on", "off", "both"],
                     help="Triton fused elementwise kernels (optimization/fused): on, off or both (A/B per case)")
+    ap.add_argument("--linears", default="bf16",
+                    help="comma list of bf16, nvfp4 (NVFP4 fidelity path), nvfp4_dequant (the same, RS kernel off)")
     ap.add_argument("--fused-ops", action="store_true",
                     help="also time each fused op against its torch path at the 7B 720p x 21 shape")
     args = ap.parse_args()
     args.fused_modes = ["off", "on"] if args.fused == "both" else [args.fused]
+    args.linears = [k.strip() for k in args.linears.split(",") if k.strip()]
+    if not set(args.linears) <= {"bf16", "nvfp4", "nvfp4_dequant"} or ("bf16" in args.linears and args.linears[0] != "bf16"):
+        sys.exit(f"--linears: bf16 (first, if at all), nvfp4, nvfp4_dequant; got {args.linears}")
     if args.quick:
         args.warmup, args.iters, args.vae_iters, args.vae_warmup = 1, 3, 1, 1
 
