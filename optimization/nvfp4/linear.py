@@ -561,20 +561,20 @@ class NVFP4Linear(_QuantLinearBase):
                            self._bias_as(x2.dtype))
 
     def _bias_as(self, dtype):
-        """The bias in the activations' dtype (None without a bias), converted once."""
-        if self.bias is None or self.bias.dtype == dtype:
-            return self.bias
-        key = ("bias", dtype, str(self.bias.device))
-        if key not in self._derived:
-            self._derived[key] = self.bias.to(dtype)
-        return self._derived[key]
+        """The bias in the activations' dtype (None without a bias); the last conversion is kept while the bias
+        keeps its storage (block swap gives it new storage: converted again, the old copy dropped)."""
+        b = self.bias
+        if b is None or b.dtype == dtype:
+            return b
+        key = (b.data_ptr(), b.device, dtype)
+        hit = self._derived.get("bias_as")
+        if hit is None or hit[0] != key:
+            hit = self._derived["bias_as"] = (key, b.to(dtype))
+        return hit[1]
 
     def _fidelity_fused(self, x2):
-        b = self.bias if self.bias is not None else None
-        if b is not None and b.dtype != x2.dtype:
-            b = b.to(x2.dtype)
         return K.w4a16_linear(self._padded_input(x2), self.weight, self.weight_scale, self.weight_scale_2,
-                              self.out_features, bias=b)
+                              self.out_features, bias=self._bias_as(x2.dtype))
 
     def _scratch_weight(self, x2, dtype):
         """[N, K] view of the device's shared scratch weight for the dequantize + GEMM kernel, or None where it

@@ -103,7 +103,6 @@ class _Kernel:
         from torch.cuda import _utils as cu
         _check_config(tn, stages)
         name, src = kernel_source(tn, stages, has_bias, diag)
-        self.tn = tn
         self.smem = smem_bytes(tn, stages)
         self.kernel = torch.cuda._compile_kernel(src, name, compute_capability="90a")
         self.kernel.set_shared_memory_config(self.smem)
@@ -186,6 +185,18 @@ def _args(xmap, wmap, ymap, block_scale, g, bias, ws, flags, ints):
     return arr
 
 
+def _launch_setup(M, n, Kd, has_bias, sms, config=None, stream_k=True):
+    """(kernel, tokens per tile, CTAs, the kernel's int arguments after ncb4) for a call, or None when the kernel
+    did not compile."""
+    tn, stages = config or config_for(M, n, Kd, sms)
+    kern = get_kernel(tn, stages, has_bias)
+    if kern is None:
+        return None
+    n_tiles = tiles(M, n, tn)
+    dp, sk, g_sk = split(n_tiles, Kd // 64, sms) if stream_k else (n_tiles, 0, 1)
+    return kern, tn, (min(n_tiles, sms) if sk == 0 else sms), (dp, sk, g_sk)
+
+
 def rs_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=None, config=None,
               grid: int | None = None, out: torch.Tensor | None = None, stream_k: bool = True):
     """y[M, n] = x[M, K] @ dequant(W)^T (+ bias) with this kernel, or None when it cannot run here.
@@ -197,23 +208,20 @@ def rs_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=N
             or (x.data_ptr() | packed.data_ptr() | block_scale.data_ptr()) % 16):
         return None
     sms = grid or K._sm_count(x.device)
-    tn, stages = config or config_for(M, n, Kd, sms)
     y = out if out is not None else torch.empty((M, n), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    kern = get_kernel(tn, stages, bias is not None)
-    if kern is None:
+    setup = _launch_setup(M, n, Kd, bias is not None, sms, config, stream_k)
+    if setup is None:
         return None
-    n_tiles = tiles(M, n, tn)
-    dp, sk, g_sk = split(n_tiles, Kd // 64, sms) if stream_k else (n_tiles, 0, 1)
-    ctas = min(n_tiles, sms) if sk == 0 else sms
+    kern, tn, ctas, work = setup
     stream = K.raw_stream(x.device.index)
     ws, flags = _sk_buffers(x.device, stream, tn, sms)
     g = global_scale.to(device=x.device, dtype=torch.float32).reshape(1)
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     arr = _args(x_map(x, tn), w_map(packed), x_map(y, tn), block_scale, g, bias if bias is not None else g, ws, flags,
-                (M, n, Kd, block_scale.shape[1] // 4, dp, sk, g_sk))
+                (M, n, Kd, block_scale.shape[1] // 4, *work))
     kern.launch(ctas, arr, stream)
     return y
 
@@ -240,13 +248,10 @@ def rs_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
             or (bias is not None and bias.dtype != x.dtype)):
         return None
     sms = K._sm_count(x.device)
-    tn, stages = config_for(M, n, Kd, sms)
-    kern = get_kernel(tn, stages, bias is not None)
-    if kern is None:
+    setup = _launch_setup(M, n, Kd, bias is not None, sms)
+    if setup is None:
         return None
-    n_tiles = tiles(M, n, tn)
-    dp, sk, g_sk = split(n_tiles, Kd // 64, sms)
-    ctas = min(n_tiles, sms) if sk == 0 else sms
+    kern, tn, ctas, work = setup
     from torch.cuda import _utils as cu
     replace, check = cu._get_gpu_runtime_library().cuTensorMapReplaceAddress, cu._check_cuda
     index = x.device.index
@@ -257,8 +262,7 @@ def rs_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
     xm, ym, wm = x_map(x, tn), x_map(y0, tn), w_map(packed)
     stream0 = K.raw_stream(index)
     ws, flags = _sk_buffers(x.device, stream0, tn, sms)
-    arr = _args(xm, wm, ym, block_scale, global_scale, b, ws, flags,
-                (M, n, Kd, block_scale.shape[1] // 4, dp, sk, g_sk))
+    arr = _args(xm, wm, ym, block_scale, global_scale, b, ws, flags, (M, n, Kd, block_scale.shape[1] // 4, *work))
     p_s, p_g, p_b, p_ws, p_fl = arr._values[3:8]
     out_shape, flat = tuple(out_shape), len(out_shape) == 2
     wptr = [packed.data_ptr()]
