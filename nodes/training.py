@@ -6,17 +6,19 @@ and outputs its name so ComfyUI's own LoraLoader can apply it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
 import torch
 from comfy_api.latest import io
 
-from ..training.data import DatasetSpec, encode_dataset
+from ..training.data import DatasetSpec, collect_items, encode_dataset
 from ..training.optim import OPTIMIZERS, SCHEDULERS
 from ..training.objective import TIMESTEP_SAMPLINGS
-from ..training.lora import LAYER_TYPES
+from ..training.lora import LAYER_TYPES, is_flux_diffusion_model
 from ..training.plot import render_loss_curve
+from ..training.save import check_overwrite, resolve_output_name
 from ..training.trainer import BASE_PRECISIONS, FluxLoraTrainer, TrainConfig
 from .types import CATEGORY, LoraDataset, LoraTrainingSettings
 
@@ -82,8 +84,7 @@ class FluxLoraDatasetNode(io.ComfyNode):
         folder = (folder or "").strip()
         if folder and not os.path.isabs(folder):
             import folder_paths
-            cand = os.path.join(folder_paths.get_input_directory(), folder)
-            folder = cand if os.path.isdir(cand) else os.path.abspath(folder)
+            folder = os.path.join(folder_paths.get_input_directory(), folder)  # as the tooltip says: input folder
         if not folder and images is None:
             raise ValueError("FLUX LoRA Dataset: no folder and no images. Fix: enter a folder of images with .txt "
                              "captions, or connect an IMAGE batch and captions.")
@@ -91,7 +92,6 @@ class FluxLoraDatasetNode(io.ComfyNode):
         spec = DatasetSpec(folder=folder or None, images=None if folder else images, captions=caps,
                            caption_for_all=caption_for_all, caption_prefix=trigger_word, resolution=resolution,
                            enable_buckets=aspect_buckets)
-        from ..training.data import collect_items
         collect_items(spec)  # validate now: a clear error on this node rather than later
         return io.NodeOutput(spec)
 
@@ -188,6 +188,9 @@ class FluxLoraTrainNode(io.ComfyNode):
                                 tooltip="File name inside models/loras (sub-folders allowed)."),
                 io.Boolean.Input("resume", default=True,
                                  tooltip="Continue from <output_name>-state.pt when it exists."),
+                io.Boolean.Input("overwrite", default=False, optional=True,
+                                 tooltip="Replace an existing LoRA of this name (without it, training stops with "
+                                         "an error rather than replace it, unless 'resume' continues it)."),
             ],
             outputs=[
                 io.Combo.Output(display_name="lora_name", options=_AnyCombo("COMBO")),
@@ -200,27 +203,23 @@ class FluxLoraTrainNode(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, vae, clip, dataset, settings, output_name, resume) -> io.NodeOutput:
-        import dataclasses
-
+    def execute(cls, model, vae, clip, dataset, settings, output_name, resume, overwrite=False) -> io.NodeOutput:
         import comfy.model_management as mm
         import comfy.utils
         import folder_paths
         node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
         dm = getattr(getattr(model, "model", None), "diffusion_model", None)
-        from ..training.lora import is_flux_diffusion_model
         if dm is None or not is_flux_diffusion_model(dm):
             raise TypeError(f"FLUX LoRA Train needs a FLUX model, got {type(dm).__name__ if dm is not None else type(model).__name__}. "
                             "Fix: load a FLUX.1 model (Load Diffusion Model / Load Checkpoint) and connect it.")
         lora_dir = folder_paths.get_folder_paths("loras")[0]
-        name = output_name.strip().replace("\\", "/")
-        if name.endswith(".safetensors"):
-            name = name[: -len(".safetensors")]
-        cfg = dataclasses.replace(settings, output_name=os.path.basename(name),
-                                  output_dir=os.path.join(lora_dir, os.path.dirname(name)))
+        out_dir, base = resolve_output_name(lora_dir, output_name)
+        cfg = dataclasses.replace(settings, output_name=base, output_dir=out_dir)
+        lora_file = os.path.join(out_dir, base + ".safetensors")
+        resuming = check_overwrite(lora_file, os.path.join(out_dir, base + "-state.pt"), resume, overwrite)
         if cfg.tensorboard_dir:
-            cfg.tensorboard_dir = os.path.join(folder_paths.get_output_directory(), "flux_lora_tb",
-                                               os.path.basename(name))
+            rel = os.path.relpath(os.path.join(out_dir, base), lora_dir)
+            cfg.tensorboard_dir = os.path.join(folder_paths.get_output_directory(), "flux_lora_tb", rel)
         cache_dir = os.path.join(folder_paths.get_output_directory(), "flux_lora_cache")
         pbar = comfy.utils.ProgressBar(cfg.steps, node_id=node_id)
         data = encode_dataset(dataset, vae, clip, cache_dir=cache_dir,
@@ -236,7 +235,7 @@ class FluxLoraTrainNode(io.ComfyNode):
                 "buckets": {f"{k[-1] * 8}x{k[-2] * 8}": len(v) for k, v in data.buckets.items()},
                 "captions": {}}
         try:
-            if resume and os.path.isfile(trainer.state_path()):
+            if resuming:
                 trainer.load_state()
                 log.info("[FluxLoraTrain] resumed %s at step %d", trainer.state_path(), trainer.step)
             server = None

@@ -1,5 +1,6 @@
 """The FLUX LoRA nodes (V3) end to end on CPU: dataset -> settings -> train -> ComfyUI's LoraLoader node."""
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -120,3 +121,150 @@ def test_workflow_file(nodes_mod):
     name_in = next(i for i in ll["inputs"] if i["name"] == "lora_name")
     src = links[name_in["link"]]
     assert byid[src[1]]["type"] == "SeedVR2BW_FluxLoraTrain" and src[2] == 0
+
+
+# ---------------------------------------------------------------- inside ComfyUI's inference mode
+def _is_inference_model(dm) -> list:
+    return [n for n, p in dm.named_parameters() if not p.is_inference()]
+
+
+def test_train_node_inside_inference_mode(nodes_mod, tmp_path, caplog):
+    """ComfyUI's executor runs every node under torch.inference_mode() and builds its models there (inference
+    tensors). The train node must train under it, leave the model as it was (inference tensors, same storage,
+    requires_grad as before) and a second run and an inference pass with the LoRA must work afterwards."""
+    N = nodes_mod
+    import folder_paths
+    folder_paths.add_model_folder_path("loras", str(tmp_path / "loras"), is_default=True)
+    folder_paths.set_output_directory(str(tmp_path / "output"))
+    folder = make_image_folder(tmp_path / "ds", n=2)
+    with torch.inference_mode():
+        mp = tiny_flux_patcher()
+        dm = mp.model.diffusion_model
+        before = {n: (p.data_ptr(), p.requires_grad) for n, p in dm.named_parameters()}
+        assert not _is_inference_model(dm)  # every parameter an inference tensor, as in ComfyUI
+        ds = N.FluxLoraDatasetNode.execute(str(folder), "", "sks", 256, True).result[0]
+        ds.resolution = 64
+        out = N.FluxLoraTrainNode.execute(mp, FakeVAE(), FakeCLIP(), ds, _settings(N, preview_every=2), "inf_lora",
+                                          True)
+        after = {n: (p.data_ptr(), p.requires_grad) for n, p in dm.named_parameters()}
+        assert out.result[0] == "inf_lora.safetensors" and out.result[3].shape[0] == 6  # 3 preview rounds x 2 seeds
+        assert after == before and not _is_inference_model(dm)
+        assert "forward" not in dm.double_blocks[0].img_attn.qkv.__dict__  # the LoRA forward is gone
+        # a second run continues (resume) under inference mode too
+        out2 = N.FluxLoraTrainNode.execute(mp, FakeVAE(), FakeCLIP(), ds, _settings(N, steps=8, preview_every=0),
+                                           "inf_lora", True)
+        import nodes
+        caplog.set_level(logging.WARNING)
+        m2, _ = nodes.LoraLoader().load_lora(mp, None, out2.result[0], 1.0, 0.0)
+        assert not [r for r in caplog.records if "lora key not loaded" in r.getMessage()]
+        x = torch.randn(1, 16, 8, 8)
+        ctx, y = torch.randn(1, 5, 48), torch.randn(1, 32)
+        g = torch.ones(1)
+        base = dm(x, torch.full((1,), 0.5), ctx, y=y, guidance=g)
+        import comfy.model_management as mm
+        mm.load_models_gpu([m2], force_full_load=True)   # as a sampler does: the LoRA patched into the weights
+        with_lora = m2.model.diffusion_model(x, torch.full((1,), 0.5), ctx, y=y, guidance=g)
+        mm.unload_all_models()
+        assert torch.isfinite(with_lora).all() and not torch.equal(base, with_lora)
+    from safetensors import safe_open
+    assert out.result[1] == out2.result[1]
+    with safe_open(out2.result[1], "pt") as f:
+        assert f.metadata()["ss_steps"] == "8"
+
+
+def test_frozen_base_aliases_and_restores():
+    from seedvr2bw.training.frozen_base import FrozenBase
+    with torch.inference_mode():
+        lin = torch.nn.Linear(4, 3)
+        lin.register_buffer("b0", torch.ones(2))
+        lin.lin2 = lin  # a module reached twice keeps one alias per tensor
+    ptrs = (lin.weight.data_ptr(), lin.bias.data_ptr())
+    fb = FrozenBase(lin)
+    assert fb.aliased == 3 and not lin.weight.is_inference() and not lin.weight.requires_grad
+    assert (lin.weight.data_ptr(), lin.bias.data_ptr()) == ptrs  # no copy
+    x = torch.randn(2, 4, requires_grad=True)
+    lin(x).sum().backward()  # the weight is saved for backward: a normal tensor now
+    assert torch.allclose(x.grad, lin.weight.detach().sum(0).expand(2, 4))
+    fb.restore()
+    assert lin.weight.is_inference() and lin.b0.is_inference() and lin.weight.requires_grad
+    assert (lin.weight.data_ptr(), lin.bias.data_ptr()) == ptrs
+    normal = torch.nn.Linear(2, 2)
+    fb2 = FrozenBase(normal)
+    assert fb2.aliased == 0 and not normal.weight.requires_grad
+    fb2.restore()
+    assert normal.weight.requires_grad and not normal.weight.is_inference()
+
+
+# ---------------------------------------------------------------- output names and overwriting
+@pytest.mark.parametrize("name", ["../../x", "../x", "a/../../x", "/tmp/x", "C:/x", "C:x", "c:\\x", "\\\\server\\x",
+                                  "", "sub/", "a//b", "./x", "a:b"])
+def test_output_name_outside_loras_is_refused(tmp_path, name):
+    from seedvr2bw.training.save import OutputNameError, resolve_output_name
+    with pytest.raises(OutputNameError, match="inside models/loras.*'\\.\\.', absolute paths and drive letters"):
+        resolve_output_name(str(tmp_path / "loras"), name)
+
+
+def test_output_name_through_a_link_is_refused(tmp_path):
+    from seedvr2bw.training.save import OutputNameError, resolve_output_name
+    (tmp_path / "loras").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "loras" / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with pytest.raises(OutputNameError, match="outside models/loras"):
+        resolve_output_name(str(tmp_path / "loras"), "link/x")
+
+
+@pytest.mark.parametrize("name,folder,base", [("x", "", "x"), ("x.safetensors", "", "x"), ("sub/x", "sub", "x"),
+                                              ("a\\b\\c", "a/b", "c"), (" people/alice v2 ", "people", "alice v2")])
+def test_output_name_inside_loras(tmp_path, name, folder, base):
+    from seedvr2bw.training.save import resolve_output_name
+    root = str(tmp_path / "loras")
+    d, b = resolve_output_name(root, name)
+    assert (os.path.relpath(d, root) if folder else d) == (os.path.join(*folder.split("/")) if folder else root)
+    assert b == base
+
+
+def test_train_node_never_overwrites_silently(nodes_mod, tmp_path):
+    N = nodes_mod
+    import folder_paths
+    loras = tmp_path / "loras"
+    folder_paths.add_model_folder_path("loras", str(loras), is_default=True)
+    folder_paths.set_output_directory(str(tmp_path / "output"))
+    folder = make_image_folder(tmp_path / "ds", n=1)
+    ds = N.FluxLoraDatasetNode.execute(str(folder), "", "", 256, True).result[0]
+    ds.resolution = 64
+    mp = tiny_flux_patcher()
+    st = _settings(N, steps=2, preview_every=0)
+    with pytest.raises(Exception, match="output_name '../../escape' is refused.*inside models/loras"):
+        N.FluxLoraTrainNode.execute(mp, FakeVAE(), FakeCLIP(), ds, st, "../../escape", False)
+    assert not list(tmp_path.glob("escape*")) and not list(tmp_path.parent.glob("escape*"))
+    out = N.FluxLoraTrainNode.execute(mp, FakeVAE(), FakeCLIP(), ds, st, "keep", False)
+    first = Path(out.result[1]).read_bytes()
+    # resume off, same name: refused, the file untouched
+    with pytest.raises(FileExistsError, match="already exists and resume is off.*overwrite"):
+        N.FluxLoraTrainNode.execute(mp, FakeVAE(), FakeCLIP(), ds, _settings(N, steps=3, preview_every=0), "keep",
+                                    False)
+    assert Path(out.result[1]).read_bytes() == first
+    # resume on but no state to resume from: refused too
+    (loras / "keep-state.pt").unlink()
+    with pytest.raises(FileExistsError, match="has no resume state"):
+        N.FluxLoraTrainNode.execute(mp, FakeVAE(), FakeCLIP(), ds, st, "keep", True)
+    # overwrite on: replaced
+    out3 = N.FluxLoraTrainNode.execute(mp, FakeVAE(), FakeCLIP(), ds, _settings(N, steps=3, preview_every=0), "keep",
+                                       False, True)
+    from safetensors import safe_open
+    with safe_open(out3.result[1], "pt") as f:
+        assert f.metadata()["ss_steps"] == "3"
+
+
+def test_dataset_folder_is_relative_to_the_input_folder(nodes_mod, tmp_path, monkeypatch):
+    N = nodes_mod
+    import folder_paths
+    inp = tmp_path / "input"
+    inp.mkdir()
+    folder_paths.set_input_directory(str(inp))
+    make_image_folder(tmp_path / "cwd" / "mine", n=1)
+    monkeypatch.chdir(tmp_path / "cwd")  # a folder of that name relative to the working directory is not used
+    with pytest.raises(ValueError, match=f"{str(inp / 'mine')!r} does not exist"):
+        N.FluxLoraDatasetNode.execute("mine", "", "", 256, True)
+    make_image_folder(inp / "mine", n=1)
+    assert N.FluxLoraDatasetNode.execute("mine", "", "", 256, True).result[0].folder == str(inp / "mine")

@@ -92,3 +92,59 @@ def prune_checkpoints(pattern: str, keep: int):
             os.remove(f)
         except OSError:
             pass
+
+
+class OutputNameError(ValueError):
+    pass
+
+
+_RULE = ("output_name must be a file name inside models/loras, sub-folders allowed (e.g. 'my_lora' or "
+         "'people/alice_v2'); '..', absolute paths and drive letters are not allowed")
+
+
+def resolve_output_name(lora_dir: str, output_name: str) -> tuple[str, str]:
+    """``(folder, base name)`` of the LoRA ``output_name`` names inside ``lora_dir`` (".safetensors" optional).
+    Anything that would land outside ``lora_dir`` (``..``, an absolute path, a drive letter, a symlink out of it)
+    raises ``OutputNameError`` naming the rule."""
+    raw = str(output_name or "")
+    name = raw.strip().replace("\\", "/")
+    if name.lower().endswith(".safetensors"):
+        name = name[: -len(".safetensors")]
+    parts = name.split("/")
+    bad = None
+    if not name or not parts[-1].strip():
+        bad = "it is empty or ends with a folder separator"
+    elif name.startswith("/") or os.path.isabs(name):
+        bad = "it is an absolute path"
+    elif len(name) >= 2 and name[1] == ":":
+        bad = "it starts with a drive letter"
+    elif any(p in ("..", ".") for p in parts):
+        bad = "it contains '..' or '.' as a folder"
+    elif any(not p.strip() for p in parts):
+        bad = "it contains an empty folder name"
+    elif any(c in name for c in ':*?"<>|') or any(ord(c) < 32 for c in name):
+        bad = 'it contains one of : * ? " < > | or a control character'
+    if bad is None:
+        root = os.path.realpath(lora_dir)
+        target = os.path.realpath(os.path.join(root, *parts))
+        if os.path.commonpath([root, target]) != root:
+            bad = "it resolves outside models/loras (through a link)"
+    if bad is not None:
+        raise OutputNameError(f"output_name {raw!r} is refused: {bad}. Fix: {_RULE}.")
+    return os.path.join(lora_dir, *parts[:-1]), parts[-1]
+
+
+def check_overwrite(lora_path: str, state_path: str, resume: bool, overwrite: bool) -> bool:
+    """Whether this run resumes. An existing LoRA is continued (``resume`` with its state file), replaced
+    (``overwrite``) or refused with an error saying which setting to change; never replaced silently."""
+    has_state, has_lora = os.path.isfile(state_path), os.path.isfile(lora_path)
+    if resume and has_state:
+        return True
+    if has_lora and not overwrite:
+        why = ("resume is on, but it has no resume state (" + os.path.basename(state_path) + ")") if resume \
+            else "resume is off"
+        raise FileExistsError(
+            f"the LoRA {lora_path} already exists and {why}, so training would replace it. Fix: choose another "
+            f"output_name, turn 'overwrite' on to replace it"
+            + ("" if resume else ", or turn 'resume' on to continue training it") + ".")
+    return False

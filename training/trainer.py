@@ -11,6 +11,7 @@ import torch
 
 from ..optimization.attention.sdpa_priority import preferred_backends, sdpa_priority
 from .flux_forward import FluxTrainForward
+from .frozen_base import FrozenBase, outside_inference_mode
 from .lora import FluxLoraNetwork, LoraTargetSpec, is_flux_diffusion_model
 from .objective import TIMESTEP_SAMPLINGS, flow_loss, noisy_input, sample_sigmas
 from .optim import OPTIMIZERS, SCHEDULERS, build_optimizer, build_scheduler
@@ -100,6 +101,7 @@ def _dtype(name):
 
 
 class FluxLoraTrainer:
+    @outside_inference_mode
     def __init__(self, dm, cfg: TrainConfig, dataset, latent_format=None, device=None, vae=None,
                  blockswap_backend=None, blockswap_pool=None):
         if not is_flux_diffusion_model(dm):
@@ -116,22 +118,27 @@ class FluxLoraTrainer:
             p.device for p in dm.parameters() if p.device.type != "meta")
         self.dtype = _dtype(cfg.compute_dtype)
         self.gen = torch.Generator().manual_seed(int(cfg.seed))
+        self.base = self.network = self.quant = self.block_runner = self.forward = self.graphed = self.tb = None
+        self._closed = False
+        try:
+            self._build(blockswap_backend, blockswap_pool)
+        except BaseException:
+            self.close()   # a half-built trainer leaves the model as it found it
+            raise
+
+    def _build(self, blockswap_backend, blockswap_pool):
+        cfg, dm = self.cfg, self.dm
+        # ComfyUI's models hold inference tensors: normal aliases of them while training (no copy)
+        self.base = FrozenBase(dm)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(cfg.seed))
             self.network = FluxLoraNetwork(dm, LoraTargetSpec(cfg.rank, cfg.alpha, cfg.double_blocks,
                                                               cfg.single_blocks, dict(cfg.type_ranks)),
                                            dtype=_dtype(cfg.lora_dtype), device=self.device)
-        self._frozen = []
-        for p in dm.parameters():
-            if p.requires_grad:
-                self._frozen.append(p)
-                p.requires_grad_(False)
         self.network.attach()
-        self.quant = None
         if cfg.base_precision in ("fp8", "nvfp4"):
             from .quant import QuantizedBase
             self.quant = QuantizedBase(dm, cfg.base_precision)
-        self.block_runner = None
         if cfg.blocks_to_swap:
             if not cfg.gradient_checkpointing:
                 raise ValueError("blocks to swap needs gradient checkpointing (a swapped block's weights are only "
@@ -155,14 +162,12 @@ class FluxLoraTrainer:
         self.losses: list[float] = []
         self.step_times: list[float] = []
         self.previews = []
-        self.tb = None
         if cfg.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
                 self.tb = SummaryWriter(cfg.tensorboard_dir)
             except Exception as exc:  # noqa: BLE001
                 log.warning("TensorBoard logging off: %s (pip install tensorboard to enable it)", exc)
-        self._closed = False
 
     # ---------------- data ----------------
     def _sample_batch(self):
@@ -259,6 +264,7 @@ class FluxLoraTrainer:
                         "full per-block checkpointing for this shape", list(inputs[0].shape))
             torch.cuda.empty_cache()
 
+    @outside_inference_mode
     def train_step(self) -> float:
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -317,6 +323,7 @@ class FluxLoraTrainer:
             st["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         return st
 
+    @outside_inference_mode
     def load_state_dict(self, st: dict):
         saved = st.get("config", {})
         for k in ("rank", "alpha", "double_blocks", "single_blocks", "type_ranks", "optimizer"):
@@ -340,6 +347,7 @@ class FluxLoraTrainer:
     def save_state(self, path=None) -> str:
         return atomic_torch_save(self.state_dict(), path or self.state_path())
 
+    @outside_inference_mode
     def load_state(self, path=None):
         # weights_only: a resume file from elsewhere must not be able to run code on load
         self.load_state_dict(torch.load(path or self.state_path(), map_location="cpu", weights_only=True))
@@ -351,6 +359,7 @@ class FluxLoraTrainer:
         return p
 
     # ---------------- previews ----------------
+    @outside_inference_mode
     @torch.no_grad()
     def sample(self, ctx, y, width_lat, height_lat, seed, steps=20, guidance=3.5):
         g = torch.Generator().manual_seed(int(seed))
@@ -376,6 +385,7 @@ class FluxLoraTrainer:
             lat = self.latent_format.process_out(lat)
         return lat
 
+    @outside_inference_mode
     def make_previews(self):
         if self.vae is None:
             return None
@@ -391,6 +401,7 @@ class FluxLoraTrainer:
         return out
 
     # ---------------- loop ----------------
+    @outside_inference_mode
     def run(self, on_step=None, check_interrupt=None, dataset_info=None):
         """Trains to ``cfg.steps``. On any exception (ComfyUI's cancel included) the LoRA and the resume state
         trained so far are saved before the exception propagates. Returns the path of the final LoRA."""
@@ -420,23 +431,27 @@ class FluxLoraTrainer:
         self.save_state()
         return path
 
+    @outside_inference_mode
     def close(self):
-        """Removes the LoRA (per-instance Linear forwards) and restores the base model exactly as it was."""
+        """Removes the LoRA (per-instance Linear forwards) and restores the base model exactly as it was (also
+        after a failed construction: each part undoes what was done)."""
         if self._closed:
             return
+        self._closed = True
         if self.graphed is not None:
             self.graphed.close()
-        self.network.detach()
-        self.forward.close()
+        if self.network is not None:
+            self.network.detach()
+        if self.forward is not None:
+            self.forward.close()
         if self.quant is not None:
             self.quant.restore()
         if self.block_runner is not None:
             self.block_runner.close(restore_device=self.device)
-        for p in self._frozen:
-            p.requires_grad_(True)
+        if self.base is not None:
+            self.base.restore()
         if self.tb is not None:
             self.tb.close()
-        self._closed = True
 
 
 def _make_block_runner(dm, n, device, backend=None, pool=None):
