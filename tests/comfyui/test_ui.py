@@ -117,3 +117,19 @@ def test_checker_catches_shifted_widget_values(frontend, tmp_path):
     report = frontend.check_workflow(data, "shifted.json", tmp_path / "shifted.png")
     assert any("SeedVR2BW_HardwareInfo" in k for k in report["bad_widgets"]), report["bad_widgets"]
     frontend.close_dialogs()
+
+
+def test_training_workflow_runs_from_the_run_button(frontend, comfy_server, comfy_inprocess, ui_out_dir):
+    """workflows/flux_lora_train.json (pointed at the tiny FLUX files) loaded in the real frontend and started with
+    its Run button: trains, saves the LoRA into models/loras, samples with it through LoraLoader."""
+    from .test_flux_training import _server_models, tiny_ui_workflow
+    loras = _server_models(comfy_server, comfy_inprocess)
+    frontend.load_workflow(tiny_ui_workflow("ui/tiny_lora"), "flux_lora_train.json")
+    time.sleep(0.5)
+    frontend.b.screenshot(ui_out_dir / "flux_lora_train.before_run.png")
+    entry = frontend.click_run(timeout=600)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000]
+    assert (loras / "ui" / "tiny_lora.safetensors").is_file()
+    assert any(o.get("images") for o in entry["outputs"].values()), entry["outputs"]
+    time.sleep(0.5)
+    frontend.b.screenshot(ui_out_dir / "flux_lora_train.after_run.png")

@@ -29,6 +29,7 @@ import uuid
 from pathlib import Path
 
 PACK_FOLDER_NAME = "ComfyUI-SeedVR2 Blackwell test"
+MODEL_KINDS = ("diffusion_models", "text_encoders", "vae", "loras", "SEEDVR2")
 
 
 def free_port() -> int:
@@ -66,6 +67,7 @@ class ComfyServer:
         self.log_path = self.workdir / "comfyui.log"
         self.output_dir = self.workdir / "output"
         self.input_dir = self.workdir / "input"
+        self.models_dir = self.workdir / "models"
         self.start_seconds: float | None = None
 
     @property
@@ -87,6 +89,12 @@ class ComfyServer:
         # A literal block: one folder a line, spaces in paths need no quoting.
         lines = ["seedvr2bw_tests:", "    custom_nodes: |"]
         lines += [f"        {d.resolve()}" for d in self.custom_node_dirs] or ["        " + str(self.workdir / "none")]
+        # Model folders of this server's own, searched first and written into first (a trained LoRA lands in
+        # models_dir/loras, never in the ComfyUI tree that other runs share).
+        lines += ["seedvr2bw_test_models:", "    is_default: true"]
+        for kind in MODEL_KINDS:
+            (self.models_dir / kind).mkdir(parents=True, exist_ok=True)
+            lines += [f"    {kind}: |", f"        {(self.models_dir / kind).resolve()}"]
         (self.workdir / "extra_model_paths.yaml").write_text("\n".join(lines) + "\n")
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")

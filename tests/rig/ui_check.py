@@ -314,6 +314,27 @@ class ComfyFrontend:
             time.sleep(0.3)
         raise BrowserError("the queued workflow did not finish in time")
 
+    def click_run(self, timeout: float = 120.0) -> dict:
+        """Press the toolbar's Run button (the element a user clicks); returns the /history entry."""
+        before = set(self._get("/history"))
+        clicked = self.b.js("""(() => {
+            const bs = Array.from(document.querySelectorAll('button, [role=button]'));
+            const b = bs.find(e => e.getAttribute('data-testid') === 'queue-button')
+                   || bs.find(e => (e.innerText || '').trim() === 'Run' && e.offsetParent !== null);
+            if (!b) return null;
+            b.click(); return b.outerHTML.slice(0, 200); })()""")
+        if not clicked:
+            raise BrowserError("no Run button found in the page")
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            new = [k for k, v in self._get("/history").items() if k not in before]
+            if new:
+                entry = self._get(f"/history/{new[0]}")[new[0]]
+                if entry.get("status", {}).get("status_str") in ("success", "error"):
+                    return entry
+            time.sleep(0.3)
+        raise BrowserError("the workflow started with the Run button did not finish in time")
+
     def _get(self, path: str):
         with urllib.request.urlopen(self.url + path, timeout=30) as r:
             return json.loads(r.read())
