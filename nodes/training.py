@@ -20,21 +20,9 @@ from ..training.lora import LAYER_TYPES, is_flux_diffusion_model
 from ..training.plot import render_loss_curve
 from ..training.save import check_overwrite, resolve_output_name
 from ..training.trainer import BASE_PRECISIONS, FluxLoraTrainer, TrainConfig
-from .types import CATEGORY, LoraDataset, LoraTrainingSettings
+from .types import CATEGORY, ComboName, LoraDataset, LoraTrainingSettings
 
 log = logging.getLogger(__name__)
-
-
-class _AnyCombo(str):
-    """Output type that links into a combo widget (LoraLoader's ``lora_name``) whatever the file list is now."""
-
-    def __ne__(self, other):
-        return False
-
-    def __eq__(self, other):
-        return True
-
-    __hash__ = str.__hash__
 
 
 def _parse_type_ranks(text: str) -> dict:
@@ -193,7 +181,7 @@ class FluxLoraTrainNode(io.ComfyNode):
                                          "an error rather than replace it, unless 'resume' continues it)."),
             ],
             outputs=[
-                io.Combo.Output(display_name="lora_name", options=_AnyCombo("COMBO")),
+                ComboName.Output(display_name="lora_name"),
                 io.String.Output(display_name="lora_path"),
                 io.Image.Output(display_name="loss_plot"),
                 io.Image.Output(display_name="previews"),

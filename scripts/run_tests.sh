@@ -6,7 +6,8 @@
 # 1. picks the python: $PYTHON, else <repo>/.venv/bin/python if it exists, else python3;
 # 2. installs the pack's and the tests' requirements into it when they changed (a stamp remembers);
 # 3. sets up the real ComfyUI the tests run against (tests/rig/setup_comfyui.sh: $COMFYUI_DIR, else
-#    <repo>/.comfyui; fast when already done);
+#    <repo>/.comfyui; fast when already done), and ComfyUI 0.19.3 where ../shared has it
+#    (tests/rig/setup_comfyui_next.sh);
 # 4. runs `python -m pytest tests -q -rs` with per-test timeouts.
 # With CI=true the real-ComfyUI tests fail instead of skipping when something they need is missing.
 # pytest's exit status 5 (no test collected) is turned into a failure.
@@ -72,6 +73,12 @@ fi
 # ------------------------------------------------------------------ the real ComfyUI
 if ! bash "$REPO/tests/rig/setup_comfyui.sh"; then
     say "ERROR: setting up ComfyUI failed (see above)"
+    exit 1
+fi
+
+# ------------------------------------------------------------------ the second rig: ComfyUI 0.19.3 from ../shared
+if ! PYTHON=$PY bash "$REPO/tests/rig/setup_comfyui_next.sh"; then
+    say "ERROR: setting up the ComfyUI 0.19.3 rig failed (see above)"
     exit 1
 fi
 

@@ -87,3 +87,39 @@ def test_interrupt_stops_the_long_node_cleanly(comfy_inprocess):
     assert again.outputs["2"]["text"][0] == "after interrupt!"
     quick = comfy_inprocess.run(benchmark_prompt(seconds=0.2, size=64))
     assert quick.success, quick.error
+
+
+def test_diagnostic_node_runs_in_the_executor(comfy_inprocess):
+    res = comfy_inprocess.run({
+        "1": {"class_type": "SeedVR2BW_Diagnostic", "inputs": {"quick": True, "details": False}},
+        "2": {"class_type": "PreviewAny", "inputs": {"source": ["1", 1]}},
+    })
+    assert res.success, (res.status, res.error)
+    report = res.outputs["1"]["text"][0]
+    assert any(word in report for word in ("PASS", "WARN", "SKIP")), report
+    import json as _json
+    data = _json.loads(res.outputs["2"]["text"][0])   # the json output, through a core node
+    assert data, data
+
+
+def test_convert_node_runs_in_the_executor(comfy_inprocess, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+    g = torch.Generator().manual_seed(0)
+    models = tmp_path / "dm"
+    models.mkdir()
+    save_file({"blocks.0.mlp.proj_in.weight": torch.randn(256, 128, generator=g).to(torch.bfloat16),
+               "blocks.0.mlp.proj_out.weight": torch.randn(128, 256, generator=g).to(torch.bfloat16),
+               "blocks.0.norm.weight": torch.ones(128)}, str(models / "toy_exec.safetensors"))
+    comfy_inprocess.folder_paths.add_model_folder_path("diffusion_models", str(models))
+    prompt = {"1": {"class_type": "SeedVR2BW_ConvertToNVFP4", "inputs": {
+        "model": "diffusion_models/toy_exec.safetensors", "output_name": "", "format": "nvfp4",
+        "keep_patterns": "proj_out", "use_default_keep": True, "device": "cpu", "overwrite": False}}}
+    res = comfy_inprocess.run(prompt)
+    assert res.success, (res.status, res.error)
+    assert "1 layers quantized" in res.outputs["1"]["text"][0], res.outputs
+    out = load_file(str(models / "toy_exec_nvfp4.safetensors"))
+    assert out["blocks.0.mlp.proj_in.weight"].dtype == torch.uint8
+    prompt["1"]["inputs"]["keep_patterns"] = ""   # other settings, same output name: refused unless overwrite
+    again = comfy_inprocess.run(prompt)
+    assert not again.success and "overwrite" in again.error["exception_message"], again.error

@@ -1,0 +1,99 @@
+"""The pack in the second rig, ComfyUI 0.19.3 (2026; ``tests/rig/setup_comfyui_next.sh`` from ``../shared``):
+every node registers, and the FLUX LoRA training workflow runs through its executor, over /prompt and in-process
+(a process of its own: one ComfyUI per process). Skipped with the reason where ``../shared`` has no 0.19.3 tree
+(a user's fresh clone); under CI a tree that is there but not set up fails."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rig.server import PACK_FOLDER_NAME, ComfyServer
+
+from .conftest import REPO, need
+from .test_flux_training import _ids, _images, _server_models, tiny_ui_workflow, with_base_branch
+from .ui_to_api import from_object_info, ui_to_api
+
+TARBALL = REPO.parent / "shared" / "comfyui_0.19.3" / "comfyui-0.19.3-seedvr2.tar.gz"
+TREE = REPO / ".comfyui-0.19.3" / "ComfyUI"
+PYTHON = REPO / ".venv-comfyui-0.19.3" / "bin" / "python"
+SETUP = "bash tests/rig/setup_comfyui_next.sh   (bash scripts/run_tests.sh runs it)"
+
+
+@pytest.fixture(scope="module")
+def next_rig():
+    if not TARBALL.is_file():
+        pytest.skip(f"no ComfyUI 0.19.3 here ({TARBALL} is absent: ../shared is not beside this clone)")
+    need(TREE.joinpath("comfyui_version.py").is_file() and PYTHON.is_file(),
+         f"the ComfyUI 0.19.3 rig is not set up in {TREE.parent}; run: {SETUP}")
+    return TREE, PYTHON
+
+
+@pytest.fixture(scope="module")
+def next_server(next_rig, pack_parent, tmp_path_factory):
+    tree, python = next_rig
+    srv = ComfyServer(tree, custom_node_dirs=[pack_parent], workdir=tmp_path_factory.mktemp("server_0193"),
+                      python=str(python))
+    srv.start(timeout=300)
+    yield srv
+    alive = srv.alive()
+    srv.stop()
+    assert alive, f"the ComfyUI 0.19.3 server died during the tests:\n{srv.log_tail()}"
+
+
+def test_every_pack_node_registers_in_0193(next_server, pack_node_ids):
+    assert next_server.get_json("/system_stats")["system"]["comfyui_version"] == "0.19.3"
+    info = next_server.object_info()
+    missing = set(pack_node_ids) - set(info)
+    assert not missing, f"not registered in ComfyUI 0.19.3: {sorted(missing)}"
+    bad = [line for line in next_server.log_text().splitlines()
+           if PACK_FOLDER_NAME in line and "IMPORT FAILED" in line]
+    assert not bad, bad
+
+
+def test_training_workflow_over_http_in_0193(next_server, comfy_inprocess):
+    loras = _server_models(next_server, comfy_inprocess)
+    prompt = with_base_branch(ui_to_api(tiny_ui_workflow("next_http/tiny"), from_object_info(next_server.object_info())))
+    entry = next_server.run_prompt(prompt, timeout=600)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000]
+    assert (loras / "next_http" / "tiny.safetensors").is_file()
+    assert "lora key not loaded" not in next_server.log_text()
+    save = str(_ids(tiny_ui_workflow())["SaveImage"])
+    assert np.abs(_images(next_server.output_dir, entry["outputs"], save)
+                  - _images(next_server.output_dir, entry["outputs"], "114")).max() > 0
+
+
+def test_training_workflow_in_process_in_0193(next_rig, next_server, comfy_inprocess, pack_parent, tmp_path):
+    """ComfyUI 0.19.3's PromptExecutor in a process of its own (tests/rig/run_prompts.py): train, then resume."""
+    tree, python = next_rig
+    loras = _server_models(next_server, comfy_inprocess)   # the same tiny files, the same model folders
+    info = next_server.object_info()
+    first = with_base_branch(ui_to_api(tiny_ui_workflow("next_inproc/tiny", steps=2), from_object_info(info)))
+    cont = ui_to_api(tiny_ui_workflow("next_inproc/tiny", steps=3, resume=True), from_object_info(info))
+    for d in ("output", "input", "temp"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "input" / "flux_lora_dataset").symlink_to(next_server.input_dir / "flux_lora_dataset")
+    job = {"comfy_dir": str(tree), "custom_node_dirs": [str(pack_parent)], "output_dir": str(tmp_path / "output"),
+           "input_dir": str(tmp_path / "input"), "temp_dir": str(tmp_path / "temp"),
+           "model_dirs": {k: str(next_server.models_dir / k) for k in ("diffusion_models", "text_encoders", "vae",
+                                                                      "loras")},
+           "prompts": [first, cont]}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    r = subprocess.run([str(python), str(REPO / "tests" / "rig" / "run_prompts.py"), str(tmp_path / "job.json"),
+                        str(tmp_path / "result.json")], cwd=str(tree), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert res["comfyui_version"] == "0.19.3"
+    a, b = res["results"]
+    assert a["success"], json.dumps(a["error"])[:3000]
+    assert b["success"], json.dumps(b["error"])[:3000]
+    train = str(_ids(tiny_ui_workflow())["SeedVR2BW_FluxLoraTrain"])
+    assert a["outputs"][train]["text"] == ["saved next_inproc/tiny.safetensors (2 steps)"]
+    assert b["outputs"][train]["text"] == ["saved next_inproc/tiny.safetensors (3 steps)"]
+    assert (loras / "next_inproc" / "tiny.safetensors").is_file()
+    save = str(_ids(tiny_ui_workflow())["SaveImage"])
+    out = Path(tmp_path / "output")
+    assert np.abs(_images(out, a["outputs"], save) - _images(out, a["outputs"], "114")).max() > 0
