@@ -149,3 +149,29 @@ def test_selective_checkpointing_matches_full_on_cuda(tmp_path, mode, monkeypatc
             assert tr.graphed is not None and tr.graphed.failed is None
         runs[sel] = _train_and_collect(tr, cfg.steps, check)
     _same_training(runs["on"], runs["off"], 1e-2, 1e-2, f"{mode} selective vs full:")
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8", "nvfp4", "blockswap"])
+def test_training_under_inference_mode_matches_normal_tensors(tmp_path, mode):
+    """ComfyUI builds its models and runs every node inside torch.inference_mode(): the same training from a model
+    of inference tensors, started under inference mode, equals the one from a model of normal tensors (CUDA graphs,
+    the fp8/NVFP4 base and BlockSwap included), and the model is handed back as inference tensors."""
+    B = _tiny_flux()
+    from seedvr2bw.training.trainer import FluxLoraTrainer, TrainConfig
+    ds = B.make_dataset(64, B.TINY)
+    runs = {}
+    for inference in (False, True):
+        torch.manual_seed(0)
+        with torch.inference_mode(inference):
+            mp = B.build_model(B.TINY, torch.device("cuda"), torch.bfloat16)
+        dm = mp.model.diffusion_model
+        assert all(p.is_inference() == inference for p in dm.parameters())
+        cfg = TrainConfig(rank=4, alpha=4, steps=6, learning_rate=3e-3, output_dir=str(tmp_path), seed=3,
+                          output_name=f"inf_{mode}_{inference}",
+                          base_precision=mode if mode in ("fp8", "nvfp4") else "auto",
+                          blocks_to_swap=2 if mode == "blockswap" else 0)
+        with torch.inference_mode(inference):
+            tr = FluxLoraTrainer(dm, cfg, ds, latent_format=mp.model.latent_format, device="cuda")
+            runs[inference] = _train_and_collect(tr, cfg.steps)
+        assert all(p.is_inference() == inference and p.device.type == "cuda" for p in dm.parameters())
+    _same_training(runs[True], runs[False], 1e-3, 1e-3, f"{mode} inference-mode model vs normal:")
