@@ -1,0 +1,334 @@
+"""Video files through PyAV (which ComfyUI already depends on): what an input holds, its frames in order, and the
+encoders the upscaled frames are written with.
+
+Frames travel as float32 arrays (T, H, W, 3) in [0, 1]. Output formats keep the model's float output as far as
+they can: 8-bit H.264, 10-bit H.265 and ProRes, 16-bit FFV1 and 16-bit PNG sequences.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fractions
+import os
+from typing import Iterator, Optional
+
+import numpy as np
+
+
+class VideoFileError(ValueError):
+    """A video file that cannot be used, with what to do about it."""
+
+
+def _av():
+    try:
+        import av
+    except ImportError as exc:   # ComfyUI ships PyAV; a bare Python may not
+        raise VideoFileError("reading and writing video files needs PyAV. Fix: pip install av") from exc
+    return av
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoInfo:
+    path: str
+    frames: int
+    fps: fractions.Fraction
+    width: int                  # as stored (before rotation)
+    height: int
+    rotation: int               # degrees the player turns the picture (display matrix), 0 if none
+    codec: str
+    color_primaries: Optional[int]
+    color_trc: Optional[int]
+    colorspace: Optional[int]
+    color_range: Optional[int]
+    has_audio: bool
+    audio_codec: Optional[str]
+    duration_s: float
+
+    def fingerprint(self) -> dict:
+        """What identifies the input for resume (with the file's size and mtime)."""
+        st = os.stat(self.path)
+        return {"path": os.path.abspath(self.path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                "frames": self.frames, "fps": str(self.fps), "width": self.width, "height": self.height}
+
+
+def _count_frames(container, stream) -> int:
+    n = 0
+    for packet in container.demux(stream):
+        if packet.size:   # the flush packet has none
+            n += 1
+    return n
+
+
+def probe(path: str) -> VideoInfo:
+    """Reads the container's header and counts the video packets (no decoding). Raises ``VideoFileError`` for a
+    missing or unreadable file, no video stream, or zero frames."""
+    av = _av()
+    if not os.path.isfile(path):
+        raise VideoFileError(f"video file {path!r} does not exist. Fix: give the path of an existing video file.")
+    try:
+        container = av.open(path)
+    except Exception as exc:  # noqa: BLE001 - PyAV raises several error types for a bad file
+        raise VideoFileError(f"video file {path!r} cannot be read ({type(exc).__name__}: {exc}). Fix: check that it "
+                             "is a complete video file (re-download or re-export it).") from exc
+    with container:
+        if not container.streams.video:
+            raise VideoFileError(f"{path!r} has no video stream. Fix: give a video file (an audio-only or image "
+                                 "file cannot be upscaled here).")
+        vs = container.streams.video[0]
+        cc = vs.codec_context
+        audio = container.streams.audio[0] if container.streams.audio else None
+        fps = vs.average_rate or vs.guessed_rate or vs.base_rate
+        if not fps:
+            raise VideoFileError(f"{path!r}: the video stream has no frame rate. Fix: re-export it with a constant "
+                                 "frame rate.")
+        rotation = 0
+        try:
+            for frame in container.decode(vs):
+                rotation = int(round(getattr(frame, "rotation", 0) or 0)) % 360
+                break
+        except Exception as exc:  # noqa: BLE001
+            raise VideoFileError(f"{path!r}: its first video frame cannot be decoded ({exc}). Fix: re-export the "
+                                 "file with a common codec (H.264, H.265, ProRes, VP9).") from exc
+        container.seek(0)
+        frames = _count_frames(container, vs)
+        dur = float(container.duration / 1e6) if container.duration else frames / float(fps)
+        info = VideoInfo(path=path, frames=frames, fps=fractions.Fraction(fps), width=cc.width, height=cc.height,
+                         rotation=rotation, codec=cc.name, color_primaries=_enum(cc, "color_primaries"),
+                         color_trc=_enum(cc, "color_trc"), colorspace=_enum(cc, "colorspace"),
+                         color_range=_enum(cc, "color_range"), has_audio=audio is not None,
+                         audio_codec=audio.codec_context.name if audio is not None else None, duration_s=dur)
+    if info.frames == 0:
+        raise VideoFileError(f"{path!r} has a video stream with 0 frames. Fix: give a video with frames.")
+    return info
+
+
+def _enum(cc, name) -> Optional[int]:
+    v = getattr(cc, name, None)
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def read_frames(path: str, start: int = 0) -> Iterator[np.ndarray]:
+    """Decoded frames in order from frame ``start`` on, each (H, W, 3) float32 in [0, 1] as stored (rotation is
+    metadata, carried to the output). One frame in memory at a time."""
+    av = _av()
+    with av.open(path) as container:
+        vs = container.streams.video[0]
+        vs.thread_type = "AUTO"
+        for i, frame in enumerate(container.decode(vs)):
+            if i < start:
+                continue
+            rgb = frame.to_ndarray(format="rgb48le") if _deep(frame) else frame.to_ndarray(format="rgb24")
+            yield rgb.astype(np.float32) / (65535.0 if rgb.dtype == np.uint16 else 255.0)
+
+
+def _deep(frame) -> bool:
+    """More than 8 bits per component in the source (keep them)."""
+    name = frame.format.name
+    return any(t in name for t in ("10", "12", "14", "16"))
+
+
+# ----------------------------------------------------------------------------------------------- writing
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    name: str            # what the user picks
+    encoder: str         # FFmpeg encoder
+    pix_fmt: str
+    bits: int            # bits per component the encoder is fed with
+    container: str       # default file extension
+    options: tuple = ()  # (key, value) encoder options
+    segment_format: str = "nut"   # a chunk's file: NUT keeps a 1/fps time base; ProRes needs MOV
+
+    def sequence(self) -> bool:
+        return self.encoder == "png"
+
+
+CODECS = {
+    # no B-frames: every packet's decode time is its presentation time, so segments concatenate by frame index
+    "h264": Codec("h264", "libx264", "yuv420p", 8, ".mp4", (("crf", "16"), ("preset", "medium"), ("bf", "0"))),
+    "h265": Codec("h265", "libx265", "yuv420p10le", 16, ".mp4", (("crf", "18"), ("preset", "medium"),
+                                                                 ("x265-params", "log-level=error:bframes=0"))),
+    "prores": Codec("prores", "prores_ks", "yuv422p10le", 16, ".mov", (("profile", "3"),), "mov"),
+    "ffv1": Codec("ffv1", "ffv1", "gbrp16le", 16, ".mkv", (("level", "3"),)),
+    "png16": Codec("png16", "png", "rgb48be", 16, "", ()),
+}
+DEFAULT_CODEC = "h264"
+
+
+def available_codecs() -> dict[str, bool]:
+    av = _av()
+    out = {}
+    for name, c in CODECS.items():
+        try:
+            av.codec.Codec(c.encoder, "w")
+            out[name] = True
+        except Exception:  # noqa: BLE001 - UnknownCodecError and friends
+            out[name] = False
+    return out
+
+
+def get_codec(name: str) -> Codec:
+    c = CODECS.get(str(name).lower())
+    if c is None:
+        raise VideoFileError(f"unknown output codec {name!r}. Fix: use one of {', '.join(CODECS)}.")
+    if not available_codecs()[c.name]:
+        ok = [k for k, v in available_codecs().items() if v]
+        raise VideoFileError(f"the installed PyAV cannot encode {c.name} (FFmpeg encoder {c.encoder} missing). "
+                             f"Fix: choose one of {', '.join(ok)}, or install a PyAV build with {c.encoder}.")
+    return c
+
+
+def to_pixels(frames: np.ndarray, bits: int) -> np.ndarray:
+    """(T, H, W, 3) float in [0, 1] -> uint8 or uint16, rounded to nearest."""
+    if bits <= 8:
+        return np.clip(np.rint(frames * 255.0), 0, 255).astype(np.uint8)
+    return np.clip(np.rint(frames * 65535.0), 0, 65535).astype(np.uint16)
+
+
+BT709 = 1   # AVCOL_PRI_BT709 / AVCOL_TRC_BT709 / AVCOL_SPC_BT709
+
+
+class SegmentWriter:
+    """Encodes frames into one file (a chunk's segment, in the output codec). ``close()`` flushes; the file is
+    complete only after it, so callers write to a temporary name and rename."""
+
+    def __init__(self, path: str, codec: Codec, width: int, height: int, fps: fractions.Fraction,
+                 color: Optional[dict] = None):
+        av = _av()
+        self.codec, self.path, self.count = codec, path, 0
+        self.container = av.open(path, "w", format=codec.segment_format)
+        st = self.container.add_stream(codec.encoder, rate=fps)
+        st.width, st.height, st.pix_fmt = width, height, codec.pix_fmt
+        st.time_base = fractions.Fraction(1, 1) / fps
+        st.codec_context.time_base = st.time_base
+        st.options = dict(codec.options)
+        color = color or {}
+        cc = st.codec_context
+        for k in ("color_primaries", "color_trc", "colorspace"):
+            if color.get(k) is not None:
+                setattr(cc, k, color[k])
+        self.stream = st
+        self.src_format = "rgb24" if codec.bits <= 8 else "rgb48le"
+        self.colorspace = color.get("colorspace")
+
+    def write(self, frames: np.ndarray) -> None:
+        av = _av()
+        px = to_pixels(frames, self.codec.bits)
+        for img in px:
+            f = av.VideoFrame.from_ndarray(img, format=self.src_format)
+            if self.codec.pix_fmt.startswith("yuv"):
+                f = f.reformat(format=self.codec.pix_fmt, dst_colorspace=self.colorspace or BT709)
+            f.pts = self.count
+            for packet in self.stream.encode(f):
+                self.container.mux(packet)
+            self.count += 1
+
+    def close(self) -> None:
+        for packet in self.stream.encode():
+            self.container.mux(packet)
+        self.container.close()
+
+
+def write_png_frames(folder: str, first_index: int, frames: np.ndarray) -> None:
+    """16-bit PNGs ``frame_%08d.png`` (each written to a temporary name, then renamed)."""
+    os.makedirs(folder, exist_ok=True)
+    px = to_pixels(frames, 16)
+    for i, img in enumerate(px):
+        p = os.path.join(folder, f"frame_{first_index + i:08d}.png")
+        tmp = p + ".tmp.png"
+        _png16(img, tmp)
+        os.replace(tmp, p)
+
+
+def _png16(img: np.ndarray, path: str) -> None:
+    av = _av()
+    with av.open(path, "w", format="image2", options={"update": "1"}) as c:
+        st = c.add_stream("png", rate=1)
+        st.width, st.height, st.pix_fmt = img.shape[1], img.shape[0], "rgb48be"
+        f = av.VideoFrame.from_ndarray(img, format="rgb48le").reformat(format="rgb48be")
+        for packet in st.encode(f):
+            c.mux(packet)
+        for packet in st.encode():
+            c.mux(packet)
+
+
+def concat_segments(segments: list[str], out_path: str, codec: Codec, fps: fractions.Fraction, rotation: int = 0,
+                    audio_from: Optional[str] = None, color: Optional[dict] = None) -> None:
+    """Remuxes the segments' packets (no re-encoding) one after another into ``out_path``, with the audio stream of
+    ``audio_from`` copied unchanged. Writes a temporary file and renames it: the final name never holds a partial
+    file."""
+    av = _av()
+    ext = os.path.splitext(out_path)[1].lower() or codec.container
+    tmp = f"{out_path}.partial{ext}"
+    try:
+        with av.open(tmp, "w") as out:
+            first = av.open(segments[0])
+            vin = first.streams.video[0]
+            vout = out.add_stream_from_template(vin)
+            vout.time_base = fractions.Fraction(1, 1) / fps
+            for k, v in (color or {}).items():
+                if v is not None:
+                    setattr(vout.codec_context, k, v)
+            if rotation:
+                vout.set_display_rotation(rotation)
+            first.close()
+            ain = aout = None
+            src = None
+            if audio_from is not None:
+                src = av.open(audio_from)
+                if src.streams.audio:
+                    ain = src.streams.audio[0]
+                    aout = out.add_stream_from_template(ain)
+            frame_tb = fractions.Fraction(1, 1) / fps
+            offset = 0   # frames before this segment
+            for seg in segments:
+                with av.open(seg) as c:
+                    s = c.streams.video[0]
+                    to_frames = s.time_base * fps   # segment ticks -> frames (1 when the muxer kept 1/fps)
+                    packets = [p for p in c.demux(s) if p.size]
+                    # muxers may shift a file's timestamps to start above 0: frame 0 is the earliest one
+                    first = min(int(round(p.pts * to_frames)) for p in packets)
+                    n = len(packets)
+                    for packet in packets:
+                        idx = int(round(packet.pts * to_frames)) - first + offset
+                        packet.pts = packet.dts = idx
+                        packet.duration = 1
+                        packet.time_base = frame_tb
+                        packet.stream = vout
+                        out.mux(packet)
+                    offset += n
+            if ain is not None:
+                for packet in src.demux(ain):
+                    if packet.dts is None:
+                        continue
+                    packet.stream = aout
+                    out.mux(packet)
+            if src is not None:
+                src.close()
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def copy_audio(src_path: str, out_path: str) -> None:
+    """The first audio stream of ``src_path``, unchanged, into a file of its own (e.g. audio.mka beside a PNG
+    sequence); temporary name, then renamed."""
+    av = _av()
+    tmp = out_path + ".partial" + os.path.splitext(out_path)[1]
+    try:
+        with av.open(src_path) as src, av.open(tmp, "w") as out:
+            ain = src.streams.audio[0]
+            aout = out.add_stream_from_template(ain)
+            for packet in src.demux(ain):
+                if packet.dts is None:
+                    continue
+                packet.stream = aout
+                out.mux(packet)
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
