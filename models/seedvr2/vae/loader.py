@@ -123,7 +123,13 @@ def build_vae(sd: Mapping[str, torch.Tensor], config: Optional[VAEConfig] = None
 
 def load_vae(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None, device="cpu",
              config: Optional[VAEConfig] = None, norm_num_groups: Optional[int] = None) -> VideoAutoencoder:
-    """Read a SeedVR2 VAE file and return the model in eval mode (dtype default: as stored)."""
+    """Read a SeedVR2 VAE file and return the model in eval mode (dtype default: as stored). A file whose weights
+    cannot tell the GroupNorm group count (the test models) records it in its metadata."""
     sd = read_state_dict(path)
+    if norm_num_groups is None and os.fspath(path).endswith(".safetensors"):
+        from safetensors import safe_open
+        with safe_open(os.fspath(path), framework="pt") as f:
+            groups = (f.metadata() or {}).get("seedvr2.norm_num_groups")
+        norm_num_groups = int(groups) if groups else None
     return build_vae(sd, config=config, norm_num_groups=norm_num_groups, dtype=dtype, device=device,
                      source=os.fspath(path))
