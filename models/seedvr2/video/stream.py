@@ -1,11 +1,16 @@
-"""Streaming upscale of a video file: decode -> chunks (scene-aware, overlapped) -> upscale -> blend -> encode, with
-host memory bounded by one chunk whatever the video's length, a resumable work folder, and the final file written
-only when every frame is there.
+"""Streaming upscale of a video file: plan (scene-aware, overlapped chunks) -> upscale each chunk -> encode its
+frames as they finish -> one output file, with host memory bounded by one chunk whatever the video's length, a
+resumable work folder, and the final file written only when every frame is there.
 
 Chunks follow the in-memory pipeline's plan inside each shot: ``batch_size`` frames, consecutive chunks sharing
 ``overlap`` frames, the later chunk's weight rising as (j + 1) / (overlap + 1) over the shared frames and the earlier
 one's falling so that they sum to 1. A scene cut ends a chunk early; no chunk and no cross-fade spans it, so the
 frames of each shot are those of the shot upscaled alone.
+
+A chunk writes three units into the work folder: its *body* (frames no other chunk has, encoded), and its weighted
+*head* / *tail* overlap frames (float32 arrays). The *seam* between two chunks (the sum of one's tail and the next
+one's head) is encoded once both exist. Every unit depends on its chunk alone, so chunks can run in any order and
+on several workers (``parallel.py``); the output is the units remuxed in frame order.
 
 The model is injected: ``upscale_chunk(frames)`` maps (n, H, W, 3) float32 in [0, 1] to (n, oh, ow, 3).
 """
@@ -16,12 +21,12 @@ import logging
 import os
 import shutil
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
-from .container import (BT709, CODECS, SegmentWriter, VideoFileError, concat_segments, copy_audio, get_codec, probe,
-                        read_frames, write_png_frames)
+from .container import (BT709, SegmentWriter, VideoFileError, VideoInfo, concat_segments, copy_audio, get_codec,
+                        probe, read_frames, write_png_frames)
 from .scenes import DEFAULT_THRESHOLD, CutDetector
 from .workdir import WorkDir, work_dir_for
 
@@ -43,10 +48,23 @@ class StreamSettings:
     def validate(self) -> None:
         if self.batch_size < 1 or (self.batch_size - 1) % 4:
             raise VideoFileError(f"batch_size must be 4n+1 (1, 5, 9, ..., 21, ...), got {self.batch_size}.")
-        if self.overlap < 0 or (self.batch_size > 1 and self.overlap >= self.batch_size) or \
-                (self.batch_size == 1 and self.overlap):
-            raise VideoFileError(f"overlap must be between 0 and batch_size - 1 = {self.batch_size - 1}, got "
-                                 f"{self.overlap}.")
+        most = (self.batch_size - 1) // 2   # a frame is shared by at most two chunks
+        if not 0 <= self.overlap <= most:
+            raise VideoFileError(f"overlap must be between 0 and (batch_size - 1) / 2 = {most} for batch_size "
+                                 f"{self.batch_size}, got {self.overlap}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    index: int
+    start: int
+    end: int
+    head: int    # frames shared with the previous chunk (0: it starts a shot)
+    tail: int    # frames shared with the next chunk (0: it ends a shot)
+
+    @property
+    def body(self) -> tuple[int, int]:
+        return self.start + self.head, self.end - self.tail
 
 
 @dataclasses.dataclass
@@ -67,7 +85,31 @@ def ramp(o: int) -> np.ndarray:
     return (np.arange(1, o + 1, dtype=np.float32) / np.float32(o + 1)).reshape(-1, 1, 1, 1)
 
 
-def output_color(info) -> dict:
+def plan(frames: Iterable[np.ndarray], batch_size: int, overlap: int,
+         scene_threshold: float = DEFAULT_THRESHOLD) -> list[Chunk]:
+    """The chunks of a video, from one pass over its frames (only the scene detector looks at them)."""
+    cuts = CutDetector(scene_threshold)
+    shots, n = [], 0
+    for frame in frames:
+        if cuts.is_cut(frame):
+            shots.append(n)
+        n += 1
+    bounds = [0] + shots + [n]
+    chunks = []
+    stride = batch_size - overlap
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        start, first = a, True
+        while True:
+            end = min(start + batch_size, b)
+            last = end >= b
+            chunks.append(Chunk(len(chunks), start, end, 0 if first else overlap, 0 if last else overlap))
+            if last:
+                break
+            start, first = start + stride, False
+    return chunks
+
+
+def output_color(info: VideoInfo) -> dict:
     """The source's colour tags where it has them (2 = unspecified), else BT.709."""
     out = {}
     for k in ("color_primaries", "color_trc", "colorspace"):
@@ -89,14 +131,14 @@ def check_paths(in_path: str, out_path: str, codec_name: str) -> None:
     elif ext not in (".mp4", ".mkv", ".mov"):
         raise VideoFileError(f"output {out_path!r}: use a .mp4, .mkv or .mov file name (for {codec.name}: "
                              f"{codec.container}).")
-    elif codec.name in ("ffv1",) and ext != ".mkv":
+    elif codec.name == "ffv1" and ext != ".mkv":
         raise VideoFileError(f"FFV1 goes into a .mkv file, not {ext}. Fix: name the output *.mkv.")
     elif codec.name == "prores" and ext not in (".mov", ".mkv"):
         raise VideoFileError(f"ProRes goes into a .mov (or .mkv) file, not {ext}. Fix: name the output *.mov.")
 
 
 def check_disk(out_path: str, frames: int, width: int, height: int, codec_name: str) -> None:
-    need = int(frames * width * height * _DISK_BYTES_PER_PIXEL[codec_name] * 2)   # segments + the final file
+    need = int(frames * width * height * _DISK_BYTES_PER_PIXEL[codec_name] * 2)   # units + the final file
     folder = os.path.dirname(work_dir_for(out_path)) or "."
     free = shutil.disk_usage(folder).free
     if free < need:
@@ -105,134 +147,187 @@ def check_disk(out_path: str, frames: int, width: int, height: int, codec_name: 
                              "the output to another disk, or choose h264/h265 (smaller files).")
 
 
+class FrameCursor:
+    """Frames of one file by index ranges that only move forward (a worker's chunks come in increasing order);
+    keeps the frames the next range may share with the last one."""
+
+    def __init__(self, path: str, keep: int):
+        self.it = iter(read_frames(path))
+        self.pos = 0                  # index of the next frame the decoder gives
+        self.cache: dict[int, np.ndarray] = {}
+        self.keep = keep
+
+    def take(self, start: int, end: int) -> np.ndarray:
+        for i in [i for i in self.cache if i < start]:
+            del self.cache[i]
+        while self.pos < end:
+            f = next(self.it)
+            if self.pos >= start:
+                self.cache[self.pos] = f
+            self.pos += 1
+        out = np.stack([self.cache[i] for i in range(start, end)])
+        for i in [i for i in self.cache if i < end - self.keep]:
+            del self.cache[i]
+        return out
+
+
+class Job:
+    """One streaming upscale: its input, plan, codec and work folder. ``run_chunk`` and ``write_seam`` are the
+    units of work a worker (this process or another) does; ``finish`` writes the output."""
+
+    def __init__(self, in_path: str, out_path: str, out_size: Callable[[int, int], tuple[int, int]],
+                 settings: StreamSettings, model_key: str = "", info: Optional[VideoInfo] = None,
+                 chunks: Optional[list[Chunk]] = None, open_work: bool = True):
+        settings.validate()
+        self.s = settings
+        self.info = info or probe(in_path)
+        check_paths(in_path, out_path, settings.codec)
+        self.codec = get_codec(settings.codec)
+        self.in_path, self.out_path = in_path, out_path
+        self.oh, self.ow = out_size(self.info.height, self.info.width)
+        check_disk(out_path, self.info.frames, self.ow, self.oh, self.codec.name)
+        self.key = {"input": self.info.fingerprint(), "batch_size": settings.batch_size,
+                    "overlap": settings.overlap, "codec": self.codec.name,
+                    "scene_threshold": settings.scene_threshold, "size": [self.oh, self.ow], "model": model_key}
+        self.work = WorkDir(out_path, self.key)
+        if open_work:
+            self.work.open(settings.resume)
+        self.color = output_color(self.info)
+        self.ext = "" if self.codec.sequence() else (".mov" if self.codec.segment_format == "mov" else ".nut")
+        self.chunks = chunks if chunks is not None else plan(read_frames(in_path), settings.batch_size,
+                                                              settings.overlap, settings.scene_threshold)
+
+    # ------------------------------------------------------------------ units
+    def chunk_done(self, c: Chunk) -> bool:
+        w = self.work
+        return w.has(self.body_name(c)) and (not c.head or w.has(f"head_{c.index:06d}.npy")
+                                             or w.has(self.seam_name(c.index - 1))) \
+            and (not c.tail or w.has(f"tail_{c.index:06d}.npy") or w.has(self.seam_name(c.index)))
+
+    def body_name(self, c: Chunk) -> str:
+        return f"body_{c.index:06d}{self.ext}"
+
+    def seam_name(self, index: int) -> str:
+        return f"seam_{index:06d}{self.ext}"
+
+    def _encode(self, name: str, first: int, frames: np.ndarray) -> None:
+        final = self.work.file(name)
+        tmp = self.work.temp_path(name)
+        if self.codec.sequence():
+            shutil.rmtree(tmp, ignore_errors=True)
+            write_png_frames(tmp, first, frames)
+        else:
+            tmp += self.ext
+            w = SegmentWriter(tmp, self.codec, self.ow, self.oh, self.info.fps, self.color)
+            w.write(frames)
+            w.close()
+        os.replace(tmp, final)
+
+    def run_chunk(self, c: Chunk, frames: np.ndarray, upscale_chunk: Callable[[np.ndarray], np.ndarray]) -> None:
+        """Upscales one chunk and writes its units (body, weighted head and tail)."""
+        n = c.end - c.start
+        up = np.asarray(upscale_chunk(frames), dtype=np.float32)
+        if up.shape != (n, self.oh, self.ow, 3):
+            raise RuntimeError(f"the upscaler returned {up.shape} for {n} frames of {self.oh}x{self.ow}")
+        if c.head:
+            self.work.save_array(f"head_{c.index:06d}.npy", up[:c.head] * ramp(c.head))
+        if c.tail:
+            self.work.save_array(f"tail_{c.index:06d}.npy", up[n - c.tail:] * (1.0 - ramp(c.tail)))
+        b0, b1 = c.body
+        self._encode(self.body_name(c), b0, np.clip(up[b0 - c.start:b1 - c.start], 0.0, 1.0))
+
+    def seams_ready(self) -> list[int]:
+        """Chunks k whose tail and the next chunk's head are written but their seam is not."""
+        w = self.work
+        return [c.index for c in self.chunks[:-1] if c.tail and not w.has(self.seam_name(c.index))
+                and w.has(f"tail_{c.index:06d}.npy") and w.has(f"head_{c.index + 1:06d}.npy")]
+
+    def write_seam(self, k: int) -> None:
+        """Frames shared by chunks k and k + 1: the earlier one's weighted tail plus the later one's weighted head
+        (the in-memory pipeline's sum, in the same order)."""
+        c = self.chunks[k]
+        tail, head = self.work.load_array(f"tail_{k:06d}.npy"), self.work.load_array(f"head_{k + 1:06d}.npy")
+        self._encode(self.seam_name(k), c.end - c.tail, np.clip(tail + head, 0.0, 1.0))
+        self.work.delete(f"tail_{k:06d}.npy", f"head_{k + 1:06d}.npy")
+
+    def units_in_order(self) -> list[str]:
+        names = []
+        for c in self.chunks:
+            names.append(self.body_name(c))
+            if c.tail:
+                names.append(self.seam_name(c.index))
+        return names
+
+    def finish(self) -> None:
+        """Remuxes every unit in frame order into the output (with the source's audio), then drops the work folder
+        unless asked to keep it."""
+        missing = [n for n in self.units_in_order() if not self.work.has(n)]
+        if missing:
+            raise RuntimeError(f"cannot write {self.out_path}: {len(missing)} part(s) missing, e.g. {missing[0]}")
+        paths = [self.work.file(n) for n in self.units_in_order()]
+        audio = self.in_path if self.info.has_audio else None
+        if self.codec.sequence():
+            _finish_sequence(paths, self.out_path, audio)
+        else:
+            concat_segments(paths, self.out_path, self.codec, self.info.fps, self.info.rotation, audio, self.color)
+        if not self.s.keep_work:
+            self.work.remove()
+
+
 def upscale_video(in_path: str, out_path: str, upscale_chunk: Callable[[np.ndarray], np.ndarray],
                   out_size: Callable[[int, int], tuple[int, int]], settings: Optional[StreamSettings] = None,
                   model_key: str = "", progress: Optional[Callable[[int, int, float, float], None]] = None,
                   should_stop: Optional[Callable[[], None]] = None) -> StreamResult:
-    """Upscales ``in_path`` into ``out_path``. ``out_size(h, w) -> (oh, ow)`` is the output size for the input's
-    stored size; ``model_key`` names the model and its settings (a different one does not resume old chunks).
-    ``progress(frames_done, frames_total, fps, seconds_left)`` after each chunk; ``should_stop()`` raises to stop
-    (the work folder keeps the finished chunks; the output is not touched)."""
-    s = settings or StreamSettings()
-    s.validate()
-    info = probe(in_path)
-    check_paths(in_path, out_path, s.codec)
-    codec = get_codec(s.codec)
-    oh, ow = out_size(info.height, info.width)
-    check_disk(out_path, info.frames, ow, oh, codec.name)
-    key = {"input": info.fingerprint(), "batch_size": s.batch_size, "overlap": s.overlap, "codec": codec.name,
-           "scene_threshold": s.scene_threshold, "size": [oh, ow], "model": model_key}
-    work = WorkDir(out_path, key).open(s.resume)
-    color = output_color(info)
-    ext = "" if codec.sequence() else (".mov" if codec.segment_format == "mov" else ".nut")
-    t0, done_frames, resumed = time.perf_counter(), 0, len(work.chunks)
+    """Upscales ``in_path`` into ``out_path`` in this process. ``out_size(h, w) -> (oh, ow)`` is the output size for
+    the input's stored size; ``model_key`` names the model and its settings (a different one does not resume old
+    chunks). ``progress(frames_done, frames_total, fps, seconds_left)`` after each chunk; ``should_stop()`` raises
+    to stop (the work folder keeps the finished chunks; the output is not touched)."""
+    t0 = time.perf_counter()
+    job = Job(in_path, out_path, out_size, settings or StreamSettings(), model_key)
+    todo = [c for c in job.chunks if not job.chunk_done(c)]
+    resumed = len(job.chunks) - len(todo)
     if resumed:
-        log.info("[SeedVR2-BW] resuming %s: %d chunk(s) done (%s)", out_path, resumed, work.path)
-    detector = CutDetector(s.scene_threshold)
-    o = s.overlap
-
-    buf: list[np.ndarray] = []      # frames of the chunk being collected
-    start = 0                       # its first frame index
-    has_prev = False                # a chunk of the same shot came before (its tail is in ``tail``)
-    tail: Optional[np.ndarray] = None
-    index = 0
-    pending: Optional[np.ndarray] = None   # a decoded frame that starts the next chunk (after a cut)
-    pending_cut = False
-
-    def run_chunk(frames: list[np.ndarray], has_next: bool) -> None:
-        nonlocal tail, has_prev, index, done_frames, start
-        n = len(frames)
-        o_head = o if has_prev else 0
-        o_tail = o if has_next else 0
-        seg_name = work.segment_name(index, ext)
-        entry = work.done(index)
-        if entry is not None:   # finished before a restart: its tail is on disk
-            if (entry["start"], entry["end"]) != (start, start + n):
-                raise RuntimeError(f"the work folder's chunk {index} was {entry['start']}-{entry['end']}, this run "
-                                   f"planned {start}-{start + n}: delete {work.path} and run again")
-            # only the last finished chunk's overlap is kept (and needed: the next chunk is the first to run)
-            tail = work.tail(index) if o_tail and index == len(work.chunks) - 1 else None
-        else:
-            if should_stop is not None:
-                should_stop()
-            up = np.asarray(upscale_chunk(np.stack(frames)), dtype=np.float32)
-            if up.shape != (n, oh, ow, 3):
-                raise RuntimeError(f"the upscaler returned {up.shape} for {n} frames of {oh}x{ow}")
-            if o_head:
-                up[:o_head] = tail + up[:o_head] * ramp(o_head)
-            new_tail = up[n - o_tail:] * (1.0 - ramp(o_tail)) if o_tail else None
-            body = np.clip(up[:n - o_tail], 0.0, 1.0)
-            final = os.path.join(work.path, seg_name)
-            if codec.sequence():
-                tmpdir = work.temp_path(seg_name)
-                shutil.rmtree(tmpdir, ignore_errors=True)
-                write_png_frames(tmpdir, start, body)
-                os.replace(tmpdir, final)
-            else:
-                tmp = work.temp_path(seg_name) + ext
-                w = SegmentWriter(tmp, codec, ow, oh, info.fps, color)
-                w.write(body)
-                w.close()
-                os.replace(tmp, final)
-            work.commit_chunk(index, start, start + n, start + n - o_tail, seg_name, new_tail)
-            tail = new_tail
-        done_frames = start + n - o_tail
-        el = time.perf_counter() - t0
-        fresh = done_frames - (work.chunks[resumed - 1]["written_end"] if resumed else 0)
-        rate = fresh / el if el > 0 and fresh > 0 else 0.0
-        left = (info.frames - done_frames) / rate if rate > 0 else float("nan")
+        log.info("[SeedVR2-BW] resuming %s: %d of %d chunk(s) done (%s)", out_path, resumed, len(job.chunks),
+                 job.work.path)
+    total = job.info.frames
+    done = sum(c.end - c.start - c.tail for c in job.chunks if c not in todo)
+    cursor = FrameCursor(in_path, job.s.overlap)
+    t_run, fresh = time.perf_counter(), 0
+    for c in todo:
+        if should_stop is not None:
+            should_stop()
+        job.run_chunk(c, cursor.take(c.start, c.end), upscale_chunk)
+        for k in job.seams_ready():
+            job.write_seam(k)
+        fresh += c.end - c.start - c.tail
+        done += c.end - c.start - c.tail
         if progress is not None:
-            progress(done_frames, info.frames, rate, left)
-        index += 1
-        has_prev = has_next
-        start = start + n - o_tail
-
-    frames_iter = read_frames(in_path)
-    total = 0
-    for frame in frames_iter:
-        cut = detector.is_cut(frame)
-        total += 1
-        if buf and cut:
-            run_chunk(buf, has_next=False)       # the shot ends here
-            buf, has_prev, tail = [], False, None
-        elif len(buf) == s.batch_size:
-            run_chunk(buf, has_next=True)        # more frames of this shot follow
-            buf = buf[len(buf) - o:] if o else []
-        buf.append(frame)
-    if buf:
-        run_chunk(buf, has_next=False)
-    if total != info.frames:
-        log.warning("[SeedVR2-BW] %s: decoded %d frames, the container counted %d", in_path, total, info.frames)
-
-    if codec.sequence():
-        _finish_sequence(work, out_path, in_path if info.has_audio else None)
-    else:
-        concat_segments(work.segments(), out_path, codec, info.fps, info.rotation,
-                        in_path if info.has_audio else None, color)
-    if not s.keep_work:
-        work.remove()
-    res = StreamResult(out_path, total, index, resumed, time.perf_counter() - t0)
+            el = time.perf_counter() - t_run
+            rate = fresh / el if el > 0 else 0.0
+            progress(done, total, rate, (total - done) / rate if rate > 0 else float("nan"))
+    for k in job.seams_ready():
+        job.write_seam(k)
+    job.finish()
+    res = StreamResult(out_path, sum(c.end - c.start - c.tail for c in job.chunks), len(job.chunks), resumed,
+                       time.perf_counter() - t0)
     log.info("[SeedVR2-BW] %s: %d frames in %d chunk(s) (%d resumed), %.2f frames/s", out_path, res.frames,
              res.chunks, resumed, res.fps)
     return res
 
 
-def _finish_sequence(work: WorkDir, out_dir: str, audio_from: Optional[str]) -> None:
-    """PNG frames of every segment folder into ``out_dir`` (built under a temporary name, then renamed); the audio
+def _finish_sequence(folders: list[str], out_dir: str, audio_from: Optional[str]) -> None:
+    """PNG frames of every unit folder into ``out_dir`` (built under a temporary name, then renamed); the audio
     stream, if any, beside them as audio.m4a / audio.mka."""
+    if os.path.isdir(out_dir):
+        raise VideoFileError(f"the output folder {out_dir!r} already exists. Fix: remove it or choose another name.")
     tmp = out_dir.rstrip("/\\") + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    for seg in work.segments():
+    for seg in folders:
         for name in sorted(os.listdir(seg)):
-            os.replace(os.path.join(seg, name), os.path.join(tmp, name))
+            shutil.copy2(os.path.join(seg, name), os.path.join(tmp, name))
     if audio_from is not None:
         # the source's container family keeps its audio timing (MP4 edit lists trim AAC's priming samples)
         mp4 = os.path.splitext(audio_from)[1].lower() in (".mp4", ".m4v", ".mov")
         copy_audio(audio_from, os.path.join(tmp, "audio.m4a" if mp4 else "audio.mka"))
-    if os.path.isdir(out_dir):
-        raise VideoFileError(f"the output folder {out_dir!r} already exists. Fix: remove it or choose another name.")
     os.replace(tmp, out_dir)
-
-
-__all__ = ["StreamSettings", "StreamResult", "upscale_video", "check_paths", "CODECS", "ramp"]
