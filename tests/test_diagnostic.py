@@ -194,10 +194,10 @@ def test_block_constants_match_the_state_dicts():
         assert shape.non_block == non_block
         for g in shape.groups:
             assert g.video_linear + g.text_linear == g.linear_weights
-    # 7B block: 226.57 M params -> 453 MB bf16 (offloading.md §6.1)
+    # 7B block: 226.57 M params -> 453 MB bf16 (docs/SPEC.md §4.3)
     g7 = checks_io.SEEDVR2_DITS["7B"].groups[0]
     assert abs(checks_io.block_bytes(g7, "bf16") / 1e6 - 453.1) < 0.5
-    # ~232-237 MFLOP per video token for 7B (offloading.md §6.1)
+    # ~232-237 MFLOP per video token for 7B (docs/SPEC.md §4.3)
     per_token = checks_io.block_flops(g7, 3072, 3600, 1) / 3600
     assert 225e6 < per_token < 245e6
 
@@ -285,7 +285,7 @@ def test_script_inside_a_comfyui_tree(tmp_path):
 
 def test_attention_windows_follow_the_spec():
     from seedvr2bw.optimization.diagnostics.checks_compute import axis_windows, seedvr2_window_lengths
-    # SPEC §3 examples: a 23x41 frame (adaptive 720p windows 15x27) and 5 latent frames
+    # docs/SPEC.md §3 examples: a 23x41 frame (adaptive 720p windows 15x27) and 5 latent frames
     assert [axis_windows(23, 15, False), axis_windows(41, 27, False)] == [[15, 8], [27, 14]]
     assert [axis_windows(23, 15, True), axis_windows(41, 27, True)] == [[7, 15, 1], [13, 27, 1]]
     assert axis_windows(5, 2, False) == [2, 2, 1] and axis_windows(5, 2, True) == [1, 2, 2]

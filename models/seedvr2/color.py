@@ -3,7 +3,7 @@
 All functions take frames as ``(N, C, H, W)`` float tensors (C = 3, RGB) and a reference of the same shape.
 
 * ``wavelet``: the StableSR ``wavelet_reconstruction`` that the official SeedVR2 script applies when
-  ``color_fix.py`` is present and numz ships (SPEC §6 step 11): a 5-level stationary wavelet
+  ``color_fix.py`` is present and numz ships (docs/SPEC.md §6 step 11): a 5-level stationary wavelet
   decomposition with a 3x3 binomial blur (dilations 1, 2, 4, 8, 16, replicate padding). The result is
   the output's high-frequency band plus the reference's low-frequency band. Linear, so it can run in
   either [0, 1] or [-1, 1] space.

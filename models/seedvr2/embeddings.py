@@ -1,4 +1,4 @@
-"""Precomputed text embeddings of SeedVR2 (SPEC §6 step 7). Pure torch.
+"""Precomputed text embeddings of SeedVR2 (docs/SPEC.md §6 step 7). Pure torch.
 
 SeedVR2 never encodes a prompt at run time: the official repo (and numz) ship ``pos_emb.pt``
 (bf16, (58, 5120)) and ``neg_emb.pt`` (bf16, (64, 5120)). One-step inference with cfg = 1 uses only the

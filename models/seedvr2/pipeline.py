@@ -1,6 +1,6 @@
 """SeedVR2 one-step upscaling pipeline (pure torch, no ComfyUI imports).
 
-Follows the official inference (SPEC §6) with the ComfyUI-port conveniences of SPEC §7:
+Follows the official inference (docs/SPEC.md §6) with the ComfyUI-port conveniences of docs/SPEC.md §7:
 
 1. frames ``(T, H, W, C)`` float in [0, 1], C = 3 (RGB) or 4 (RGBA; the alpha channel does not go
    through the model: it is resized on its own, bicubic with antialiasing, clamped, and reattached).
@@ -16,7 +16,7 @@ Follows the official inference (SPEC §6) with the ComfyUI-port conveniences of 
    so changes the size); everything is cropped back to the exact target size after decoding.
 4. Normalise to [-1, 1]. Split the clip into temporal chunks of ``batch_size`` frames (must be 4n+1)
    that overlap by ``temporal_overlap`` frames; a chunk whose length is not 4n+1 (the last one, or a
-   clip shorter than ``batch_size``) is padded by **repeating its last frame** (SPEC §6 step 3).
+   clip shorter than ``batch_size``) is padded by **repeating its last frame** (docs/SPEC.md §6 step 3).
 5. **VAE encode** (optionally spatially tiled), **sample** the posterior: mean + exp(0.5 logvar) * N(0,1),
    times the scaling factor 0.9152, channels-last ``(t, h, w, 16)``: the LQ latent.
 6. **Noise** x_T ~ N(0, I) (seeded, drawn on CPU so results do not depend on the device),
@@ -24,7 +24,7 @@ Follows the official inference (SPEC §6) with the ComfyUI-port conveniences of 
    for SeedVR2, so the condition is the clean LQ latent.
 7. **One Euler step** at t = 1000 (steps = 1, cfg = 1, shift 1): ``v = DiT(x_T, cond, pos_emb, t=1000)``,
    ``x_0 = x_T - v``. Only the positive text embedding is used (cfg = 1 means the negative branch is
-   never evaluated, SPEC §6 step 8).
+   never evaluated, docs/SPEC.md §6 step 8).
 8. Divide by the scaling factor, **VAE decode** (optionally tiled), drop the padded frames, crop to
    the target size, map back to [0, 1].
 9. **Colour correction** (``wavelet`` = official StableSR wavelet reconstruction, ``adain``, ``lab``,
@@ -65,7 +65,7 @@ class SeedVR2InputError(ValueError):
 # ------------------------------------------------------------------------------------------- settings
 @dataclass
 class VAETiling:
-    """Spatial tiling of the VAE (SPEC §7; not exact, unlike the VAE's own temporal slicing).
+    """Spatial tiling of the VAE (docs/SPEC.md §7; not exact, unlike the VAE's own temporal slicing).
 
     ``encode``/``decode``: ``"auto"`` (tile only when the estimate says the frame does not fit into free
     memory), ``"on"`` or ``"off"``. ``*_tile``: tile edge in output pixels (encode: input pixels), 0 =

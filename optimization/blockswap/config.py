@@ -3,7 +3,7 @@
 `BlockSwapConfig` is what the BlockSwap node outputs and `attach_blockswap` takes.
 `plan_blockswap` decides whether swapping is needed and how many blocks, from sizes and free VRAM.
 `spread_indices` picks which blocks: spread evenly across the depth (measured: interleaving swapped blocks
-among resident ones costs +4.6 % where swapping the first/last N contiguously costs +53-70 %, offloading.md §6.4).
+among resident ones costs +4.6 % where swapping the first/last N contiguously costs +53-70 %, docs/PERFORMANCE.md §8).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """BlockSwapRunner: streams swapped blocks through a ring of preallocated GPU buffers.
 
-Design (offloading.md §8):
+Design (why: docs/ARCHITECTURE.md, "Block runner"):
 * each swapped block's tensors live in one page-aligned host arena (its stored dtypes), pinned in place through
   the pool (cap, LRU across models, pageable fallback);
 * one copy stream and a ring of `buffers` GPU slots, each the size of the largest swapped block, allocated once;

@@ -21,7 +21,7 @@ one N x D pass = 133 MB = 44 us at 3 TB/s):
 * ``linear_gelu`` (7B MLP): cuBLASLt GELU(tanh)+bias epilogue, saves the 2 passes over N x 4D of F.gelu.
 * ``group_norm_frames`` (VAE): per-frame GroupNorm + SiLU: read x twice, write y once, with one program per
   (channel plane, 4096 values) instead of torch's one per (frame, group), which left the H100 mostly idle at
-  720p (58 % of a decode's GPU time, ``scripts/device/vae_profile.py``).
+  720p (58 % of a decode's GPU time; docs/PERFORMANCE.md §8).
 """
 from __future__ import annotations
 

@@ -229,7 +229,7 @@ if HAS_TRITON:
         tl.store(q_ptr + row * K + cols, q.to(tl.float8e4nv), mask=mask)
         tl.store(s_ptr + row, scale)
 
-    # H100 (scripts/device/dequant_probe.py, commit 062f86d): (16,128,4), (8,256,4), (16,256,8) won on the six
+    # H100 (device probe dequant_probe.py, commit 062f86d): (16,128,4), (8,256,4), (16,256,8) won on the six
     # SeedVR2 shapes, 2.5-3.0 TB/s (bytes read + written; a bf16 copy moves 2.7-2.9 TB/s in the same run)
     @triton.autotune(configs=[triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
                               for r, c, w in ((16, 128, 4), (8, 256, 4), (16, 256, 8), (4, 512, 4), (32, 64, 4),
@@ -560,7 +560,7 @@ def dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype=torc
 
     ``l2_keep``: store with the L2 evict_last hint, for an ``out`` that the next kernel reads straight back
     and that is reused call after call (the fidelity path's shared scratch weight). H100, M = 4096
-    (scripts/device/l2_persist_probe.py, session 14): without the hint, dequantize + cuBLAS ran at 0.79-0.82x
+    (device probe l2_persist_probe.py, docs/PERFORMANCE.md §8): without the hint, dequantize + cuBLAS ran at 0.79-0.82x
     bf16 whenever other work had gone through the L2 since the last call (the dequantize alone ~50 us for a
     34 MiB weight instead of ~20); with it, 0.87-1.02x in every order (the most for weights that fit in L2)."""
     _check_triton(packed)

@@ -74,7 +74,7 @@ FIDELITY_KERNELS = ("auto", "fused", "rs", "dequant", "pipelined", "pipelined_n"
 #     (0.027-0.092 ms of GPU time) beat the best fused tile on 4 of 6 shapes; but with calls queued back to back
 #     (--inner 8, as in a model) the dequant path is host-bound at M=256 (0.063-0.164 ms: no launch plan, two
 #     launches + an allocation) where the fused kernel runs from a cached plan  -> FUSED_MAX_M stays 256
-#   run 4 (session 7, sm_90 wgmma kernel, scripts/device/wgmma_probe.py, CUDA-graph times, commit 613454a):
+#   run 4 (session 7, sm_90 wgmma kernel, device probe wgmma_probe.py, CUDA-graph times, commit 613454a):
 #     M=512: the wgmma kernel's default config beat dequant on 3 of 6 shapes (a draw: 0.85-1.10x); M=1024:
 #     dequant faster on all 6 (0.0389-0.1446 vs 0.0437-0.1716 ms)  -> FUSED_MAX_M stays 256
 #   run 5 (session 8, wgmma kernel with the mbarrier pipeline and 2-4 warpgroup tiles, commit a9007c6 / 9e7131e):
@@ -83,24 +83,24 @@ FIDELITY_KERNELS = ("auto", "fused", "rs", "dequant", "pipelined", "pipelined_n"
 #   run 6 (session 9, commit 15343dd): M=4096 dequant + cuBLAS 0.927-0.945x bf16, the ceiling of any path writing
 #     the bf16 weight to HBM (~0.94x: 2.56 B/weight at 3.35 TB/s vs 2*4096 FLOP/weight at ~670 TFLOP/s). Slab-wise
 #     dequant into L2 + cuBLASLt (commit cf7a84a) and dequant overlapped on a side stream with SM-limited GEMMs
-#     (1676810) measured no faster / slower and were reverted (docs/BENCHMARKS.md, session 9)
+#     (1676810) measured no faster / slower and were reverted (docs/PERFORMANCE.md §8)
 #   run 7 (session 10, commits ac73630..9b4bf9f): a warp-specialized persistent fused kernel (decode into shared
 #     memory, SS wgmma) reached 0.53-0.67x bf16 at M=4096 and 0.69-0.83x at 16384, below dequant + cuBLAS on
-#     every shape; reverted (docs/BENCHMARKS.md, session 10)
+#     every shape; reverted (docs/PERFORMANCE.md §8)
 #   run 8 (session 11, commits 0bcb8aa..bf4c45f): the same kind of kernel with a TMA-fed loader warpgroup that does
 #     only the decode and two consumer warpgroups that do only wgmma m64n256k16: at best 0.71-0.87x bf16 at M=4096
-#     (commit 3a4781d; dequant + cuBLAS 0.90-0.93x in the same run); reverted (docs/BENCHMARKS.md, session 11)
+#     (commit 3a4781d; dequant + cuBLAS 0.90-0.93x in the same run); reverted (docs/PERFORMANCE.md §8)
 #   run 9 (session 12, commits cf9b0ae..ff52f38): each weight tile's decode shared between the CTAs that need it
 #     (bf16 scratch in L2, per-slice flags, 2-CTA clusters): 0.76-0.92x bf16 at M=4096 (dequant + cuBLAS 0.84-0.95x
-#     in the same run); reverted (docs/BENCHMARKS.md, session 12, part 2)
-#   run 10 (session 14, scripts/device/l2_persist_probe.py): dequant + cuBLAS ran at 0.78-0.82x bf16 at M=4096
+#     in the same run); reverted (docs/PERFORMANCE.md §8)
+#   run 10 (session 14, device probe l2_persist_probe.py): dequant + cuBLAS ran at 0.78-0.82x bf16 at M=4096
 #     whenever other GEMMs had gone through the L2 since its last call; the dequantize's stores with the L2
 #     evict_last hint into one shared scratch weight: 0.87-1.02x in the same order (L2_KEEP below)
 #   run 11 (session 15, bench_nvfp4.py, commit 0aa2725): the RS kernel (rs_w4a16.py) 0.96-1.01x bf16 at M=4096,
 #     1.00-1.04x at 16384, dequant + cuBLAS 0.90-0.96x / 0.98-0.99x in the same run  -> RS from M >= 4096
 FUSED_MAX_M = 256
 # dequant kernel (M > FUSED_MAX_M): the weight goes to one shared scratch buffer per device with L2 evict_last
-# stores, so the GEMM reads it back from L2 (session 14, docs/BENCHMARKS.md). SEEDVR2BW_NVFP4_L2_KEEP=0: a fresh
+# stores, so the GEMM reads it back from L2 (docs/PERFORMANCE.md §8). SEEDVR2BW_NVFP4_L2_KEEP=0: a fresh
 # buffer per call, plain stores (the behaviour before).
 L2_KEEP = os.environ.get("SEEDVR2BW_NVFP4_L2_KEEP", "1") != "0"
 PIPELINE_MIN_M = None        # set (e.g. 1024) to let "auto" time pipelined against dequant once per shape
@@ -813,7 +813,7 @@ class NVFP4Linear(_QuantLinearBase):
             y = mm(fast)
         except RuntimeError as exc:
             # cuBLASLt (H100, torch 2.11 / CUDA 13) has no row-wise FP8 kernel with a bias epilogue and fast
-            # accumulation for M <= 48 at K >= 6912 (scripts/device/fp8_small_m_probe.py); it does have one with
+            # accumulation for M <= 48 at K >= 6912 (docs/PERFORMANCE.md §8); it does have one with
             # full-precision accumulation, so this shape uses that from now on (the launch plan too)
             if not (fast and b is not None and "NOT_SUPPORTED" in str(exc)):
                 raise

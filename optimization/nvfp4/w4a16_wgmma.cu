@@ -14,10 +14,10 @@
 // wgmma are waited for before the next tile is decoded: with one group left in flight while the next tile's A
 // registers are written, ptxas serializes every wgmma (C7513); decoding one k16 step per wgmma needs a
 // wgmma.fence per step, and warpgroups taking turns on the tensor cores need named barriers: both measured slower
-// (docs/BENCHMARKS.md, session 8).
+// (docs/PERFORMANCE.md §8).
 
 #ifndef DIAG
-#define DIAG 0                       // probe-only (scripts/device/wgmma_probe.py --part bound), wrong results:
+#define DIAG 0                       // probe-only (wgmma_probe.py --part bound, in git history), wrong results:
 #endif                               // 2 = constant A instead of the decode, 4 = no output stores
 #define BN (64 * WG)                 // weight rows per CTA
 #define NT (128 * WG)                // threads per CTA

@@ -4,7 +4,7 @@ through the driver with prebuilt argument arrays.
 
 Why a CUDA kernel next to the Triton one: at M >= 256 the Triton kernel is bound by instruction issue (521
 instructions per warp per K tile for 8 HGMMA, most of them layout shuffles between the decoder's output and the
-wgmma register fragment; see docs/BENCHMARKS.md, session 6). Here each thread decodes exactly its own fragment
+wgmma register fragment; see docs/PERFORMANCE.md §8). Here each thread decodes exactly its own fragment
 (3 integer instructions + 1 multiply per two weights) and wgmma reads it from registers.
 
 Scope: bf16 activations, K % 64 == 0, N % 64 == 0 (every SeedVR2 / FLUX linear). Anything else, or any
@@ -129,7 +129,7 @@ def default_min_blocks(wg: int, bm: int) -> int:
 
 
 def config_for(m: int, n: int, k: int, device) -> tuple:
-    """(wg, bm, stages, split_k). H100, scripts/device/wgmma_probe.py at M = 256 on the six SeedVR2 shapes
+    """(wg, bm, stages, split_k). H100, device probe wgmma_probe.py at M = 256 on the six SeedVR2 shapes
     (commit e8b3e3a): one warpgroup x 128 tokens x 3 stages (3 CTAs per SM) was the fastest or within 5 % of it
     on every shape; SPLIT_K from the wave model of the Triton kernel with 3 CTA slots per SM picks the measured
     best split on 5 of 6 (1 / 3-4 / 1 / 4 / 1 / 4)."""

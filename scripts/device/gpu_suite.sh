@@ -6,12 +6,13 @@
 #   bash scripts/device/gpu_suite.sh dit        # DiT step time / MFU, fused on vs off, bf16 parity
 #   bash scripts/device/gpu_suite.sh blockswap  # BlockSwap acceptance figures
 #   bash scripts/device/gpu_suite.sh nvfp4      # NVFP4 paths vs bf16 and comfy-kitchen   (carry .ck)
-#   bash scripts/device/gpu_suite.sh rs         # the RS W4A16 kernel: checks, x bf16 (scripts/device/rs_probe.py)
+#   bash scripts/device/gpu_suite.sh rs         # the RS W4A16 kernel: its GPU tests, then fidelity x bf16 at M >= 1024
 #   bash scripts/device/gpu_suite.sh flux       # FLUX LoRA s/step vs TrainLoraNode        (carry .comfy_src)
 #   bash scripts/device/gpu_suite.sh diag       # the diagnostic, --quick cold then warm, then the full run
 #
 # scripts/device/prepare_carry.sh builds .ck and .comfy_src here first. The device copy has no .git, so the
-# commit is passed in GIT_COMMIT (the device tool sends the working tree of this commit).
+# commit is passed in GIT_COMMIT (the device tool sends the working tree of this commit). The figures these
+# targets make, and the exact commands behind each table: docs/PERFORMANCE.md.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT=${OUT:-./out}
@@ -33,9 +34,11 @@ blockswap)
 nvfp4)
     python3 scripts/bench_nvfp4.py --inner 8 --components --json "$OUT/nvfp4.json" 2>&1 | tee "$OUT/nvfp4.log" | tail -60 ;;
 rs)
-    # the large-M fidelity kernel: correctness on edge cases, then x bf16 with and without stream-K and the decode
-    python3 scripts/device/rs_probe.py --part check,time --m 4096,16384 --variants rs,rs_nosk,nodec \
-        --json "$OUT/rs.json" 2>&1 | tee "$OUT/rs.log" | grep -v "^check M" ;;
+    # the large-M fidelity kernel (Hopper RS W4A16): its GPU tests, then the fidelity path (RS where the layer picks
+    # it) against bf16 and against dequantize + cuBLAS forced, in the same run
+    python3 -m pytest tests/gpu/test_nvfp4_rs_gpu.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/rs_tests.log" | tail -5
+    python3 scripts/bench_nvfp4.py --m 1024,2048,4096,16384 --paths bf16,fidelity,fid_dequant --inner 8 --rounds 5 \
+        --rep-ms 50 --json "$OUT/rs.json" 2>&1 | tee "$OUT/rs.log" | tail -40 ;;
 flux)
     python3 scripts/bench_flux_lora.py --comfy .comfy_src --res 512,1024 --modes bf16,fp8,nvfp4,trainloranode \
         --json "$OUT/flux.json" 2>&1 | tee "$OUT/flux.log" | tail -30 ;;
@@ -80,8 +83,25 @@ print(f"clocks during {sys.argv[1]}: {len(rows)} samples, {len(busy)} above 200 
       f"{statistics.median(r[1] for r in busy) if busy else float('nan'):.0f} W")
 PY
     done
-    python3 scripts/device/diag_vs_bench.py "$OUT/diagnostic_h100.json" /tmp/bench_diag_shape.json \
-        2>&1 | tee "$OUT/diag_vs_bench.txt"
+    # the agreement check: the diagnostic's GEMM figures against bench_nvfp4.py's on the same shape (within 10 %)
+    python3 - "$OUT/diagnostic_h100.json" /tmp/bench_diag_shape.json <<'PY' 2>&1 | tee -a "$OUT/diag_vs_bench.txt" || true
+import json, sys
+diag = {c["name"]: c.get("data") or {} for c in json.load(open(sys.argv[1]))["checks"]}
+bench = json.load(open(sys.argv[2]))["results"]
+worst = 0.0
+print("| figure | diagnostic ms | bench_nvfp4 ms | difference |\n|---|---|---|---|")
+for check, path in (("bf16 GEMM", "bf16"), ("NVFP4 FP8 speed path (W8A8)", "fp8_speed"),
+                    ("NVFP4 fidelity path (W4A16)", "fidelity")):
+    d, mkn = diag.get(check, {}).get("ms"), diag.get(check, {}).get("shape_mkn")
+    row = next((r for r in bench if mkn and [r["M"], r["K"], r["N"]] == list(mkn)), None)
+    b = row.get(f"{path}_ms") if row else None
+    if d is None or b is None:
+        print(f"| {path} | {d} | {b} | n/a |")
+        continue
+    worst = max(worst, abs(d / b - 1))
+    print(f"| {path} {mkn[0]}x{mkn[1]}x{mkn[2]} | {d:.4f} | {b:.4f} | {(d / b - 1) * 100:+.1f} % |")
+print(f"largest difference: {worst * 100:.1f} % ({'within' if worst <= 0.10 else 'OUTSIDE'} 10 %)")
+PY
     tail -12 "$OUT/diagnostic_h100.txt"
     grep -E "^  (PASS|WARN|FAIL)" /tmp/diag_quick_cold.txt | head -30
     python3 - "$OUT/diag_quick_cold.json" <<'PY' 2>&1 | tee -a "$OUT/diag_vs_bench.txt" || true
@@ -93,5 +113,5 @@ PY
         echo "quick $run: wall $(cat /tmp/wall_$run) s, internal $(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['elapsed_s'])" "$OUT/diag_quick_$run.json") s"
     done ;;
 *)
-    echo "usage: $0 tests|dit|blockswap|nvfp4|flux|diag" >&2; exit 2 ;;
+    echo "usage: $0 tests|dit|blockswap|nvfp4|rs|flux|diag" >&2; exit 2 ;;
 esac

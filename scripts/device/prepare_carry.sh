@@ -5,9 +5,10 @@
 #                 bench_nvfp4.py); its ROCm library is dropped so the folder fits the 64 MiB carry limit
 #   .comfy_src/   ComfyUI's source tree (bench_flux_lora.py times ComfyUI's own TrainLoraNode)
 # Run from the repository root. Each folder is at most ~41 MiB: carry one of them per device call.
+# Both folders (and .whl/, the downloaded wheel) are listed in .gitignore, so git never picks them up and
+# the device tool carries them only when asked. This script changes nothing under .git.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-for d in .ck .comfy_src .whl; do grep -qxF "/$d/" .git/info/exclude || echo "/$d/" >> .git/info/exclude; done
 
 if [ ! -d .ck/comfy_kitchen ]; then
     mkdir -p .whl

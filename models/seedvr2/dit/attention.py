@@ -1,4 +1,4 @@
-"""Joint windowed attention, "NaSwinAttention" (SPEC §1.7).
+"""Joint windowed attention, "NaSwinAttention" (docs/SPEC.md §1.7).
 
 qkv = Linear(dim -> 3*heads*head_dim, no bias), viewed as (3, heads, head_dim); per-head RMS qk-norm;
 RoPE; every window attends over [its video tokens, all text tokens of the sample]; text outputs are

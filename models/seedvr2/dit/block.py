@@ -1,4 +1,4 @@
-"""One "mmdit_sr" transformer block (SPEC §1.6), shared by both variants.
+"""One "mmdit_sr" transformer block (docs/SPEC.md §1.6), shared by both variants.
 
     a = ada_in(RMSNorm(x), attn); a = attention(a); x = x + ada_gate(a, attn)
     m = ada_in(RMSNorm(x), mlp);  m = MLP(m);       x = x + ada_gate(m, mlp)

@@ -1,7 +1,7 @@
 """DiT configurations: the two released SeedVR2 models and the tiny golden-test models.
 
 One dataclass covers both code paths. ``variant`` selects the behaviour that differs between the
-official ``models/dit_v2`` (3B) and ``models/dit`` (7B) code (SPEC §4):
+official ``models/dit_v2`` (3B) and ``models/dit`` (7B) code (docs/SPEC.md §4):
 
 ==============  ==========================================  =====================================
                 3B (dit_v2)                                 7B (dit)

@@ -1,4 +1,4 @@
-"""Input/output embeddings of the DiT: timestep embedding, 1x2x2 patch in, patch out (SPEC §1.1, §1.2)."""
+"""Input/output embeddings of the DiT: timestep embedding, 1x2x2 patch in, patch out (docs/SPEC.md §1.1, §1.2)."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""Feed-forward layers (SPEC §1.8). Names match the checkpoint keys."""
+"""Feed-forward layers (docs/SPEC.md §1.8). Names match the checkpoint keys."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""Adaptive modulation "ada: single" (SPEC §1.5).
+"""Adaptive modulation "ada: single" (docs/SPEC.md §1.5).
 
 The shared time embedding e (6*dim per sample) is *interleaved*: for feature d, layer l (0 attn,
 1 mlp) and kind k (0 shift, 1 scale, 2 gate) the entry is e[d*6 + l*3 + k]. Each block/stream adds its

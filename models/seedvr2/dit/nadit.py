@@ -1,7 +1,7 @@
 """NaDiT, the SeedVR2 diffusion transformer (3B = official dit_v2 path, 7B = official dit path).
 
 Forward follows the official call: ``forward(vid, txt, vid_shape, txt_shape, timestep)`` with packed
-tokens (SPEC §1): vid (sum T*H*W, 33) latent tokens, txt (sum L, 5120), vid_shape (B, 3) = [T, H, W] in
+tokens (docs/SPEC.md §1): vid (sum T*H*W, 33) latent tokens, txt (sum L, 5120), vid_shape (B, 3) = [T, H, W] in
 latent units, txt_shape (B, 1), timestep (B,) on the 0..1000 scale. Returns the velocity
 (sum T*H*W, 16) in the same token order (the official ``.vid_sample``), in the compute dtype.
 
@@ -173,7 +173,7 @@ class NaDiT(nn.Module):
                     debug[f"block{block.index}.txt"] = txt
 
         if self.config.has_out_norm:
-            # Quirk of the official 3B (SPEC §4.1): the output modulation takes its time-embedding part
+            # Quirk of the official 3B (docs/SPEC.md §4.1): the output modulation takes its time-embedding part
             # from the cached per-token *attn* slot, i.e. x*(e[6d+1] + out_scale) + (e[6d+0] + out_shift).
             vid = self.vid_out_norm(vid)
             vid = modulate_in(vid, e[:, :, 0], self.vid_out_ada.out_shift, self.vid_out_ada.out_scale, vid_lens)

@@ -1,4 +1,4 @@
-"""RMSNorm as Apex ``FusedRMSNorm`` computes it (SPEC §1.4): statistics in fp32, eps 1e-5.
+"""RMSNorm as Apex ``FusedRMSNorm`` computes it (docs/SPEC.md §1.4): statistics in fp32, eps 1e-5.
 
 y = x / sqrt(mean(x^2) + eps) * w. fp32 input: exactly that formula (golden parity). fp16/bf16 input:
 the statistic is accumulated in fp32 straight from the half tensor (``vector_norm(..., dtype=fp32)``,

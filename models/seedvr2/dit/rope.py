@@ -1,4 +1,4 @@
-"""Rotary position embeddings of the two SeedVR2 variants (SPEC §2), in plain torch.
+"""Rotary position embeddings of the two SeedVR2 variants (docs/SPEC.md §2), in plain torch.
 
 Both follow rotary-embedding-torch 0.5.3 (the version the official code pins), re-implemented here:
 * angles of the three axes are concatenated in (t, h, w) order, each angle repeated for an adjacent

@@ -1,4 +1,4 @@
-"""3-D window partition of the video tokens and the joint (window + text) attention layout (SPEC §1.7, §3).
+"""3-D window partition of the video tokens and the joint (window + text) attention layout (docs/SPEC.md §1.7, §3).
 
 The window methods take the patched grid (t, h, w) and the window *counts* at the 720p reference grid
 (4, 3, 3) and return half-open (t, h, w) ranges, listed w outermost, then h, then t (the official order).

@@ -1,7 +1,7 @@
 """Mid-block self-attention (diffusers `Attention` as configured by the official UNetMidBlock3D).
 
 One head of dim C, its own GroupNorm, q/k/v/out Linear layers with bias, a residual, softmax scale 1/sqrt(C).
-It runs within each frame over the H*W positions (SPEC §5). Key names: group_norm, to_q, to_k, to_v, to_out.0.
+It runs within each frame over the H*W positions (docs/SPEC.md §5). Key names: group_norm, to_q, to_k, to_v, to_out.0.
 """
 from __future__ import annotations
 

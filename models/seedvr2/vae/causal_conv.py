@@ -1,6 +1,6 @@
 """Causal 3-D convolution with exact chunked (sliced) temporal processing and a memory-limited spatial path.
 
-SPEC §5: a conv with temporal padding p gets no zero padding in time; instead 2p copies of the first frame are
+docs/SPEC.md §5: a conv with temporal padding p gets no zero padding in time; instead 2p copies of the first frame are
 prepended ("causal"), so output frame t depends on input frames <= t only. When a clip is processed in temporal
 chunks, the last (kernel_t - stride_t) frames of each chunk's extended input are kept and prepended to the next
 chunk instead of the replicated first frame; this reproduces the single pass exactly (official `set_causal_slicing`).

@@ -1,6 +1,6 @@
 """Configuration of the SeedVR2 causal video VAE ("video_vae_v3").
 
-The real values are those of SeedVR `models/video_vae_v3/s8_c16_t4_inflation_sd3.yaml` (SPEC §5). A tiny model
+The real values are those of SeedVR `models/video_vae_v3/s8_c16_t4_inflation_sd3.yaml` (docs/SPEC.md §5). A tiny model
 (the golden vectors) has the same topology with other widths; `config_from_state_dict` reads the widths from the
 tensors. The GroupNorm group count is the one thing no tensor records, so it must be given unless the real value
 (32) divides every width.
@@ -25,7 +25,7 @@ class VAEConfig:
     scaling_factor: float = 0.9152     # applied by the pipeline, exposed on the model
     shift_factor: float = 0.0
     # Official causal slicing (`set_causal_slicing(split_size=4)`): encode the first frame + 4 frames, then 4 frames
-    # at a time; decode latent chunks of split_size // 4. None = one pass. Both are exact (SPEC §5).
+    # at a time; decode latent chunks of split_size // 4. None = one pass. Both are exact (docs/SPEC.md §5).
     split_size: Optional[int] = 4
     # Official memory limits (`set_memory_limit(0.5, 0.5)`, GiB). Convs whose padded input is larger are computed in
     # spatial bands; GroupNorms over larger tensors in group chunks. Both are exact.
@@ -44,7 +44,7 @@ class VAEConfig:
         return replace(self, **kw)
 
 
-# The released SeedVR2 VAE (250,648,227 parameters, SPEC §0).
+# The released SeedVR2 VAE (250,648,227 parameters, docs/SPEC.md §0).
 SEEDVR2_VAE = VAEConfig()
 
 

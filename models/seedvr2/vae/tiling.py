@@ -1,6 +1,6 @@
 """Spatial tiling of encode/decode with overlap and linear blending; VRAM-based tile choice.
 
-The official SeedVR VAE has no spatial tiling (SPEC §5); its exactness comes from causal temporal slicing, which
+The official VAE has no spatial tiling (docs/SPEC.md §5); its exactness comes from causal temporal slicing, which
 every tile here uses as well (each tile runs the official temporal chunks with its own TemporalCache). Spatial
 tiles are *not* exact: the per-frame GroupNorm statistics and the mid-block attention span the whole frame, so a
 tile sees different statistics than the full frame. Overlaps are cross-faded linearly to hide the seams.
