@@ -3,7 +3,11 @@
 stream copied, fps / rotation / colour tags kept, resumable after a crash (``--resume``), scene-cut-aware chunks.
 
     python scripts/upscale_video.py IN.mp4 OUT.mp4 --dit seedvr2_ema_3b.safetensors --vae ema_vae.safetensors \\
-        [--resolution 1080 | --scale 2] [--batch-size 21] [--overlap 4] [--codec h264] [--resume]
+        [--resolution 1080 | --scale 2] [--batch-size 21] [--overlap 4] [--codec h264] [--resume] [--gpus 0,1]
+
+Several GPUs (``--gpus 0,1,2,3`` or ``all``, or ``torchrun --nproc-per-node N scripts/upscale_video.py ...``): one
+process per GPU with its own model copy takes chunks as it finishes them (models/seedvr2/video/parallel.py).
+``--workers N`` does the same with N CPU processes.
 
 Codecs: h264 (8-bit), h265 (10-bit), prores (10-bit 4:2:2, .mov), ffv1 (16-bit lossless, .mkv), png16 (a folder of
 16-bit PNGs). The text embeddings (pos_emb.pt) are looked for beside the DiT file.
@@ -15,6 +19,8 @@ import hashlib
 import logging
 import os
 import sys
+import tempfile
+import uuid
 
 import _pack  # noqa: F401  (registers the checkout as `seedvr2bw`)
 import torch
@@ -29,6 +35,7 @@ from seedvr2bw.models.seedvr2.dit.loader import load_dit
 from seedvr2bw.models.seedvr2.embeddings import load_text_embeddings
 from seedvr2bw.models.seedvr2.vae.loader import load_vae
 from seedvr2bw.models.seedvr2.video.container import CODECS, VideoFileError
+from seedvr2bw.models.seedvr2.video.parallel import upscale_video_distributed
 from seedvr2bw.models.seedvr2.video.stream import StreamSettings, upscale_video
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -54,6 +61,8 @@ def parse_args(argv=None):
     ap.add_argument("--color-correction", default="wavelet", choices=list(P.COLOR_CORRECTION_MODES))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="compute dtype on the GPU")
+    ap.add_argument("--gpus", default="", help="GPUs to share the chunks: a list (0,1,2) or 'all'")
+    ap.add_argument("--workers", type=int, default=1, help="CPU processes to share the chunks (--device cpu)")
     return ap.parse_args(argv)
 
 
@@ -62,22 +71,33 @@ def _file_id(path: str) -> str:
     return hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
-def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    a = parse_args(argv)
-    settings = StreamSettings(batch_size=a.batch_size, overlap=a.overlap, codec=a.codec, resume=a.resume,
-                              keep_work=a.keep_work)
+def _settings(a) -> StreamSettings:
+    s = StreamSettings(batch_size=a.batch_size, overlap=a.overlap, codec=a.codec, resume=a.resume,
+                       keep_work=a.keep_work)
     if a.scene_threshold is not None:
-        settings.scene_threshold = a.scene_threshold
-    try:
-        settings.validate()
-        for p, what in ((a.dit, "--dit"), (a.vae, "--vae")):
-            if not os.path.isfile(p):
-                raise VideoFileError(f"{what} file {p!r} does not exist. Fix: give the path of the model file.")
-    except VideoFileError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    device = torch.device(a.device)
+        s.scene_threshold = a.scene_threshold
+    s.validate()
+    for p, what in ((a.dit, "--dit"), (a.vae, "--vae")):
+        if not os.path.isfile(p):
+            raise VideoFileError(f"{what} file {p!r} does not exist. Fix: give the path of the model file.")
+    return s
+
+
+def _gpu_list(spec: str) -> list[int]:
+    if not spec:
+        return []
+    n = torch.cuda.device_count()
+    ids = list(range(n)) if spec.strip().lower() == "all" else [int(x) for x in spec.split(",") if x.strip()]
+    bad = [i for i in ids if not 0 <= i < n]
+    if bad or not ids:
+        raise VideoFileError(f"--gpus {spec!r}: this machine has {n} CUDA GPU(s) (0..{n - 1}). Fix: list existing "
+                             "ones, or leave --gpus out.")
+    return ids
+
+
+def run(a, device: torch.device, store=None, show_progress: bool = True) -> int:
+    """One process's part: all of the job (``store`` None) or its share of a distributed job."""
+    settings = _settings(a)
     dtype = DTYPES[a.dtype] if device.type == "cuda" else torch.float32
     up = P.UpscaleSettings(resolution=a.resolution, scale_factor=a.scale, max_resolution=a.max_resolution,
                            batch_size=a.batch_size, temporal_overlap=0, color_correction=a.color_correction,
@@ -98,19 +118,70 @@ def main(argv=None) -> int:
                         vae_dtype=dtype, output_device="cpu")
         return out.numpy()
 
-    bar = _progress_bar()
+    bar = _progress_bar() if show_progress else None
     key = f"dit={_file_id(a.dit)} vae={_file_id(a.vae)} res={a.resolution} scale={a.scale} max={a.max_resolution} " \
           f"seed={a.seed} cc={a.color_correction} dtype={a.dtype}"
     try:
-        res = upscale_video(a.input, a.output, upscale_chunk, out_size, settings, model_key=key, progress=bar)
+        if store is None:
+            res = upscale_video(a.input, a.output, upscale_chunk, out_size, settings, model_key=key, progress=bar)
+        else:
+            res = upscale_video_distributed(store, a.input, a.output, upscale_chunk, out_size, settings,
+                                            model_key=key, progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    if res is not None:
+        print(f"wrote {res.out_path}: {res.frames} frames, {res.chunks} chunks ({res.resumed_chunks} resumed), "
+              f"{res.fps:.2f} frames/s")
+    return 0
+
+
+def _worker(rank: int, world: int, store_path: str, a, devices: list) -> None:
+    import torch.distributed as dist
+    device = torch.device(devices[rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world)
+    try:
+        run(a, device, dist.PrefixStore("job", store), show_progress=rank == 0)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    a = parse_args(argv)
+    try:
+        _settings(a)
+        gpus = _gpu_list(a.gpus)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:      # started by torchrun
+            import torch.distributed as dist
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            local = int(os.environ.get("LOCAL_RANK", rank))
+            device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group("gloo")
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, world, rank == 0)
+            try:
+                return run(a, device, dist.PrefixStore("job", store), show_progress=rank == 0)
+            finally:
+                dist.destroy_process_group()
+        devices = [f"cuda:{i}" for i in gpus] if gpus else (["cpu"] * a.workers if a.workers > 1 else [])
+        if len(devices) > 1:
+            import torch.multiprocessing as mp
+            store_path = os.path.join(tempfile.gettempdir(), f"seedvr2bw-store-{uuid.uuid4().hex}")
+            try:
+                mp.spawn(_worker, args=(len(devices), store_path, a, devices), nprocs=len(devices), join=True)
+            finally:
+                if os.path.exists(store_path):
+                    os.remove(store_path)
+            return 0
+        return run(a, torch.device(devices[0] if devices else a.device))
     except VideoFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    finally:
-        bar.close()
-    print(f"wrote {res.out_path}: {res.frames} frames, {res.chunks} chunks ({res.resumed_chunks} resumed), "
-          f"{res.fps:.2f} frames/s")
-    return 0
 
 
 class _progress_bar:

@@ -104,3 +104,12 @@ def test_cli_errors_before_loading_anything(tiny, tmp_path):
     p = _cli(tiny, tmp_path / "missing.mp4", tmp_path / "o.mp4", wrap=False)
     text, _ = p.communicate(timeout=120)
     assert p.returncode == 2 and "does not exist" in text, text
+
+
+def test_two_cpu_workers_equal_one_process(tiny, tmp_path):
+    src = write_clip(str(tmp_path / "in.mp4"), clip_frames([30, 20], 24, 40), codec="h264")
+    one, two = tmp_path / "one.mp4", tmp_path / "two.mp4"
+    _run(tiny, src, one)
+    text, _ = _run(tiny, src, two, "--workers", "2")
+    assert "wrote" in text
+    assert np.array_equal(np.stack(list(C.read_frames(str(two)))), np.stack(list(C.read_frames(str(one)))))
