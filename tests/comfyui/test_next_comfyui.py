@@ -97,3 +97,30 @@ def test_training_workflow_in_process_in_0193(next_rig, next_server, comfy_inpro
     save = str(_ids(tiny_ui_workflow())["SaveImage"])
     out = Path(tmp_path / "output")
     assert np.abs(_images(out, a["outputs"], save) - _images(out, a["outputs"], "114")).max() > 0
+
+
+@pytest.mark.parametrize("name", ["seedvr2_image_upscale.json", "seedvr2_video_upscale.json"])
+def test_seedvr2_workflows_over_http_in_0193(next_server, name):
+    import sys
+    from PIL import Image
+    sys.path.insert(0, str(REPO / "tests"))
+    from make_tiny_models import make_tiny_models
+    seed_dir = next_server.models_dir / "SEEDVR2"
+    if not (seed_dir / "seedvr2_tiny_3b.safetensors").exists():
+        tmp = next_server.workdir / "tiny_seedvr2"
+        for kind, p in make_tiny_models(tmp).items():
+            (seed_dir / Path(p).name).symlink_to(p)
+    rng = np.random.default_rng(0)
+    Image.fromarray((rng.random((24, 40, 3)) * 255).astype(np.uint8)).save(next_server.input_dir / "example.png")
+    wf = json.loads((REPO / "workflows" / name).read_text())
+    prompt = ui_to_api(wf, from_object_info(next_server.object_info()))
+    ids = {n["type"]: str(n["id"]) for n in wf["nodes"]}
+    prompt[ids["SeedVR2BW_LoadDiT"]]["inputs"]["model"] = "seedvr2_tiny_3b.safetensors"
+    prompt[ids["SeedVR2BW_LoadVAE"]]["inputs"]["model"] = "ema_vae_tiny.safetensors"
+    prompt[ids["SeedVR2BW_Upscale"]]["inputs"].update({"resolution": 16, "batch_size": 5, "temporal_overlap": 1})
+    if "RepeatImageBatch" in ids:
+        prompt[ids["RepeatImageBatch"]]["inputs"]["amount"] = 6
+    entry = next_server.run_prompt(prompt, timeout=600)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000]
+    outs = [o for o in entry["outputs"].values() if o.get("images")]
+    assert outs, entry["outputs"]
