@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_training_cpu import _cfg, _dataset, _tr  # noqa: E402
+from test_training_cpu import train_cfg, tiny_dataset, training_pkg  # noqa: E402
 from test_training_helpers import require_comfy, tiny_flux_patcher  # noqa: E402
 
 A = torch.ops.aten
@@ -46,10 +46,10 @@ class _CountGemms(TorchDispatchMode):
 
 
 def _trainer(tmp_path, **kw):
-    T = _tr()
-    ds = _dataset(tmp_path)
+    T = training_pkg()
+    ds = tiny_dataset(tmp_path)
     mp = tiny_flux_patcher()
-    tr = T.FluxLoraTrainer(mp.model.diffusion_model, _cfg(tmp_path, **kw), ds, latent_format=mp.model.latent_format,
+    tr = T.FluxLoraTrainer(mp.model.diffusion_model, train_cfg(tmp_path, **kw), ds, latent_format=mp.model.latent_format,
                            device="cpu")
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # non-zero up weights so every LoRA gets a gradient
@@ -173,7 +173,7 @@ def test_out_of_memory_retries_with_full_checkpointing(comfy, tmp_path, caplog):
 
 
 def test_setting_validation_and_env(comfy, tmp_path, monkeypatch):
-    T = _tr()
+    T = training_pkg()
     with pytest.raises(ValueError, match=r"unknown selective_checkpointing setting 'fast'.*auto, on, off"):
         T.TrainConfig(selective_checkpointing="fast").validate()
     monkeypatch.setenv("SEEDVR2BW_TRAIN_SELECTIVE_CKPT", "0")
