@@ -17,8 +17,6 @@ def all_nodes():
         try:
             module = importlib.import_module(f".{name}", __name__)
         except ModuleNotFoundError as exc:
-            if exc.name == f"{__name__}.{name}":
-                continue  # feature not built yet
             _log.error("[SeedVR2-BW] nodes/%s.py not loaded: missing module %r. Fix: pip install -r requirements.txt",
                        name, exc.name)
             continue

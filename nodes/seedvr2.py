@@ -21,7 +21,12 @@ from comfy_api.latest import io
 
 from ..models.seedvr2 import pipeline as P
 from ..models.seedvr2.color import COLOR_CORRECTION_MODES
+from ..models.seedvr2.dit.loader import load_dit
 from ..models.seedvr2.embeddings import TextEmbeddings, load_text_embeddings
+from ..models.seedvr2.vae import load_vae
+from ..optimization.attention import backend_unavailable_reason
+from ..optimization.hardware import get_policy
+from .staging import ModelStager, dit_activation_bytes, vae_activation_bytes
 from .types import CATEGORY, BlockSwapConfig, SeedVR2DiT, SeedVR2VAE
 
 _log = logging.getLogger(__name__)
@@ -164,20 +169,9 @@ def _resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def _policy(device):
-    try:
-        from ..optimization.hardware import get_policy
-        return get_policy(device)
-    except Exception as exc:  # noqa: BLE001 - the policy is optional for loading
-        _log.debug("hardware policy unavailable: %s", exc)
-        return None
-
-
 def _choose_attention(choice: str, device) -> str:
-    from ..optimization.attention import backend_unavailable_reason
     if choice == "auto":
-        policy = _policy(device)
-        name = getattr(policy, "attention", None) or "auto"
+        name = get_policy(device).attention or "auto"
         if name != "auto" and backend_unavailable_reason(name, device) is not None:
             name = "auto"
         return name
@@ -197,75 +191,6 @@ def _safetensors_metadata(path: str) -> dict:
             return dict(f.metadata() or {})
     except Exception:  # noqa: BLE001
         return {}
-
-
-# ------------------------------------------------------------------------------------------- memory
-def _all_on(module: torch.nn.Module, device: torch.device) -> bool:
-    def same(t):
-        return t.device.type == device.type and (device.index is None or t.device.index == device.index)
-    return all(same(t) for t in module.parameters()) and all(same(b) for b in module.buffers())
-
-
-def _unload_patcher(patcher) -> None:
-    import comfy.model_management as mm
-    for i in range(len(mm.current_loaded_models) - 1, -1, -1):
-        lm = mm.current_loaded_models[i]
-        if lm.model is patcher:
-            lm.model_unload()
-            mm.current_loaded_models.pop(i)
-
-
-def _dit_activation_bytes(dit: SeedVR2DiTModel, h: int, w: int, frames: int) -> int:
-    cfg = getattr(dit.model, "config", None)
-    dim = getattr(cfg, "dim", 2560)
-    tokens = ((frames - 1) // 4 + 1) * (h // 16) * (w // 16)
-    return int(tokens * dim * 2 * 24)
-
-
-class _ModelStager:
-    """Loads/offloads the two models between the pipeline phases through ComfyUI's model manager."""
-
-    def __init__(self, dit: SeedVR2DiTModel, vae: SeedVR2VAEModel, device, dit_bytes: int, vae_bytes: int):
-        self.dit, self.vae, self.device = dit, vae, device
-        self.dit_bytes, self.vae_bytes = dit_bytes, vae_bytes
-        self.swapping = False
-
-    def load_vae(self):
-        import comfy.model_management as mm
-        mm.load_models_gpu([self.vae.patcher], memory_required=self.vae_bytes, force_full_load=True)
-
-    def load_dit(self):
-        import comfy.model_management as mm
-        if self.dit.blockswap is not None:
-            if self.device.type == "cuda":
-                self._attach_blockswap(self.dit.blockswap)
-                return
-            _log.info("[SeedVR2-BW] BlockSwap is for CUDA GPUs; running resident on %s", self.device)
-        mm.load_models_gpu([self.dit.patcher], memory_required=self.dit_bytes)
-        if not _all_on(self.dit.model, self.device):
-            # ComfyUI could only load part of the model (not enough free VRAM): stream the blocks instead.
-            _log.warning("[SeedVR2-BW] the DiT does not fit into free VRAM; using BlockSwap (auto). "
-                         "Connect a BlockSwap node to choose the settings.")
-            _unload_patcher(self.dit.patcher)
-            from ..optimization.blockswap import BlockSwapConfig as BSConfig
-            self._attach_blockswap(BSConfig())
-
-    def _attach_blockswap(self, config):
-        import comfy.model_management as mm
-        from ..optimization.blockswap import attach_blockswap
-        _unload_patcher(self.dit.patcher)
-        mm.free_memory(self.dit_bytes + (2 << 30), self.device)
-        attach_blockswap(self.dit.model, config, self.device)
-        self.swapping = True
-
-    def release_dit(self):
-        if self.swapping:
-            from ..optimization.blockswap import detach
-            detach(self.dit.model, restore_device="cpu")
-            self.dit.model.to(self.dit.patcher.offload_device)
-            self.swapping = False
-        import comfy.model_management as mm
-        mm.soft_empty_cache()
 
 
 # ------------------------------------------------------------------------------------------- nodes
@@ -297,12 +222,11 @@ class SeedVR2LoadDiT(io.ComfyNode):
     @classmethod
     def execute(cls, model, compute_dtype, attention, blockswap=None) -> io.NodeOutput:
         import comfy.model_management as mm
-        from ..models.seedvr2.dit.loader import load_dit
         path = resolve_model_path(model, (FOLDER_KEY, "diffusion_models"))
         device = mm.get_torch_device()
         dtype = _resolve_dtype(compute_dtype, device)
         backend = _choose_attention(attention, device)
-        policy = _policy(device)
+        policy = get_policy(device)
         try:
             # weights land on the offload device; the ModelPatcher moves them to `device` when needed.
             # The policy of the *compute* device decides the fp8/NVFP4 linear path.
@@ -313,7 +237,7 @@ class SeedVR2LoadDiT(io.ComfyNode):
         emb = load_text_embeddings(path, extra_dirs=seedvr2_dirs(), expected_dim=getattr(cfg, "txt_in_dim", None))
         patcher = _make_patcher(dit, device, mm.unet_offload_device())
         _log.info("[SeedVR2-BW] DiT %s (%s, %s, attention %s)%s", os.path.basename(path),
-                  getattr(cfg, "variant", "?"), dtype, backend, f"; {policy.summary()}" if policy else "")
+                  getattr(cfg, "variant", "?"), dtype, backend, f"; {policy.summary()}")
         handle = SeedVR2DiTModel(patcher=patcher, embeddings=emb, dtype=dtype, attention=backend, path=path,
                                  variant=getattr(cfg, "variant", "?"), blockswap=blockswap)
         return io.NodeOutput(handle)
@@ -350,7 +274,6 @@ class SeedVR2LoadVAE(io.ComfyNode):
     def execute(cls, model, dtype, encode_tiling, encode_tile_size, decode_tiling, decode_tile_size,
                 tile_overlap) -> io.NodeOutput:
         import comfy.model_management as mm
-        from ..models.seedvr2.vae import load_vae
         path = resolve_model_path(model, (FOLDER_KEY, "vae"))
         device = mm.vae_device()
         torch_dtype = _resolve_dtype(dtype, device)
@@ -415,17 +338,10 @@ class SeedVR2Upscale(io.ComfyNode):
             max_resolution=max_resolution if size_mode == "shortest_edge" else 0,
             batch_size=batch_size, temporal_overlap=temporal_overlap, color_correction=color_correction,
             seed=seed, tiling=vae.tiling)
-        # validate cheaply before touching the models
-        P._check_frames(image)
-        P.check_batch_settings(batch_size, temporal_overlap)
-        th, tw = P.compute_target_size(image.shape[1], image.shape[2], settings.resolution,
-                                       settings.scale_factor, settings.max_resolution)
-        ph, pw = P.model_size(th, tw)
-        frames = min(image.shape[0], batch_size)
-        stager = _ModelStager(dit, vae, device, _dit_activation_bytes(dit, ph, pw, P.next_4n1(frames)),
-                              P.estimate_vae_bytes(ph * pw, frames, encode=False, dtype=vae.dtype))
-        hooks = P.PipelineHooks(before_encode=stager.load_vae, before_dit=stager.load_dit,
-                                after_dit=stager.release_dit, before_decode=stager.load_vae)
+        plan = P.plan(image, settings)   # validates before the models are touched
+        (ph, pw), frames = plan.model, plan.chunk_frames
+        stager = ModelStager(dit, vae, device, dit_activation_bytes(dit.model, ph, pw, P.next_4n1(frames)),
+                             vae_activation_bytes(ph * pw, frames, dtype=vae.dtype))
         bar = None
 
         def progress(done, total):
@@ -438,7 +354,7 @@ class SeedVR2Upscale(io.ComfyNode):
                         dit_dtype=dit.dtype, vae_dtype=vae.dtype, offload_device=mm.unet_offload_device(),
                         output_device=mm.intermediate_device(),
                         should_stop=mm.throw_exception_if_processing_interrupted,
-                        progress=progress, hooks=hooks,
+                        progress=progress, hooks=stager.hooks(),
                         free_memory=(lambda: mm.get_free_memory(device)) if device.type == "cuda" else None)
         mm.soft_empty_cache()
         return io.NodeOutput(out)

@@ -58,11 +58,12 @@ def test_weight_grads_reach_the_lora_weights_contiguous():
 
 
 def test_fp8_operator_matches_base_then_lora():
-    """torch.ops.seedvr2bw.fp8_lora_linear equals the fp8 base (training.quant._FP8LinearFn, FP8 GEMM) followed by
+    """torch.ops.seedvr2bw.fp8_lora_linear equals the fp8 base (training.quant.FP8LinearFn, FP8 GEMM) followed by
     the LoRA, in value (bf16 rounding) and gradients; LoRA weight gradients arrive contiguous."""
     from seedvr2bw.optimization.nvfp4.format import quantize_fp8_per_tensor
     from seedvr2bw.training.lora_linear_op import fp8_lora_linear
-    from seedvr2bw.training.quant import _FP8LinearFn, fp8_scale_rows
+    from seedvr2bw.training.fp8_ops import fp8_scale_rows
+    from seedvr2bw.training.quant import FP8LinearFn
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 32, generator=g)
     q, s = quantize_fp8_per_tensor(w)
@@ -76,7 +77,7 @@ def test_fp8_operator_matches_base_then_lora():
         y, _ = fp8_lora_linear(x, q, rows[0], rows[1], b, down.t(), up.t(), 0.5)
     except (RuntimeError, NotImplementedError) as exc:   # a torch build without CPU _scaled_mm
         pytest.skip(f"torch._scaled_mm unavailable on CPU here: {exc}")
-    ref = _FP8LinearFn.apply(x, q, s, b, True, rows) + 0.5 * (x @ down.t()) @ up.t()
+    ref = FP8LinearFn.apply(x, q, s, b, True, rows) + 0.5 * (x @ down.t()) @ up.t()
     assert float((y.float() - ref.float()).norm() / ref.float().norm()) < 4e-3
     gy = torch.randn(y.shape, generator=g).bfloat16()
     got = torch.autograd.grad(y, (x, down, up), gy)

@@ -3,7 +3,7 @@
 Most tests use tiny *fake* models with the real interfaces (lossless toy VAE, a DiT that returns
 ``x_t - LQ`` so that x_0 = the LQ latent): the output then equals the (resized) input, so sizes, frame
 padding, chunk blending and alpha handling can be checked exactly. The ``real_models`` tests run the
-golden tiny DiT/VAE weights through the real model code when it is present.
+golden tiny DiT/VAE weights through the real model code.
 """
 from types import SimpleNamespace
 
@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 from seedvr2bw.models.seedvr2 import pipeline as P
 from seedvr2bw.models.seedvr2.embeddings import MissingEmbeddingError, load_text_embeddings
+from seedvr2bw.models.seedvr2.dit.loader import load_dit
+from seedvr2bw.models.seedvr2.vae import SEEDVR2_VAE, VideoAutoencoder, load_vae
 
 from conftest import DATA
 
@@ -20,18 +22,28 @@ GOLDEN = DATA / "golden"
 
 
 # ----------------------------------------------------------------------------------------- fakes
-class FakeVAE(torch.nn.Module):
-    """Lossless in time (4 frames -> the 4 channel groups of one latent frame), 8x average pooling in space."""
-    scaling_factor = 0.9152
+class FakeVAE(VideoAutoencoder):
+    """The real VAE class (its encode/decode, vae/tiling.py's tiler) with toy cores: lossless in time (4 frames ->
+    the 4 channel groups of one latent frame), 8x average pooling in space. One core call per temporal pass."""
 
     def __init__(self, logvar=-30.0):
-        super().__init__()
+        torch.nn.Module.__init__(self)   # no encoder/decoder: iter_encode/iter_decode below stand in for them
+        self.config = SEEDVR2_VAE
+        self.split_size = None
         self.dummy = torch.nn.Parameter(torch.zeros(1))
         self.logvar = logvar
         self.encode_calls = []
         self.decode_calls = []
 
-    def encode(self, x):
+    @property
+    def dtype(self):
+        return self.dummy.dtype
+
+    @property
+    def device(self):
+        return self.dummy.device
+
+    def iter_encode(self, x, should_stop=None):
         b, c, T, H, W = x.shape
         assert c == 3 and (T - 1) % 4 == 0 and H % 8 == 0 and W % 8 == 0, x.shape
         self.encode_calls.append(tuple(x.shape))
@@ -42,17 +54,16 @@ class FakeVAE(torch.nn.Module):
         for k in range(1, t):
             for j in range(4):
                 mean[:, 3 * j:3 * j + 3, k] = pooled[:, :, 4 * k - 3 + j]
-        return mean, torch.full_like(mean, self.logvar)
+        yield 0, torch.cat([mean, torch.full_like(mean, self.logvar)], dim=1)
 
-    def decode(self, z):
+    def iter_decode(self, z, should_stop=None):
         b, c, t, h, w = z.shape
         self.decode_calls.append(tuple(z.shape))
         frames = [z[:, 0:3, 0]]
         for k in range(1, t):
             frames += [z[:, 3 * j:3 * j + 3, k] for j in range(4)]
         x = torch.stack(frames, dim=2)
-        x = x.repeat_interleave(8, dim=3).repeat_interleave(8, dim=4)
-        return x[:, :, 0] if t == 1 else x
+        yield 0, x.repeat_interleave(8, dim=3).repeat_interleave(8, dim=4)
 
 
 class FakeDiT(torch.nn.Module):
@@ -64,7 +75,7 @@ class FakeDiT(torch.nn.Module):
         self.calls = []
         self.offset_per_call = offset_per_call
 
-    def forward(self, vid, txt, vid_shape, txt_shape, timestep):
+    def forward(self, vid, txt, vid_shape, txt_shape, timestep, should_stop=None):
         assert vid.shape[1] == 33 and torch.all(vid[:, 32] == 1)
         assert int(txt_shape[0, 0]) == txt.shape[0] and float(timestep[0]) == 1000.0
         assert vid.shape[0] == int(vid_shape.prod())
@@ -72,7 +83,7 @@ class FakeDiT(torch.nn.Module):
         self.calls.append(SimpleNamespace(vid_shape=vid_shape.tolist(), txt=txt.clone(), noise=vid[:, :16].clone()))
         out = vid[:, :16] - vid[:, 16:32]
         out[:, :12] -= self.offset_per_call * k * 0.9152 * 2  # +offset in [0, 1] pixel space after decode
-        return SimpleNamespace(vid_sample=out)
+        return out
 
 
 TXT = torch.randn(3, 24, generator=torch.Generator().manual_seed(0))
@@ -275,17 +286,33 @@ def test_tiled_vae_matches_untiled_on_smooth_input():
     torch.testing.assert_close(out, frames, atol=1e-5, rtol=0)
 
 
-def test_tiled_spatial_blend_exact_for_pointwise_fn():
-    x = torch.rand(1, 3, 1, 48, 80)
-    y = P.tiled_spatial(lambda t: t * 2, x, 32, 16, 1.0, 3)
-    torch.testing.assert_close(y, x * 2)
+def test_plan_is_what_upscale_runs():
+    """plan() gives the sizes, chunks and weights upscale() works with (the node sizes its model loads by it)."""
+    frames = const_frames(11, 24, 40)
+    s = P.UpscaleSettings(resolution=20, batch_size=5, temporal_overlap=2, color_correction="none")
+    p = P.plan(frames, s)
+    assert p.target == P.compute_target_size(24, 40, 20) == (20, 33) and p.model == (32, 48)
+    assert p.chunks == P.plan_chunks(11, 5, 2) and p.chunk_frames == 5 and p.tiling is s.tiling
+    dit, vae = FakeDiT(), FakeVAE()
+    out = P.upscale(frames, dit, vae, TXT, s)
+    assert out.shape == (11, *p.target, 3) and all(c[-2:] == p.model for c in vae.encode_calls)
+    assert len(dit.calls) == len(p.chunks)
 
 
-def test_choose_tile_size():
-    assert P.choose_tile_size(64, 64, 5, None, True) == 0
-    assert P.choose_tile_size(64, 64, 5, 10 ** 12, True) == 0
-    t = P.choose_tile_size(2160, 3840, 5, 8 * 2 ** 30, False)
-    assert t >= 256 and t % 64 == 0 and t < 2160
+def test_vae_tiles_follow_the_settings_and_free_memory():
+    p = P.plan(torch.zeros(1, 1080, 1920, 3), P.UpscaleSettings(resolution=1080))
+    assert p.model == (1088, 1920)
+    cfg, bf16 = SEEDVR2_VAE, torch.bfloat16
+    none = lambda: None  # noqa: E731 - free memory unknown (CPU)
+    assert p.vae_tiles("encode", none, bf16, cfg) == (0, 0)                  # auto, unknown: no tiling
+    on = P.plan(torch.zeros(1, 1080, 1920, 3), P.UpscaleSettings(tiling=P.VAETiling(encode="on", decode="on")))
+    assert on.vae_tiles("encode", none, bf16, cfg) == (512, 64)              # on, unknown: 512 px
+    assert on.vae_tiles("decode", none, bf16, cfg) == (64, 8)                # in latents
+    tight = on.vae_tiles("decode", lambda: 8 << 30, bf16, cfg)
+    assert 0 < tight[0] < 1920 // 8 and tight[1] <= tight[0] // 2
+    assert p.vae_tiles("decode", lambda: 1 << 50, bf16, cfg) == (0, 0)       # plenty free: one tile = none
+    off = P.plan(torch.zeros(1, 1080, 1920, 3), P.UpscaleSettings(tiling=P.VAETiling(encode="off", encode_tile=256)))
+    assert off.vae_tiles("encode", none, bf16, cfg) == (0, 0)
 
 
 # ----------------------------------------------------------------------------------------- errors
@@ -355,11 +382,6 @@ def test_embeddings_load(tmp_path, ext):
 
 # ----------------------------------------------------------------------------------------- real tiny models
 def _real_models(variant="3b"):
-    try:
-        from seedvr2bw.models.seedvr2.dit.loader import load_dit
-        from seedvr2bw.models.seedvr2.vae import load_vae
-    except ImportError as exc:  # the model code is written in parallel
-        pytest.skip(f"SeedVR2 model code not available: {exc}")
     dit = load_dit(str(GOLDEN / f"dit_{variant}_tiny_weights.safetensors"))
     vae = load_vae(str(GOLDEN / "vae_tiny_weights.safetensors"), norm_num_groups=2)
     return dit, vae

@@ -17,20 +17,20 @@ def comfy():
     return require_comfy()
 
 
-def _tr():
+def training_pkg():
     import seedvr2bw.training as T
     return T
 
 
-def _dataset(tmp_path, n=2, **kw):
-    T = _tr()
+def tiny_dataset(tmp_path, n=2, **kw):
+    T = training_pkg()
     folder = make_image_folder(tmp_path / "ds", n=n)
     return T.encode_dataset(T.DatasetSpec(folder=str(folder), resolution=64, **kw), FakeVAE(), FakeCLIP(),
                             cache_dir=str(tmp_path / "cache"))
 
 
-def _cfg(tmp_path, **kw):
-    T = _tr()
+def train_cfg(tmp_path, **kw):
+    T = training_pkg()
     base = dict(rank=4, alpha=4, steps=40, learning_rate=3e-3, compute_dtype="fp32", output_dir=str(tmp_path / "out"),
                 output_name="tiny", seed=7)
     base.update(kw)
@@ -45,7 +45,7 @@ def _fixed_eval(trainer, n=6):
     with torch.no_grad():
         for k in range(n):
             i = k % len(trainer.data)
-            x0 = trainer._process_in(trainer.data.latents[i][None])
+            x0 = trainer.process_in(trainer.data.latents[i][None])
             cap = trainer.data.items[i].caption
             noise = torch.randn(x0.shape, generator=g)
             sigma = torch.tensor([0.2 + 0.6 * k / max(1, n - 1)])
@@ -65,12 +65,12 @@ def _model_out(dm, seed=5):
 
 
 def test_loss_falls_and_lora_loads_in_comfyui(comfy, tmp_path, caplog):
-    T = _tr()
+    T = training_pkg()
     mp = tiny_flux_patcher()
     dm = mp.model.diffusion_model
     before_base = _model_out(dm)
-    ds = _dataset(tmp_path)
-    tr = T.FluxLoraTrainer(dm, _cfg(tmp_path, steps=50, learning_rate=5e-3), ds, latent_format=mp.model.latent_format, device="cpu")
+    ds = tiny_dataset(tmp_path)
+    tr = T.FluxLoraTrainer(dm, train_cfg(tmp_path, steps=50, learning_rate=5e-3), ds, latent_format=mp.model.latent_format, device="cpu")
     assert len(tr.network.loras) == 2 * 10 + 2 * 3  # kohya targets: 10 per double block, 3 per single block
     l0 = _fixed_eval(tr)
     path = tr.run()
@@ -92,7 +92,7 @@ def test_loss_falls_and_lora_loads_in_comfyui(comfy, tmp_path, caplog):
     assert md["ss_network_dim"] == "4" and md["ss_network_module"] == "networks.lora_flux"
 
     # load with fp32 save to check the numerical round trip (bf16 files are rounded by design)
-    tr2 = T.FluxLoraTrainer(dm, _cfg(tmp_path, steps=1, save_dtype="fp32", output_name="fp32copy"), ds,
+    tr2 = T.FluxLoraTrainer(dm, train_cfg(tmp_path, steps=1, save_dtype="fp32", output_name="fp32copy"), ds,
                             latent_format=mp.model.latent_format, device="cpu")
     tr2.network.load_state_dict(tr.network.state_dict())
     p32 = tr2.save_lora()
@@ -114,12 +114,12 @@ def test_loss_falls_and_lora_loads_in_comfyui(comfy, tmp_path, caplog):
 
 def test_lora_loader_node_no_missing_keys(comfy, tmp_path, caplog):
     """ComfyUI's LoraLoaderModelOnly node resolves the file from models/loras and loads every key."""
-    T = _tr()
+    T = training_pkg()
     import folder_paths
     mp = tiny_flux_patcher()
-    ds = _dataset(tmp_path)
+    ds = tiny_dataset(tmp_path)
     loras = tmp_path / "loras"
-    tr = T.FluxLoraTrainer(mp.model.diffusion_model, _cfg(tmp_path, steps=3, output_dir=str(loras)), ds,
+    tr = T.FluxLoraTrainer(mp.model.diffusion_model, train_cfg(tmp_path, steps=3, output_dir=str(loras)), ds,
                            latent_format=mp.model.latent_format, device="cpu")
     tr.run()
     tr.close()
@@ -132,8 +132,8 @@ def test_lora_loader_node_no_missing_keys(comfy, tmp_path, caplog):
 
 
 def test_resume_equals_uninterrupted(comfy, tmp_path):
-    T = _tr()
-    ds = _dataset(tmp_path)
+    T = training_pkg()
+    ds = tiny_dataset(tmp_path)
     mp = tiny_flux_patcher()
     dm = mp.model.diffusion_model
     for opt in ("adamw", "prodigy"):
@@ -141,20 +141,20 @@ def test_resume_equals_uninterrupted(comfy, tmp_path):
             pytest.importorskip("prodigyopt")
         kw = dict(steps=8, optimizer=opt, lr_scheduler="cosine", warmup_steps=3, grad_accum=2,
                   learning_rate=1.0 if opt == "prodigy" else 3e-3)
-        full = T.FluxLoraTrainer(dm, _cfg(tmp_path, output_name=f"full_{opt}", **kw), ds,
+        full = T.FluxLoraTrainer(dm, train_cfg(tmp_path, output_name=f"full_{opt}", **kw), ds,
                                  latent_format=mp.model.latent_format, device="cpu")
         full.run()
         ref = {k: v.clone() for k, v in full.network.state_dict().items()}
         full.close()
 
-        part = T.FluxLoraTrainer(dm, _cfg(tmp_path, output_name=f"part_{opt}", **kw), ds,
+        part = T.FluxLoraTrainer(dm, train_cfg(tmp_path, output_name=f"part_{opt}", **kw), ds,
                                  latent_format=mp.model.latent_format, device="cpu")
         for _ in range(3):
             part.train_step()
         part.save_state()
         part.close()
         torch.manual_seed(12345)  # disturb the global RNG: resume must restore it
-        res = T.FluxLoraTrainer(dm, _cfg(tmp_path, output_name=f"part_{opt}", **kw), ds,
+        res = T.FluxLoraTrainer(dm, train_cfg(tmp_path, output_name=f"part_{opt}", **kw), ds,
                                 latent_format=mp.model.latent_format, device="cpu")
         res.load_state()
         assert res.step == 3
@@ -167,19 +167,19 @@ def test_resume_equals_uninterrupted(comfy, tmp_path):
 
 
 def test_checkpointing_gradients_match(comfy, tmp_path):
-    T = _tr()
-    ds = _dataset(tmp_path)
+    T = training_pkg()
+    ds = tiny_dataset(tmp_path)
     mp = tiny_flux_patcher()
     grads = []
     for ckpt in (False, True):
-        tr = T.FluxLoraTrainer(mp.model.diffusion_model, _cfg(tmp_path, gradient_checkpointing=ckpt), ds,
+        tr = T.FluxLoraTrainer(mp.model.diffusion_model, train_cfg(tmp_path, gradient_checkpointing=ckpt), ds,
                                latent_format=mp.model.latent_format, device="cpu")
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():  # non-zero up weights so every LoRA gets a gradient
             for p in tr.network.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
         x0, ctx, y = ds.latents[0][None], ds.conds[ds.items[0].caption][None], ds.pooled[ds.items[0].caption][None]
-        x0 = tr._process_in(x0)
+        x0 = tr.process_in(x0)
         pred = tr.forward(x0 * 0.5, torch.tensor([0.5]), ctx, y, 1.0)
         pred.square().mean().backward()
         grads.append(torch.cat([p.grad.flatten() for p in tr.network.parameters()]))
@@ -190,10 +190,10 @@ def test_checkpointing_gradients_match(comfy, tmp_path):
 
 
 def test_periodic_saves_keep_last_and_cancel_saves(comfy, tmp_path):
-    T = _tr()
-    ds = _dataset(tmp_path)
+    T = training_pkg()
+    ds = tiny_dataset(tmp_path)
     mp = tiny_flux_patcher()
-    tr = T.FluxLoraTrainer(mp.model.diffusion_model, _cfg(tmp_path, steps=10, save_every=2, keep_last=2), ds,
+    tr = T.FluxLoraTrainer(mp.model.diffusion_model, train_cfg(tmp_path, steps=10, save_every=2, keep_last=2), ds,
                            latent_format=mp.model.latent_format, device="cpu")
     calls = {"n": 0}
 
@@ -217,7 +217,7 @@ def test_periodic_saves_keep_last_and_cancel_saves(comfy, tmp_path):
 
 
 def test_dataset_cache_reused(comfy, tmp_path):
-    T = _tr()
+    T = training_pkg()
     folder = make_image_folder(tmp_path / "ds", n=3, size=(96, 64))
     vae, clip = FakeVAE(), FakeCLIP()
     spec = T.DatasetSpec(folder=str(folder), resolution=128, bucket_step=32)
@@ -234,7 +234,7 @@ def test_dataset_cache_reused(comfy, tmp_path):
 
 
 def test_image_batch_dataset(comfy, tmp_path):
-    T = _tr()
+    T = training_pkg()
     imgs = torch.rand(2, 64, 64, 3)
     ds = T.encode_dataset(T.DatasetSpec(images=imgs, captions=["a", "b"], resolution=64), FakeVAE(), FakeCLIP())
     assert len(ds) == 2 and set(ds.conds) == {"a", "b"}
@@ -242,13 +242,13 @@ def test_image_batch_dataset(comfy, tmp_path):
 
 @pytest.mark.parametrize("mode", ["fp8", "nvfp4"])
 def test_quantized_base_cpu_fallback(comfy, tmp_path, mode):
-    T = _tr()
-    ds = _dataset(tmp_path)
+    T = training_pkg()
+    ds = tiny_dataset(tmp_path)
     mp = tiny_flux_patcher()
     dm = mp.model.diffusion_model
     ref = _model_out(dm)
     w0 = dm.single_blocks[0].linear1.weight.detach().clone()
-    tr = T.FluxLoraTrainer(dm, _cfg(tmp_path, steps=3, base_precision=mode), ds, latent_format=mp.model.latent_format,
+    tr = T.FluxLoraTrainer(dm, train_cfg(tmp_path, steps=3, base_precision=mode), ds, latent_format=mp.model.latent_format,
                            device="cpu")
     q = _model_out(dm)
     rel = float((q - ref).norm() / ref.norm())
@@ -261,7 +261,7 @@ def test_quantized_base_cpu_fallback(comfy, tmp_path, mode):
 
 # ---------------- bad input ----------------
 def test_bad_inputs(comfy, tmp_path):
-    T = _tr()
+    T = training_pkg()
     vae, clip = FakeVAE(), FakeCLIP()
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -280,21 +280,21 @@ def test_bad_inputs(comfy, tmp_path):
     ok = T.encode_dataset(T.DatasetSpec(folder=str(nocap), resolution=64, caption_for_all="sks dog"), vae, clip)
     assert ok.items[0].caption == "sks dog"
 
-    ds = _dataset(tmp_path)
+    ds = tiny_dataset(tmp_path)
     mp = tiny_flux_patcher()
     with pytest.raises(ValueError, match="rank must be at least 1.*Fix"):
-        T.FluxLoraTrainer(mp.model.diffusion_model, _cfg(tmp_path, rank=0), ds, device="cpu")
+        T.FluxLoraTrainer(mp.model.diffusion_model, train_cfg(tmp_path, rank=0), ds, device="cpu")
     lin = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(TypeError, match="needs a FLUX model, got .*Sequential.*Fix: load a FLUX"):
-        T.FluxLoraTrainer(lin, _cfg(tmp_path), ds, device="cpu")
+        T.FluxLoraTrainer(lin, train_cfg(tmp_path), ds, device="cpu")
     with pytest.raises(ValueError, match="index 5 is out of range.*Fix"):
-        T.FluxLoraTrainer(mp.model.diffusion_model, _cfg(tmp_path, double_blocks="0,5"), ds, device="cpu")
+        T.FluxLoraTrainer(mp.model.diffusion_model, train_cfg(tmp_path, double_blocks="0,5"), ds, device="cpu")
     # a failed constructor must leave the model trainable flags as they were
     assert all(p.requires_grad for p in mp.model.diffusion_model.parameters())
 
 
 def test_block_selection_and_type_ranks(comfy, tmp_path):
-    T = _tr()
+    T = training_pkg()
     mp = tiny_flux_patcher()
     net = T.FluxLoraNetwork(mp.model.diffusion_model, T.LoraTargetSpec(rank=4, alpha=2, double_blocks="1",
                                                                         single_blocks="none",
@@ -333,9 +333,9 @@ def test_block_forward_matches_comfyui(comfy):
 
 def test_blockswap_training_matches_resident(comfy, tmp_path):
     """BlockSwap (optimization.blockswap, FakeBackend on CPU): same LoRA as with every block resident."""
-    T = _tr()
+    T = training_pkg()
     from seedvr2bw.optimization.blockswap import FakeBackend, PinnedPool
-    ds = _dataset(tmp_path)
+    ds = tiny_dataset(tmp_path)
     mp = tiny_flux_patcher()
     dm = mp.model.diffusion_model
     ref_w = {k: v.clone() for k, v in dm.state_dict().items()}
@@ -344,7 +344,7 @@ def test_blockswap_training_matches_resident(comfy, tmp_path):
         kw = {}
         if swap:
             kw = dict(blockswap_backend=FakeBackend(), blockswap_pool=PinnedPool(cap_bytes=1 << 30))
-        tr = T.FluxLoraTrainer(dm, _cfg(tmp_path, steps=4, blocks_to_swap=swap, output_name=f"bs{swap}"), ds,
+        tr = T.FluxLoraTrainer(dm, train_cfg(tmp_path, steps=4, blocks_to_swap=swap, output_name=f"bs{swap}"), ds,
                                latent_format=mp.model.latent_format, device="cpu", **kw)
         tr.run()
         out.append({k: v.clone() for k, v in tr.network.state_dict().items()})
@@ -359,7 +359,7 @@ def test_blockswap_training_matches_resident(comfy, tmp_path):
 
 def test_rope_function_matches_comfyui_autograd(comfy):
     from comfy.ldm.flux.math import apply_rope1
-    from seedvr2bw.training.flux_forward import _Rope, _cos_sin
+    from seedvr2bw.training.flux_forward import RopeFn, rope_cos_sin
     mp = tiny_flux_patcher()
     dm = mp.model.diffusion_model
     ids = torch.zeros(1, 12, 3)
@@ -370,8 +370,8 @@ def test_rope_function_matches_comfyui_autograd(comfy):
     g = torch.randn(1, 4, 12, 16)
     ref = apply_rope1(x, pe)
     (gr,) = torch.autograd.grad(ref, x, g)
-    cos, sin = _cos_sin(pe)
-    out = _Rope.apply(x, cos, sin)
+    cos, sin = rope_cos_sin(pe)
+    out = RopeFn.apply(x, cos, sin)
     (go,) = torch.autograd.grad(out, x, g)
     assert torch.allclose(out, ref, atol=1e-6) and torch.allclose(go, gr, atol=1e-5)
 
@@ -379,16 +379,16 @@ def test_rope_function_matches_comfyui_autograd(comfy):
 def test_fp8_stored_base_used_as_is(comfy, tmp_path):
     """A model ComfyUI loaded in fp8 (weight_dtype fp8_e4m3fn): base_precision=fp8 uses the stored fp8 weights
     (no re-quantization, nothing offloaded) and leaves them untouched."""
-    T = _tr()
+    T = training_pkg()
     from seedvr2bw.training.quant import block_linears
-    ds = _dataset(tmp_path)
+    ds = tiny_dataset(tmp_path)
     mp = tiny_flux_patcher()
     dm = mp.model.diffusion_model
     with torch.no_grad():
         for _, lin in block_linears(dm):
             lin.weight.data = lin.weight.data.to(torch.float8_e4m3fn)
     before = {n: l.weight.data.clone() for n, l in block_linears(dm)}
-    tr = T.FluxLoraTrainer(dm, _cfg(tmp_path, steps=3, base_precision="fp8"), ds,
+    tr = T.FluxLoraTrainer(dm, train_cfg(tmp_path, steps=3, base_precision="fp8"), ds,
                            latent_format=mp.model.latent_format, device="cpu")
     assert all(moved is None for _, moved, _ in tr.quant.saved)
     tr.run()
@@ -401,16 +401,16 @@ def test_fp8_stored_base_used_as_is(comfy, tmp_path):
 
 def test_bf16_cast_cache_gradients_match(comfy, tmp_path):
     """LoRA weights cast once per step (shared by forward and checkpoint recompute) give the same gradients."""
-    T = _tr()
-    ds = _dataset(tmp_path)
+    T = training_pkg()
+    ds = tiny_dataset(tmp_path)
     mp = tiny_flux_patcher()
-    tr = T.FluxLoraTrainer(mp.model.diffusion_model, _cfg(tmp_path), ds, latent_format=mp.model.latent_format,
+    tr = T.FluxLoraTrainer(mp.model.diffusion_model, train_cfg(tmp_path), ds, latent_format=mp.model.latent_format,
                            device="cpu")
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in tr.network.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    x0 = tr._process_in(ds.latents[0][None]).double()
+    x0 = tr.process_in(ds.latents[0][None]).double()
     cap = ds.items[0].caption
     mp.model.diffusion_model.double()
     grads = []
@@ -430,16 +430,16 @@ def test_bf16_cast_cache_gradients_match(comfy, tmp_path):
 def test_block_checkpoint_function_matches_torch_checkpoint(comfy, tmp_path):
     """The per-block checkpoint Function (no_grad forward, recompute + autograd.grad) gives exactly the gradients
     of torch.utils.checkpoint (and of no checkpointing), the first block's LoRA included (its inputs need no grad)."""
-    T = _tr()
-    ds = _dataset(tmp_path)
+    T = training_pkg()
+    ds = tiny_dataset(tmp_path)
     mp = tiny_flux_patcher()
     dm = mp.model.diffusion_model
-    tr = T.FluxLoraTrainer(dm, _cfg(tmp_path), ds, latent_format=mp.model.latent_format, device="cpu")
+    tr = T.FluxLoraTrainer(dm, train_cfg(tmp_path), ds, latent_format=mp.model.latent_format, device="cpu")
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in tr.network.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    x0 = tr._process_in(ds.latents[0][None])
+    x0 = tr.process_in(ds.latents[0][None])
     cap = ds.items[0].caption
     grads = {}
     for name, ckpt, fast in (("none", False, True), ("torch", True, False), ("fast", True, True)):
@@ -461,22 +461,22 @@ def test_block_checkpoint_function_matches_torch_checkpoint(comfy, tmp_path):
 def test_lora_forward_installed_and_removed(comfy, tmp_path, mode):
     """LoRA (and the quantized base) run as one per-instance Linear forward; close() leaves no instance attribute,
     no extra submodule/state-dict key and no hook behind."""
-    T = _tr()
-    from seedvr2bw.training.lora import linear_forward
-    ds = _dataset(tmp_path)
+    T = training_pkg()
+    from seedvr2bw.training.linear_patch import linear_forward
+    ds = tiny_dataset(tmp_path)
     mp = tiny_flux_patcher()
     dm = mp.model.diffusion_model
     keys = list(dm.state_dict().keys())
+    attrs = {name: set(m.__dict__) for name, m in dm.named_modules()}
     before = _model_out(dm)
-    tr = T.FluxLoraTrainer(dm, _cfg(tmp_path, base_precision=mode), ds, latent_format=mp.model.latent_format,
+    tr = T.FluxLoraTrainer(dm, train_cfg(tmp_path, base_precision=mode), ds, latent_format=mp.model.latent_format,
                            device="cpu")
     assert list(dm.state_dict().keys()) == keys  # the LoRA is not registered as a submodule of the Linear
     for lin in tr.network.targets.values():
         assert lin.forward.__func__ is linear_forward and not lin._forward_hooks
     tr.train_step()
     tr.close()
-    for lin in tr.network.targets.values():
-        assert not {"forward", "_lora", "_q_base", "_l_comfy_op"} & set(lin.__dict__)
+    assert {name: set(m.__dict__) for name, m in dm.named_modules()} == attrs   # no instance attribute left
     if mode == "auto":
         assert torch.equal(_model_out(dm), before)
 
@@ -484,13 +484,14 @@ def test_lora_forward_installed_and_removed(comfy, tmp_path, mode):
 def test_recompute_keeps_dequantized_weight_for_backward(comfy, tmp_path, monkeypatch):
     """With checkpointing, an NVFP4 Linear is dequantized in the forward and the recompute only (the backward
     reuses the recompute's weight): 2 per call pair instead of 3, same gradients as dequantizing again."""
-    T = _tr()
+    T = training_pkg()
     import seedvr2bw.training.quant as Q
-    ds = _dataset(tmp_path)
+    from seedvr2bw.training.recompute import RecomputeScope
+    ds = tiny_dataset(tmp_path)
     results = {}
     for keep in (False, True):
         mp = tiny_flux_patcher()
-        tr = T.FluxLoraTrainer(mp.model.diffusion_model, _cfg(tmp_path, base_precision="nvfp4"), ds,
+        tr = T.FluxLoraTrainer(mp.model.diffusion_model, train_cfg(tmp_path, base_precision="nvfp4"), ds,
                                latent_format=mp.model.latent_format, device="cpu")
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
@@ -504,8 +505,8 @@ def test_recompute_keeps_dequantized_weight_for_backward(comfy, tmp_path, monkey
             return real(t, dtype)
         monkeypatch.setattr(Q, "dequantize_weight", counting)
         if not keep:
-            monkeypatch.setattr(Q, "RECOMPUTE", [0])  # the quant functions never see a recompute
-        x0 = tr._process_in(ds.latents[0][None])
+            monkeypatch.setattr(Q, "recompute", RecomputeScope())  # one no block recompute enters
+        x0 = tr.process_in(ds.latents[0][None])
         cap = ds.items[0].caption
         with tr.network.cast_cache(torch.float32):
             pred = tr.forward(x0 * 0.5, torch.tensor([0.5]), ds.conds[cap][None], ds.pooled[cap][None], 1.0)

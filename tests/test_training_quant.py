@@ -34,16 +34,16 @@ def _dm(dtype=torch.float32, seed=0):
 
 
 def _snapshot(dm):
-    return {n: (lin.weight.detach().clone(), None if lin.bias is None else lin.bias.detach().clone())
-            for n, lin in Q.block_linears(dm)}
+    return {n: (lin.weight.detach().clone(), None if lin.bias is None else lin.bias.detach().clone(),
+                set(lin.__dict__)) for n, lin in Q.block_linears(dm)}
 
 
 def _check_restored(dm, before):
     for n, lin in Q.block_linears(dm):
-        w, b = before[n]
+        w, b, attrs = before[n]
         assert torch.equal(lin.weight, w) and lin.weight.dtype == w.dtype, n
         assert (b is None and lin.bias is None) or torch.equal(lin.bias, b), n
-        assert not any(a in lin.__dict__ for a in Q._Q_ATTRS), n
+        assert set(lin.__dict__) == attrs and Q.quantized_weight(lin) is None, n   # no instance attribute left
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -55,11 +55,11 @@ def test_nvfp4_base_uses_pack_format(dtype):
     assert len(qb.saved) == len(names) - 1       # the K=20 Linear stays in high precision
     g = torch.Generator().manual_seed(1)
     for n, lin in Q.block_linears(dm):
-        w0, b0 = before[n]
+        w0, b0, _ = before[n]
         if w0.shape[1] % 16:
-            assert "_q_nvfp4" not in lin.__dict__ and torch.equal(lin.weight, w0)
+            assert Q.quantized_weight(lin) is None and torch.equal(lin.weight, w0)
             continue
-        t, ref = lin._q_nvfp4, fmt.quantize_nvfp4(w0, return_tensor=True)
+        t, ref = Q.quantized_weight(lin), fmt.quantize_nvfp4(w0, return_tensor=True)
         assert t.shape == ref.shape == tuple(w0.shape)
         assert torch.equal(t.packed, ref.packed)
         assert torch.equal(t.block_scale.view(torch.uint8), ref.block_scale.view(torch.uint8))
@@ -86,10 +86,11 @@ def test_fp8_base_uses_pack_quantizer(dtype):
     g = torch.Generator().manual_seed(2)
     assert len(qb.saved) == len(before)
     for n, lin in Q.block_linears(dm):
-        w0, b0 = before[n]
+        w0, b0, _ = before[n]
         q, s = fmt.quantize_fp8_per_tensor(w0)
-        assert torch.equal(lin._q_weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(lin._q_scale, s)
-        assert lin._q_tensorcores is False           # CPU: the hardware policy has no FP8 GEMM here
+        lq, ls = Q.quantized_weight(lin)
+        assert torch.equal(lq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ls, s)
+        assert Q.uses_fp8_tensorcores(lin) is False           # CPU: the hardware policy has no FP8 GEMM here
         w = q.to(dtype) * s.to(dtype)
         x = torch.randn(5, w0.shape[1], generator=g).to(dtype).requires_grad_(True)
         y = lin(x)
@@ -116,7 +117,7 @@ def test_fp8_tensorcores_follow_hardware_policy(monkeypatch):
     monkeypatch.setattr(Q, "get_policy", fake_policy)
     dm = _dm()
     qb = Q.QuantizedBase(dm, "fp8")
-    assert asked == [] and all(lin._q_tensorcores is False for lin, _, _ in qb.saved)   # CPU: never asked
+    assert asked == [] and not any(Q.uses_fp8_tensorcores(lin) for lin, _, _ in qb.saved)   # CPU: never asked
     qb.restore()
     assert "get_policy" in Q.__dict__ and not hasattr(Q, "fp8_tensorcores")
 
@@ -154,7 +155,7 @@ def test_nvfp4_dequant_through_triton_kernel_interpreted():
         for dtype in (torch.float32, torch.bfloat16):
             lin.to(dtype)
             qb = Q.QuantizedBase(dm, "nvfp4")
-            t = lin._q_nvfp4
+            t = Q.quantized_weight(lin)
             assert K.triton_usable(t.packed)
             ref = fmt.dequantize_nvfp4(t.packed, t.block_scale, t.global_scale, dtype, shape=t.shape)
             assert torch.equal(Q.dequantize_weight(t, dtype), ref)
@@ -181,12 +182,12 @@ def test_nvfp4_dequant_falls_back_when_triton_fails(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("no kernel image")
 
-    monkeypatch.setattr(Q, "_TRITON_BROKEN", [])
+    monkeypatch.setattr(Q, "triton_broken", [])
     monkeypatch.setattr(K, "triton_usable", lambda t: True)
     monkeypatch.setattr(K, "dequantize_nvfp4_triton", boom)
     t = fmt.quantize_nvfp4(torch.randn(24, 32), return_tensor=True)
     assert torch.equal(Q.dequantize_weight(t, torch.float32), t.dequantize(torch.float32))
-    assert Q._TRITON_BROKEN and "no kernel image" in Q._TRITON_BROKEN[0]
+    assert Q.triton_broken and "no kernel image" in Q.triton_broken[0]
 
 
 @needs_triton
@@ -217,3 +218,25 @@ def test_fp8_weight_transpose_kernel_interpreted():
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_fp8_row_quantization_is_the_inference_one():
+    """Training quantizes activations and gradients per token exactly as the NVFP4 FP8 speed path does (the pack's
+    one quantizer, ``format.quantize_act_fp8_rowwise_reference`` on CPU, which the Triton kernel reproduces): same
+    e4m3 bits and scales. The inputs include values where ``x / s`` and ``x * (1 / s)`` round differently."""
+    from seedvr2bw.training import fp8_ops
+    g = torch.Generator().manual_seed(0)
+    amax = torch.rand(512, generator=g) * 100 + 1
+    tie = 1.0625 * amax / fmt.F8_E4M3_MAX   # scaled, it lands on the e4m3 rounding tie between 1 and 1.125
+    near = [torch.nextafter(tie, torch.full_like(tie, d)) for d in (0.0, 1e9)]
+    x = torch.cat([torch.stack([amax, tie, *near], 1), torch.randn(64, 4, generator=g)])
+    x[-1] = 0.0                                   # an all-zero row keeps scale 1
+    s = amax / fmt.F8_E4M3_MAX
+    divided = (x[:512] / s[:, None]).to(torch.float8_e4m3fn)
+    multiplied = (x[:512] * (1.0 / s)[:, None]).to(torch.float8_e4m3fn)
+    assert not torch.equal(divided.view(torch.uint8), multiplied.view(torch.uint8))   # the inputs tell them apart
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        q, sc = fp8_ops.quantize_rows(xd)
+        rq, rs = fmt.quantize_act_fp8_rowwise_reference(xd)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sc, rs), dtype

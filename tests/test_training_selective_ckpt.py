@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_training_cpu import _cfg, _dataset, _tr  # noqa: E402
+from test_training_cpu import train_cfg, tiny_dataset, training_pkg  # noqa: E402
 from test_training_helpers import require_comfy, tiny_flux_patcher  # noqa: E402
 
 A = torch.ops.aten
@@ -39,17 +39,17 @@ class _CountGemms(TorchDispatchMode):
         self.sc, self.n = sc, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        i = self.sc._GEMM_LHS.get(func)
-        if func.name() in self.sc._LORA_OP_NAMES or (i is not None and args[i].shape[-1] >= self.sc.MIN_SAVED_K):
+        i = self.sc.GEMM_LHS.get(func)
+        if func.name() in self.sc.LORA_OP_NAMES or (i is not None and args[i].shape[-1] >= self.sc.MIN_SAVED_K):
             self.n += 1
         return func(*args, **(kwargs or {}))
 
 
 def _trainer(tmp_path, **kw):
-    T = _tr()
-    ds = _dataset(tmp_path)
+    T = training_pkg()
+    ds = tiny_dataset(tmp_path)
     mp = tiny_flux_patcher()
-    tr = T.FluxLoraTrainer(mp.model.diffusion_model, _cfg(tmp_path, **kw), ds, latent_format=mp.model.latent_format,
+    tr = T.FluxLoraTrainer(mp.model.diffusion_model, train_cfg(tmp_path, **kw), ds, latent_format=mp.model.latent_format,
                            device="cpu")
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # non-zero up weights so every LoRA gets a gradient
@@ -60,7 +60,7 @@ def _trainer(tmp_path, **kw):
 
 def _grads(tr, ds, fwd_counter=None, bwd_counter=None):
     from contextlib import nullcontext
-    x0 = tr._process_in(ds.latents[0][None])
+    x0 = tr.process_in(ds.latents[0][None])
     cap = ds.items[0].caption
     tr.network.zero_grad(set_to_none=True)
     with tr.network.cast_cache(torch.float32):
@@ -78,11 +78,11 @@ def test_selective_gradients_equal_full_and_skip_gemms(comfy, tmp_path, small_k)
     runs = {}
     for mode in ("none", "off", "on"):   # no checkpointing, full, selective
         tr.forward.gradient_checkpointing = mode != "none"
-        tr.forward.selective, tr.forward._selective_n = mode, {}
+        tr.forward.set_selective(mode)
         tr.forward.fast_checkpoint = False  # full checkpointing through torch.utils.checkpoint, as selective does
         fwd, bwd = _CountGemms(small_k), _CountGemms(small_k)
         runs[mode] = (_grads(tr, ds, fwd, bwd), fwd.n, bwd.n)
-    assert list(tr.forward._selective_n.values()) == [n_blocks]
+    assert list(tr.forward.selective_by_shape.values()) == [n_blocks]
     tr.close()
     full, sel = runs["off"][0], runs["on"][0]
     first = "loras.lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"
@@ -113,19 +113,19 @@ def test_saved_bytes_estimate_matches_what_is_saved(comfy, tmp_path, small_k):
             return out
 
     mode = Measure()
-    orig = tr.forward._ckpt
+    orig = tr.forward.run_block
 
     def ckpt(fn, *tensors, block=None, **kw):
         mode.block = block
         with mode:
             return fn(*tensors)
-    tr.forward._ckpt = ckpt
-    x0 = tr._process_in(ds.latents[0][None])
+    tr.forward.run_block = ckpt
+    x0 = tr.process_in(ds.latents[0][None])
     cap = ds.items[0].caption
     ctx = ds.conds[cap][None]
     with tr.network.cast_cache(torch.float32):
         tr.forward(x0, torch.tensor([0.5]), ctx, ds.pooled[cap][None], 1.0)
-    tr.forward._ckpt = orig
+    tr.forward.run_block = orig
     t_img = (x0.shape[-2] // 2) * (x0.shape[-1] // 2)
     for blk in (dm.double_blocks[0], dm.single_blocks[0]):
         assert kept[blk] > 0
@@ -148,7 +148,7 @@ def test_auto_is_off_on_cpu_and_logged(comfy, tmp_path, caplog):
     tr, ds = _trainer(tmp_path)   # selective_checkpointing="auto" by default
     with caplog.at_level(logging.INFO):
         _grads(tr, ds)
-    assert list(tr.forward._selective_n.values()) == [0]
+    assert list(tr.forward.selective_by_shape.values()) == [0]
     assert any("selective checkpointing for input" in r.getMessage() and "auto: device cpu" in r.getMessage()
                for r in caplog.records)
     tr.close()
@@ -156,15 +156,15 @@ def test_auto_is_off_on_cpu_and_logged(comfy, tmp_path, caplog):
 
 def test_out_of_memory_retries_with_full_checkpointing(comfy, tmp_path, caplog):
     tr, ds = _trainer(tmp_path, selective_checkpointing="on", steps=1)
-    real, calls = tr._loss_and_grads, []
+    real, calls = tr.loss_and_grads, []
 
     def flaky(*inputs):
         out = real(*inputs)
-        calls.append(tr.forward._n_sel)
+        calls.append(tr.forward.selective_now)
         if len(calls) == 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         return out
-    tr._loss_and_grads = flaky
+    tr.loss_and_grads = flaky
     with caplog.at_level(logging.WARNING):
         loss = tr.train_step()
     assert calls[0] > 0 and calls[1] == 0 and loss == loss
@@ -173,7 +173,7 @@ def test_out_of_memory_retries_with_full_checkpointing(comfy, tmp_path, caplog):
 
 
 def test_setting_validation_and_env(comfy, tmp_path, monkeypatch):
-    T = _tr()
+    T = training_pkg()
     with pytest.raises(ValueError, match=r"unknown selective_checkpointing setting 'fast'.*auto, on, off"):
         T.TrainConfig(selective_checkpointing="fast").validate()
     monkeypatch.setenv("SEEDVR2BW_TRAIN_SELECTIVE_CKPT", "0")

@@ -21,7 +21,7 @@ def _fake(device="cuda", runner=None, **cfg):
 
 @pytest.mark.parametrize("name,env", [("cuda_graph", CUDA_GRAPH_ENV), ("compile_blocks", COMPILE_ENV)])
 def test_feature_resolution_and_log(monkeypatch, caplog, name, env):
-    feature = FluxLoraTrainer._gpu_feature
+    feature = FluxLoraTrainer.gpu_feature
     monkeypatch.delenv(env, raising=False)
     with caplog.at_level(logging.INFO):
         assert feature(_fake(**{name: "auto"}), name, env, "X") is True     # auto: on for CUDA

@@ -198,16 +198,6 @@ def test_multi_tile_close_and_converging(vae):
         vae.encode_tiled(torch.zeros(1, 3, 1, 20, 16), tile=8, overlap=0)
 
 
-def test_tiling_config_on_object(vae):
-    z = torch.randn(1, 4, 1, 6, 6, generator=torch.Generator().manual_seed(4))
-    ref = vae.decode_tiled(z, tile=4, overlap=2)
-    vae.set_tiling(decode_tile=4, decode_overlap=2)
-    try:
-        assert torch.equal(vae.decode(z), ref)
-    finally:
-        vae.tiling = None
-
-
 def test_should_stop_cancels(vae):
     z = torch.randn(1, 4, 3, 4, 4)
     calls = []

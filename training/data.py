@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,7 +78,6 @@ def pick_bucket(width: int, height: int, spec: DatasetSpec):
         r = spec.resolution // spec.bucket_step * spec.bucket_step
         return (r, r)
     ar = width / height
-    import math
     return min(make_buckets(spec.resolution, spec.bucket_step), key=lambda b: abs(math.log((b[0] / b[1]) / ar)))
 
 

@@ -15,12 +15,15 @@
 from __future__ import annotations
 
 import logging
+import types
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from . import rope_kernel
-from .selective_checkpoint import context_fn as selective_context_fn
+from . import selective_checkpoint as sc
+from .lora import PinnedWeights, block_loras
+from .recompute import recompute
 
 
 def _attention_override():
@@ -48,7 +51,8 @@ def _flux1_single(b) -> bool:
     return getattr(b, "modulation", None) is not None and hasattr(b, "mlp_act")
 
 
-def _rot(x, cos, sin):
+def rope_pairs_torch(x, cos, sin):
+    """FLUX RoPE on adjacent pairs in fp32, in torch (what ``rope_kernel.rope_pairs`` computes in one kernel)."""
     xf = x.float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(x.dtype)
@@ -57,10 +61,10 @@ def _rot(x, cos, sin):
 def _rotate(x, cos, sin, sign=1.0):
     if rope_kernel.usable(x, cos):
         return rope_kernel.rope_pairs(x, cos, sin, sign)
-    return _rot(x, cos, sin if sign > 0 else -sin)
+    return rope_pairs_torch(x, cos, sin if sign > 0 else -sin)
 
 
-class _Rope(torch.autograd.Function):
+class RopeFn(torch.autograd.Function):
     """RoPE as ComfyUI's ``apply_rope1`` computes it (fp32), with an explicit backward (rotation by -angle).
 
     Autograd through ComfyUI's broadcasting form reduces over a size-2 axis for every q/k gradient, which
@@ -80,7 +84,8 @@ class _Rope(torch.autograd.Function):
 _CS = [None, -1, None]  # (pe, pe._version, (cos, sin)) of the last call: every block of a step shares one pe
 
 
-def _cos_sin(pe):
+def rope_cos_sin(pe):
+    """(cos, sin) of ComfyUI's ``pe``; cached for the last ``pe`` (every block of a step shares one)."""
     # ComfyUI's pe: [..., L, D/2, 2, 2] = [[cos, -sin], [sin, cos]]
     c = _CS
     if c[0] is pe and c[1] == pe._version:
@@ -96,10 +101,10 @@ def _attention(q, k, v, pe, attn_mask, topts):
         if torch.compiler.is_compiling():
             # inside a compiled block: plain ops, so Inductor fuses RoPE (and its backward) with its neighbours
             cos, sin = pe[..., 0, 0], pe[..., 1, 0]
-            q, k = _rot(q, cos, sin), _rot(k, cos, sin)
+            q, k = rope_pairs_torch(q, cos, sin), rope_pairs_torch(k, cos, sin)
         else:
-            cos, sin = _cos_sin(pe)
-            q, k = _Rope.apply(q, cos, sin), _Rope.apply(k, cos, sin)
+            cos, sin = rope_cos_sin(pe)
+            q, k = RopeFn.apply(q, cos, sin), RopeFn.apply(k, cos, sin)
     return optimized_attention(q, k, v, q.shape[1], skip_reshape=True, mask=attn_mask, transformer_options=topts)
 
 
@@ -194,13 +199,6 @@ def compile_block_forwards(enable: bool):
         _COMPILED["double"] = _COMPILED["single"] = None
 
 
-# > 0 while _BlockCheckpoint recomputes a block for its backward, which follows right away: the fp8-dequant /
-# NVFP4 autograd functions of quant.py then keep the weight they dequantized for that backward (one
-# dequantization instead of two per Linear and step; the extra memory is one block's weights, freed with its
-# backward). Never set in a plain forward, so the model is never held dequantized as a whole.
-RECOMPUTE = [0]
-
-
 class _BlockCheckpoint(torch.autograd.Function):
     """Per-block checkpoint with little host work: the forward runs under ``no_grad`` (no autograd graph, no
     saved-tensor pack hooks), the backward recomputes the block with grad and differentiates it with one
@@ -217,7 +215,7 @@ class _BlockCheckpoint(torch.autograd.Function):
     def forward(ctx, run, loras, n_in, *args):
         ctx.run, ctx.loras, ctx.n_in = run, loras, n_in
         ctx.save_for_backward(*args)
-        with torch.no_grad(), _pinned(loras, args[n_in:]):
+        with torch.no_grad(), PinnedWeights(loras, args[n_in:]):
             out = run(*args[:n_in])
         return out
 
@@ -227,46 +225,14 @@ class _BlockCheckpoint(torch.autograd.Function):
         n = ctx.n_in
         ins = [t.detach().requires_grad_(t.requires_grad) for t in saved[:n]]
         ws = [t.detach().requires_grad_(t.requires_grad) for t in saved[n:]]
-        RECOMPUTE[0] += 1
-        try:
-            with torch.enable_grad(), _pinned(ctx.loras, ws):
-                out = ctx.run(*ins)
-        finally:
-            RECOMPUTE[0] -= 1
+        with recompute, torch.enable_grad(), PinnedWeights(ctx.loras, ws):
+            out = ctx.run(*ins)
         outs = out if isinstance(out, tuple) else (out,)
         o_g = [(o, g) for o, g in zip(outs, gs) if g is not None and o.requires_grad]
         need = [t for t in ins + ws if t.requires_grad]
         grads = iter(torch.autograd.grad([o for o, _ in o_g], need, [g for _, g in o_g], allow_unused=True)
                      if o_g and need else [None] * len(need))
         return (None, None, None) + tuple(next(grads) if t.requires_grad else None for t in ins + ws)
-
-
-class _pinned:
-    """The block's LoRA modules use exactly the given (down.T, up.T) tensors (the Function's inputs) inside."""
-
-    def __init__(self, loras, ws):
-        self.loras, self.ws = loras, ws
-
-    def __enter__(self):
-        ds = [m.__dict__ for m in self.loras]  # plain attributes: skip Module.__setattr__
-        self.old = [(d["_cache"], d["_pinned"]) for d in ds]
-        ws = self.ws
-        for i, d in enumerate(ds):
-            d["_cache"], d["_pinned"] = (ws[2 * i], ws[2 * i + 1]), True
-
-    def __exit__(self, *exc):
-        for m, (c, p) in zip(self.loras, self.old):
-            m.__dict__["_cache"], m.__dict__["_pinned"] = c, p
-
-
-def _block_loras(block):
-    """The LoRA modules on ``block``'s Linears (``lora.linear_forward``'s ``_lora``), in module order."""
-    out = []
-    for m in block.modules():
-        lo = m.__dict__.get("_lora")
-        if lo is not None:
-            out.append(lo)
-    return out
 
 
 def _shape_key(x_t, context):
@@ -283,7 +249,6 @@ class FluxTrainForward:
 
     def __init__(self, dm, gradient_checkpointing: bool = True, block_runner=None, compile_blocks: bool = False,
                  selective: str = "off"):
-        import types
         self.dm = dm
         # selective checkpointing (selective_checkpoint.py): "on" every block, "auto" as many as fit in free GPU
         # memory (decided once per input shape), "off" none
@@ -312,6 +277,21 @@ class FluxTrainForward:
         """Whether blocks run compiled now (False after a compiler failure turned it off)."""
         return self.compile_blocks and _COMPILED["double"] is not None
 
+    @property
+    def selective_by_shape(self) -> dict:
+        """Input-shape key -> how many blocks (in run order) are checkpointed selectively for it, as decided."""
+        return dict(self._selective_n)
+
+    @property
+    def selective_now(self) -> int:
+        """How many blocks the call in progress checkpoints selectively."""
+        return self._n_sel
+
+    def set_selective(self, mode: str) -> None:
+        """Selective checkpointing ``mode`` (auto/on/off) from now on; the per-shape decisions are made again."""
+        self.selective = mode
+        self._selective_n = {}
+
     def close(self):
         _CS[0], _CS[1], _CS[2] = None, -1, None
         if self.compile_blocks:
@@ -320,16 +300,18 @@ class FluxTrainForward:
             b.__dict__.pop("forward", None)
         self._patched = []
 
-    def _ckpt(self, fn, *tensors, block=None, closed=(), order=0):
+    def run_block(self, fn, *tensors, block=None, closed=(), order=0):
+        """``fn(*tensors)`` for ``block`` (``order``-th in run order; ``closed``: the tensors ``fn`` closes over),
+        checkpointed as set: selectively, by ``_BlockCheckpoint``, by ``torch.utils.checkpoint``, or not at all."""
         if self.gradient_checkpointing and torch.is_grad_enabled():
             if order < self._n_sel:
                 return checkpoint(fn, *tensors, use_reentrant=False, preserve_rng_state=False,
-                                  context_fn=selective_context_fn)
+                                  context_fn=sc.context_fn)
             if block is not None and self.fast_checkpoint and self.block_runner is None and \
                     not any(getattr(t, "requires_grad", False) for t in closed):
                 loras = self._loras.get(id(block))
                 if loras is None:
-                    loras = self._loras[id(block)] = _block_loras(block)
+                    loras = self._loras[id(block)] = block_loras(block)
                 dt = tensors[0].dtype
                 ws = [w for m in loras for w in m.compute_weights(dt)]
                 return _BlockCheckpoint.apply(fn, loras, len(tensors), *tensors, *ws)
@@ -351,7 +333,7 @@ class FluxTrainForward:
                     img, txt = img.clone(), txt.clone()
                 return block(img=img, txt=txt, vec=vec, pe=pe, attn_mask=mask, transformer_options=topts)
 
-            img, txt = self._ckpt(run, args["img"], args["txt"], block=block, closed=(vec, pe, mask), order=i)
+            img, txt = self.run_block(run, args["img"], args["txt"], block=block, closed=(vec, pe, mask), order=i)
             return {"img": img, "txt": txt}
         return replace
 
@@ -366,7 +348,7 @@ class FluxTrainForward:
             def run(img):
                 return block(img.clone() if copy else img, vec=vec, pe=pe, attn_mask=mask, transformer_options=topts)
 
-            return {"img": self._ckpt(run, args["img"], block=block, closed=(vec, pe, mask),
+            return {"img": self.run_block(run, args["img"], block=block, closed=(vec, pe, mask),
                                       order=len(self.dm.double_blocks) + i)}
         return replace
 
@@ -389,7 +371,6 @@ class FluxTrainForward:
         key = _shape_key(x_t, context)
         n = self._selective_n.get(key)
         if n is None:
-            from . import selective_checkpoint as sc
             blocks = list(self.dm.double_blocks) + list(self.dm.single_blocks)
             if self.selective == "on":
                 n, why = len(blocks), "selective_checkpointing=on"

@@ -1,6 +1,6 @@
 """Activation-side LoRA for ComfyUI's FLUX ``diffusion_model`` (no model copy, no base weight gradients).
 
-Each targeted ``Linear`` gets a per-instance ``forward`` (``linear_forward``) that adds
+Each targeted ``Linear`` gets a per-instance ``forward`` (``linear_patch.linear_forward``) that adds
 ``up(down(x)) * alpha / rank`` to its output (base ``addmm`` + LoRA ``mm`` + ``addmm`` on one 2-D view; a forward
 hook cost a hook dispatch and a reshape/view pair per call). The base weight keeps ``requires_grad=False``, so
 autograd never computes a full dW for it (ComfyUI's own ``TrainLoraNode`` rebuilds ``W + s*up@down`` and pays
@@ -11,6 +11,7 @@ every single block (19*10 + 38*3 = 304 modules on FLUX.1). Names follow kohya: `
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .lora_linear_op import lora_linear
+from .linear_patch import attach_lora, detach_lora, foreign_forward, lora_of
 
 # (path inside a block, kohya "type" used for per-type ranks)
 DOUBLE_TARGETS = (
@@ -74,6 +75,9 @@ def parse_indices(spec: str | None, count: int, what: str) -> list[int]:
 
 @dataclass
 class LoraTargetSpec:
+    """What the LoRA trains: rank and alpha, the blocks (``parse_indices`` syntax) and per-type ranks.
+
+    ``trainer.TrainConfig`` extends it, so a run's LoRA settings are defined and validated here only."""
     rank: int = 16
     alpha: float = 16.0
     double_blocks: str = "all"
@@ -82,6 +86,20 @@ class LoraTargetSpec:
 
     def rank_for(self, layer_type: str) -> int:
         return int(self.type_ranks.get(layer_type, self.rank))
+
+    def validate(self) -> None:
+        """Raises ValueError naming the fix; the block selections are checked against a model by
+        ``FluxLoraNetwork`` (they need its block counts)."""
+        if int(self.rank) < 1:
+            raise ValueError(f"LoRA rank must be at least 1 (got {self.rank}). Fix: set rank to 1 or more "
+                             "(16 is a common choice for FLUX).")
+        if float(self.alpha) <= 0:
+            raise ValueError(f"LoRA alpha must be positive (got {self.alpha}). Fix: set alpha (e.g. equal to rank).")
+        for t, r in self.type_ranks.items():
+            if t not in LAYER_TYPES:
+                raise ValueError(f"unknown layer type {t!r} in per-type ranks. Fix: use one of {', '.join(LAYER_TYPES)}.")
+            if int(r) < 0:
+                raise ValueError(f"per-type rank for {t} is {r}. Fix: use 0 (disable) or a positive rank.")
 
 
 class LoraModule(nn.Module):
@@ -99,9 +117,8 @@ class LoraModule(nn.Module):
         # kohya init: down kaiming-uniform, up zero -> the LoRA starts as the identity change
         nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_up.weight)
-        self.enabled = True
         self._cache = None
-        self._pinned = False  # _cache holds flux_forward._BlockCheckpoint's inputs for this block call
+        self._pinned = False  # _cache holds the block checkpoint's inputs for this block call (PinnedWeights)
 
     def compute_weights(self, dtype):
         """(down.T, up.T) in the compute dtype, transposed for ``mm``/``addmm``. Within a training step the cast
@@ -126,74 +143,6 @@ class LoraModule(nn.Module):
         if x2.dtype != dt:
             x2 = x2.to(dt)
         return torch.addmm(out2, torch.mm(x2, down_t), up_t, alpha=self.scale)
-
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        dt = x.dtype
-        h = torch.nn.functional.linear(x, self.lora_down.weight.to(dt))
-        return torch.nn.functional.linear(h, self.lora_up.weight.to(dt)) * self.scale
-
-    def merged_delta_weight(self) -> torch.Tensor:
-        return (self.lora_up.weight.float() @ self.lora_down.weight.float()) * self.scale
-
-
-def _comfy_cast(lin) -> bool:
-    """ComfyUI's Linear casts/patches its weight per call (``comfy_cast_weights``, weight/bias functions): then
-    the base product goes through its own forward."""
-    return bool(getattr(lin, "comfy_cast_weights", False) or getattr(lin, "weight_function", None)
-                or getattr(lin, "bias_function", None))
-
-
-def linear_forward(self, x):
-    """Per-instance ``forward`` of a trained block Linear: base product plus the LoRA (``_lora``), on one 2-D view
-    of ``x``. With an enabled LoRA the bf16/fp32 base, and the fp8 base on FP8 tensor cores (``_q_with_lora``),
-    run as one operator with it (``lora_linear_op``); otherwise the base (``addmm``, the ``quant`` autograd
-    function set as ``_q_base``, or ComfyUI's own cast forward) and then ``LoraModule.add_to``.
-
-    Replaces a forward hook: no hook dispatch in ``Module.__call__``, no reshape/view pair per hook."""
-    d = self.__dict__
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    qb = d.get("_q_base")
-    lora = d.get("_lora")
-    if lora is not None and not lora.enabled:
-        lora = None
-    if qb is not None:
-        with_lora = d.get("_q_with_lora")   # the quantized base and the LoRA as one operator, where it applies
-        if with_lora is not None and lora is not None:
-            y = with_lora(self, x2, lora)
-            if y is not None:
-                return y.view(*shape[:-1], y.shape[-1])
-        y = qb(self, x2)
-    elif d.get("_l_comfy_op") and _comfy_cast(self):  # read per call: ComfyUI toggles it (lowvram, patches)
-        y = type(self).forward(self, x2)
-    else:
-        p = self._parameters  # skips Module.__getattr__ (two lookups per call)
-        w, b = p["weight"], p.get("bias")
-        if lora is not None and x2.dtype == w.dtype:
-            # base and LoRA as one operator (lora_linear_op.py: no copy of the base output, one kept output)
-            down_t, up_t = lora.compute_weights(x2.dtype)
-            y = lora_linear(x2, w, b, down_t, up_t, lora.scale)[0]
-            return y.view(*shape[:-1], y.shape[-1])
-        y = torch.mm(x2, w.t()) if b is None else torch.addmm(b, x2, w.t())
-    if lora is not None:
-        y = lora.add_to(x2, y)
-    return y.view(*shape[:-1], y.shape[-1])
-
-
-def install_forward(lin):
-    """Makes ``linear_forward`` the instance's forward (idempotent; shared by the LoRA and the quantized base)."""
-    import types
-    if "forward" not in lin.__dict__:
-        lin._l_comfy_op = hasattr(lin, "comfy_cast_weights")
-        lin.forward = types.MethodType(linear_forward, lin)
-
-
-def uninstall_forward(lin):
-    """Gives the instance its class forward back once neither the LoRA nor a quantized base uses it."""
-    d = lin.__dict__
-    if "_lora" not in d and "_q_base" not in d:
-        d.pop("forward", None)
-        d.pop("_l_comfy_op", None)
 
 
 def is_flux_diffusion_model(dm) -> bool:
@@ -228,16 +177,7 @@ class FluxLoraNetwork(nn.Module):
             raise TypeError(
                 f"FLUX LoRA training needs a FLUX model, got {type(dm).__module__}.{type(dm).__name__}. "
                 "Fix: load a FLUX.1 checkpoint (UNETLoader / CheckpointLoaderSimple with a FLUX model) and connect it.")
-        if int(spec.rank) < 1:
-            raise ValueError(f"LoRA rank must be at least 1 (got {spec.rank}). Fix: set rank to 1 or more "
-                             "(16 is a common choice for FLUX).")
-        if float(spec.alpha) <= 0:
-            raise ValueError(f"LoRA alpha must be positive (got {spec.alpha}). Fix: set alpha (e.g. equal to rank).")
-        for t, r in spec.type_ranks.items():
-            if t not in LAYER_TYPES:
-                raise ValueError(f"unknown layer type {t!r} in per-type ranks. Fix: use one of {', '.join(LAYER_TYPES)}.")
-            if int(r) < 0:
-                raise ValueError(f"per-type rank for {t} is {r}. Fix: use 0 (disable) or a positive rank.")
+        spec.validate()
         self.spec = spec
         d_idx = parse_indices(spec.double_blocks, len(dm.double_blocks), "double block selection")
         s_idx = parse_indices(spec.single_blocks, len(dm.single_blocks), "single block selection")
@@ -272,11 +212,10 @@ class FluxLoraNetwork(nn.Module):
             lin.weight.requires_grad_(False)
             if getattr(lin, "bias", None) is not None:
                 lin.bias.requires_grad_(False)
-            if "forward" in lin.__dict__ and lin.__dict__["forward"].__func__ is not linear_forward:
+            if foreign_forward(lin):
                 raise RuntimeError(f"{name}: the Linear already has a per-instance forward (another trainer or "
                                    "patch is active). Fix: close the other trainer first.")
-            lin.__dict__["_lora"] = self.loras[name]  # not a submodule: the Linear's state dict stays as it is
-            install_forward(lin)
+            attach_lora(lin, self.loras[name])
         self._attached = True
         return self
 
@@ -284,15 +223,12 @@ class FluxLoraNetwork(nn.Module):
         if not self._attached:
             return
         for lin in self.targets.values():
-            lin.__dict__.pop("_lora", None)
-            uninstall_forward(lin)
+            detach_lora(lin)
         self._attached = False
 
     def cast_cache(self, dtype):
         """Context: cast (if needed) and transpose every LoRA weight once (autograd-connected) for one
         forward/backward: one cast and one transpose per weight and step instead of one per call."""
-        import contextlib
-
         @contextlib.contextmanager
         def ctx():
             mods = list(self.loras.values())
@@ -306,13 +242,6 @@ class FluxLoraNetwork(nn.Module):
                     m.__dict__["_cache"] = None
         return ctx()
 
-    def set_enabled(self, flag: bool):
-        for m in self.loras.values():
-            m.enabled = flag
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
     # ---- kohya state dict ----
     def kohya_state_dict(self, dtype=torch.bfloat16) -> dict:
         sd = {}
@@ -322,20 +251,31 @@ class FluxLoraNetwork(nn.Module):
             sd[f"{name}.alpha"] = torch.tensor(float(m.alpha), dtype=dtype)
         return sd
 
-    def load_kohya_state_dict(self, sd: dict, strict: bool = True):
-        missing = []
-        for name, m in self.loras.items():
-            try:
-                down, up = sd[f"{name}.lora_down.weight"], sd[f"{name}.lora_up.weight"]
-            except KeyError:
-                missing.append(name)
-                continue
-            if down.shape != m.lora_down.weight.shape or up.shape != m.lora_up.weight.shape:
-                raise ValueError(f"LoRA {name}: file has rank {down.shape[0]}, this run uses rank {m.rank}. "
-                                 "Fix: resume with the same rank/per-type ranks as the saved LoRA.")
-            with torch.no_grad():
-                m.lora_down.weight.copy_(down)
-                m.lora_up.weight.copy_(up)
-        if strict and missing:
-            raise ValueError(f"{len(missing)} LoRA modules are missing from the file (e.g. {missing[0]}). "
-                             "Fix: resume with the same block selection as the saved LoRA.")
+
+def block_loras(block) -> list:
+    """The LoRA modules on ``block``'s Linears, in module order."""
+    out = []
+    for m in block.modules():
+        lo = lora_of(m)
+        if lo is not None:
+            out.append(lo)
+    return out
+
+
+class PinnedWeights:
+    """Context: the given LoRA modules use exactly the given (down.T, up.T) tensors (``ws``, two per module) inside,
+    in any compute dtype: a checkpointed block's explicit inputs, so the block's recompute stays connected to them."""
+
+    def __init__(self, loras, ws):
+        self.loras, self.ws = loras, ws
+
+    def __enter__(self):
+        ds = [m.__dict__ for m in self.loras]  # plain attributes: skip Module.__setattr__
+        self.old = [(d["_cache"], d["_pinned"]) for d in ds]
+        ws = self.ws
+        for i, d in enumerate(ds):
+            d["_cache"], d["_pinned"] = (ws[2 * i], ws[2 * i + 1]), True
+
+    def __exit__(self, *exc):
+        for m, (c, p) in zip(self.loras, self.old):
+            m.__dict__["_cache"], m.__dict__["_pinned"] = c, p

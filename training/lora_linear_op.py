@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 import torch._library.custom_ops
 
+from .fp8_ops import quantize_rows, transposed
+
 
 def _custom_op(qualname: str):
     """``torch.library.custom_op(qualname, mutates_args=())``, but defined once per process.
@@ -101,10 +103,9 @@ def fp8_lora_linear(x2: torch.Tensor, wq: torch.Tensor, scale_n: torch.Tensor, s
                     bias: Optional[torch.Tensor], down_t: torch.Tensor, up_t: torch.Tensor,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``lora_linear`` with an e4m3 base weight ``wq`` [N, K] (per-tensor scale as the rows ``scale_n`` [1, N] /
-    ``scale_k`` [1, K], ``training.quant.fp8_scale_rows``): x quantized per token, ``torch._scaled_mm``, then the
+    ``scale_k`` [1, K], ``fp8_ops.fp8_scale_rows``): x quantized per token, ``torch._scaled_mm``, then the
     LoRA accumulates into its output (``addmm_``, no copy). M must be a multiple of 16."""
-    from .quant import _quant_rows
-    xq, xs = _quant_rows(x2)
+    xq, xs = quantize_rows(x2)
     y = torch._scaled_mm(xq, wq.t(), scale_a=xs.reshape(-1, 1), scale_b=scale_n, bias=bias, out_dtype=x2.dtype)
     h = torch.mm(x2, down_t)
     y.addmm_(h, up_t, alpha=scale)
@@ -123,14 +124,13 @@ def _fp8_setup_context(ctx, inputs, output):
 
 
 def _fp8_backward(ctx, gy, gh):
-    from .quant import _quant_rows, _transposed
     x2, wq, scale_k, down_t, up_t, h = ctx.saved_tensors
     need_x, _, _, _, _, need_down, need_up, _ = ctx.needs_input_grad
     g_down, g_up, dh = _lora_grads(x2, down_t, up_t, h, ctx.scale, gy, gh, need_down, need_up)
     dx = None
     if need_x:
-        gq, gs = _quant_rows(gy.contiguous())
-        dx = torch._scaled_mm(gq, _transposed(wq).t(), scale_a=gs.reshape(-1, 1), scale_b=scale_k,
+        gq, gs = quantize_rows(gy.contiguous())
+        dx = torch._scaled_mm(gq, transposed(wq).t(), scale_a=gs.reshape(-1, 1), scale_b=scale_k,
                               out_dtype=gy.dtype)
         dx.addmm_(dh, down_t.t())
     return dx, None, None, None, None, g_down, g_up, None

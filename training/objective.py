@@ -12,7 +12,8 @@ import torch
 TIMESTEP_SAMPLINGS = ("sigmoid", "shift", "flux_shift", "uniform")
 
 
-def _flux_mu(image_seq_len: int, x1=256, y1=0.5, x2=4096, y2=1.15) -> float:
+def flux_mu(image_seq_len: int, x1=256, y1=0.5, x2=4096, y2=1.15) -> float:
+    """FLUX's timestep shift mu for ``image_seq_len`` tokens: linear through (x1, y1) and (x2, y2)."""
     m = (y2 - y1) / (x2 - x1)
     return image_seq_len * m + (y1 - m * x1)
 
@@ -28,7 +29,7 @@ def sample_sigmas(batch: int, mode: str, generator: torch.Generator, *, sigmoid_
     if mode == "shift":
         t = (t * shift) / (1 + (shift - 1) * t)
     elif mode == "flux_shift":
-        mu = _flux_mu(image_seq_len)
+        mu = flux_mu(image_seq_len)
         t = math.exp(mu) / (math.exp(mu) + (1 / t - 1))
     return t
 

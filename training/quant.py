@@ -9,8 +9,8 @@ never a weight gradient. Only that is training-specific; the formats come from t
   would sit inside the sum, where ``torch._scaled_mm`` cannot apply it). Whether FP8 tensor cores are used is
   ``optimization.hardware.get_policy(device).fp8_gemm`` (self-tested on the device, overridable with
   ``SEEDVR2BW_FP8_GEMM``). With it, the forward (x quantized to e4m3 per token) and the input gradient (grad
-  quantized to e4m3 per token) run through ``torch._scaled_mm`` with row-wise scales; without it the weight is
-  dequantized to the compute dtype.
+  quantized to e4m3 per token, both by ``fp8_ops.quantize_rows``, the pack's one per-token quantizer) run through
+  ``torch._scaled_mm`` with row-wise scales; without it the weight is dequantized to the compute dtype.
 * ``nvfp4``: weight quantized by ``optimization.nvfp4.format.quantize_nvfp4`` (the pack's one NVFP4 quantizer,
   comfy-kitchen recipe, internal layout: hi_first nibbles, swizzled e4m3 block scales, fp32 global scale) and
   dequantized per call (forward and input gradient) by the Triton kernel ``kernels.dequantize_nvfp4_triton``
@@ -30,47 +30,18 @@ from ..optimization.hardware import get_policy
 from ..optimization.nvfp4 import format as fmt
 from ..optimization.nvfp4 import kernels as nvfp4_kernels
 from ..optimization.nvfp4.format import NVFP4Tensor
-from .flux_forward import RECOMPUTE
-from .lora import install_forward, uninstall_forward
+from .fp8_ops import fp8_scale_rows, pad16, quantize_rows, transposed
+from .linear_patch import attach_base, detach_base
+from .lora_linear_op import fp8_lora_linear
+from .recompute import recompute
 
 log = logging.getLogger(__name__)
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-E4M3_MAX = fmt.F8_E4M3_MAX      # 448
 
 
 # ---------------- fp8 ----------------
-def _quant_rows(x2):
-    """x2 [M, K] -> (e4m3 [M, K], fp32 scale [M]) with one scale per row (amax_row / 448).
-
-    Per row, because both GEMMs contract over the other axis: in ``x @ W.T`` and in ``g @ W`` a row scale of the
-    left operand factors out of the sum (``torch._scaled_mm``'s row-wise scaling). On CUDA the pack's one-pass
-    Triton kernel (``optimization.nvfp4.kernels.quantize_act_fp8_rowwise``, the NVFP4 FP8 speed path's); a
-    per-tensor amax needs a grid-wide reduction first, which profiled at 2-10 ms per call (compiled) on an H100.
-    """
-    if nvfp4_kernels.triton_usable(x2):
-        return nvfp4_kernels.quantize_act_fp8_rowwise(x2)
-    amax = x2.abs().amax(dim=1).float()
-    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    return (x2.float() / s[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), s
-
-
-def _transposed(wq):
-    """``wq.t().contiguous()``: by the pack's Triton tile kernel on CUDA (torch's strided copy of an fp8 weight
-    is ~8x slower), else torch."""
-    if nvfp4_kernels.triton_usable(wq) and wq.is_contiguous():
-        return nvfp4_kernels.transpose_2d(wq)
-    return wq.t().contiguous()
-
-
-def _pad16(t):
-    m = t.shape[0]
-    if m % 16 == 0:
-        return t, m
-    return torch.nn.functional.pad(t, (0, 0, 0, 16 - m % 16)), m
-
-
-class _FP8LinearFn(torch.autograd.Function):
+class FP8LinearFn(torch.autograd.Function):
     """y = x @ (wq * wscale).T + bias with e4m3 operands on FP8 tensor cores (``tensorcores``), else the weight
     dequantized to x's dtype. The input gradient ``g @ W`` likewise; no weight gradient (frozen base)."""
 
@@ -86,8 +57,8 @@ class _FP8LinearFn(torch.autograd.Function):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         M = x2.shape[0]
         if tensorcores and (M % 16 == 0 or M < 256):
-            xp, M0 = _pad16(x2)
-            xq, xs = _quant_rows(xp)
+            xp, M0 = pad16(x2)
+            xq, xs = quantize_rows(xp)
             if bias is not None and bias.dtype != x.dtype:
                 bias = bias.to(x.dtype)
             y = torch._scaled_mm(xq, wq.t(), scale_a=xs.reshape(-1, 1), scale_b=scale_rows[0], bias=bias,
@@ -96,8 +67,8 @@ class _FP8LinearFn(torch.autograd.Function):
                 y = y[:M0]
         else:
             w = wq.to(x.dtype) * wscale.to(x.dtype)
-            if RECOMPUTE[0] and ctx.needs_input_grad[0]:
-                ctx.kept = w  # checkpoint recompute: the backward right after reuses it (flux_forward.RECOMPUTE)
+            if recompute.depth and ctx.needs_input_grad[0]:
+                ctx.kept = w  # checkpoint recompute: the backward right after reuses it (recompute.py)
             y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x.dtype))
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -108,9 +79,9 @@ class _FP8LinearFn(torch.autograd.Function):
         g2 = g if g.dim() == 2 else g.reshape(-1, N)
         M = g2.shape[0]
         if ctx.tensorcores and (M % 16 == 0 or M < 256):
-            gp, M0 = _pad16(g2)
-            gq, gs = _quant_rows(gp)
-            wt = _transposed(wq)  # [K, N] row-major -> .t() is column-major [N, K] as _scaled_mm wants
+            gp, M0 = pad16(g2)
+            gq, gs = quantize_rows(gp)
+            wt = transposed(wq)  # [K, N] row-major -> .t() is column-major [N, K] as _scaled_mm wants
             dx = torch._scaled_mm(gq, wt.t(), scale_a=gs.reshape(-1, 1), scale_b=ctx.scale_rows[1], out_dtype=g.dtype)
             if dx.shape[0] != M0:
                 dx = dx[:M0]
@@ -125,18 +96,11 @@ class _FP8LinearFn(torch.autograd.Function):
         return (dx if dx.dtype == ctx.x_dtype else dx.to(ctx.x_dtype)), None, None, None, None, None
 
 
-def fp8_scale_rows(wq, wscale):
-    """The per-tensor weight scale as the [1, N] and [1, K] fp32 rows ``torch._scaled_mm``'s row-wise mode takes
-    (forward and input gradient); made once per Linear."""
-    s = wscale.float().reshape(1, 1)
-    return s.expand(1, wq.shape[0]).contiguous(), s.expand(1, wq.shape[1]).contiguous()
-
-
 # Compiled block forwards (flux_forward.compile_block_forwards) call these opaquely: Inductor cannot lower the
 # row-wise _scaled_mm inside the autograd function, nor the pack's raw Triton launches; the graph breaks here.
 @torch.compiler.disable
 def _fp8_forward(self, x):
-    return _FP8LinearFn.apply(x, self._q_weight, self._q_scale, self.bias, self._q_tensorcores, self._q_scale_rows)
+    return FP8LinearFn.apply(x, self._q_weight, self._q_scale, self.bias, self._q_tensorcores, self._q_scale_rows)
 
 
 @torch.compiler.disable
@@ -145,7 +109,6 @@ def _fp8_with_lora(self, x2, lora):
     M % 16 == 0; None otherwise (then the base and the LoRA run one after the other)."""
     if not self._q_tensorcores or x2.shape[0] % 16 or x2.dtype not in (torch.bfloat16, torch.float16):
         return None
-    from .lora_linear_op import fp8_lora_linear
     down_t, up_t = lora.compute_weights(x2.dtype)
     bias = self.bias
     if bias is not None and bias.dtype != x2.dtype:
@@ -155,20 +118,21 @@ def _fp8_with_lora(self, x2, lora):
 
 
 # ---------------- NVFP4 ----------------
-_TRITON_BROKEN: list = []  # why the Triton dequant failed here (then the torch reference is used from then on)
+# why the Triton dequant failed in this process (empty while it works; once not, the torch reference is used)
+triton_broken: list = []
 
 
 def dequantize_weight(t: NVFP4Tensor, dtype) -> torch.Tensor:
     """The pack's NVFP4 dequantization: Triton kernel where Triton runs (CUDA), else the exact torch reference;
     both give the same bits."""
-    if not _TRITON_BROKEN and nvfp4_kernels.triton_usable(t.packed):
+    if not triton_broken and nvfp4_kernels.triton_usable(t.packed):
         try:
             return nvfp4_kernels.dequantize_nvfp4_triton(t.packed, t.block_scale, t.global_scale, t.shape,
                                                          dtype=dtype)
         except Exception as exc:  # noqa: BLE001 - e.g. a Triton build failure on this GPU / version
-            _TRITON_BROKEN.append(f"{type(exc).__name__}: {exc}")
+            triton_broken.append(f"{type(exc).__name__}: {exc}")
             log.warning("[FluxLoraTrain] NVFP4 Triton dequant unavailable (%s); using the torch reference",
-                        _TRITON_BROKEN[0].splitlines()[0])
+                        triton_broken[0].splitlines()[0])
     return t.dequantize(dtype)
 
 
@@ -178,8 +142,8 @@ class _NVFP4LinearFn(torch.autograd.Function):
         ctx.shape = shape
         w = dequantize_weight(NVFP4Tensor(packed, block_scale, global_scale, shape), x.dtype)
         ctx.save_for_backward(packed, block_scale, global_scale)
-        # checkpoint recompute: the backward follows right away, keep this weight for it (see flux_forward.RECOMPUTE)
-        ctx.kept = w if RECOMPUTE[0] and ctx.needs_input_grad[0] else None
+        # checkpoint recompute: the backward follows right away, keep this weight for it (recompute.py)
+        ctx.kept = w if recompute.depth and ctx.needs_input_grad[0] else None
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         return torch.nn.functional.linear(x, w, bias)
@@ -208,7 +172,23 @@ def block_linears(dm):
                     yield f"{kind}.{i}.{name}", mod
 
 
-_Q_ATTRS = ("_q_weight", "_q_scale", "_q_scale_rows", "_q_tensorcores", "_q_nvfp4", "_q_base", "_q_with_lora")
+_Q_ATTRS = ("_q_weight", "_q_scale", "_q_scale_rows", "_q_tensorcores", "_q_nvfp4")
+
+
+def quantized_weight(lin):
+    """What the frozen base computes ``lin`` with: the ``NVFP4Tensor`` (nvfp4), ``(e4m3 weight, scale)`` (fp8), or
+    None where ``lin`` is not quantized (kept in high precision, or restored)."""
+    d = lin.__dict__
+    if "_q_nvfp4" in d:
+        return d["_q_nvfp4"]
+    if "_q_weight" in d:
+        return d["_q_weight"], d["_q_scale"]
+    return None
+
+
+def uses_fp8_tensorcores(lin) -> bool:
+    """Whether ``lin``'s fp8 base runs on FP8 tensor cores (else its weight is dequantized per call)."""
+    return bool(lin.__dict__.get("_q_tensorcores", False))
 
 
 class QuantizedBase:
@@ -239,16 +219,13 @@ class QuantizedBase:
                     lin._q_weight, lin._q_scale = q, s.reshape(()).to(dev)
                     lin._q_tensorcores = fp8_gemm[dev] and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
                     lin._q_scale_rows = fp8_scale_rows(q, lin._q_scale) if lin._q_tensorcores else None
-                    lin._q_base = _fp8_forward
-                    lin._q_with_lora = _fp8_with_lora
-                    install_forward(lin)
+                    attach_base(lin, _fp8_forward, _fp8_with_lora)
                 else:
                     src = w.data if w.dtype not in (E4M3, E5M2) else w.data.float() * (
                         getattr(lin, "scale_weight", torch.ones(())).float().to(dev))
                     lin._q_nvfp4 = fmt.quantize_nvfp4(src, return_tensor=True)
                     moved = w.data.to(offload_device)
-                    lin._q_base = _nvfp4_forward
-                    install_forward(lin)
+                    attach_base(lin, _nvfp4_forward)
                 if moved is not None:
                     w.data = torch.empty(0, dtype=w.dtype, device=dev)
             self.saved.append((lin, moved, dev))
@@ -260,5 +237,5 @@ class QuantizedBase:
             for a in _Q_ATTRS:
                 if a in lin.__dict__:
                     del lin.__dict__[a]
-            uninstall_forward(lin)  # the class forward comes back unless a LoRA still uses the instance forward
+            detach_base(lin)  # the class forward comes back unless a LoRA still uses the instance forward
         self.saved = []

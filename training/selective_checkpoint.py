@@ -21,6 +21,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from . import lora_linear_op
+from .linear_patch import lora_of
 
 log = logging.getLogger(__name__)
 MODES = ("auto", "on", "off")
@@ -47,16 +48,17 @@ _ATTENTION = _ops("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fl
 # by name, not by object: importing the pack a second time under another package name (ComfyUI loads it from its
 # folder, scripts and tests as ``seedvr2bw``) registers the operators again, and the dispatcher then hands out new
 # OpOverload objects
-_LORA_OP_NAMES = frozenset(op._opoverload.name() for op in (lora_linear_op.lora_linear, lora_linear_op.fp8_lora_linear))
-_GEMM_LHS = {op: i for names, i in ((("mm", "_scaled_mm"), 0), (("addmm",), 1)) for op in _ops(*names)}
+LORA_OP_NAMES = frozenset(op._opoverload.name() for op in (lora_linear_op.lora_linear, lora_linear_op.fp8_lora_linear))
+# GEMM overloads -> the index of their left operand, whose last dim is the reduction dim K
+GEMM_LHS = {op: i for names, i in ((("mm", "_scaled_mm"), 0), (("addmm",), 1)) for op in _ops(*names)}
 
 
 def save_policy(ctx, func, *args, **kwargs):
     """MUST_SAVE for attention forwards, the base+LoRA operators (``lora_linear_op``) and GEMMs contracting over
     K >= MIN_SAVED_K; recompute the rest."""
-    if func in _ATTENTION or func.name() in _LORA_OP_NAMES:
+    if func in _ATTENTION or func.name() in LORA_OP_NAMES:
         return CheckpointPolicy.MUST_SAVE
-    i = _GEMM_LHS.get(func)
+    i = GEMM_LHS.get(func)
     if i is not None and args[i].shape[-1] >= MIN_SAVED_K:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
@@ -66,7 +68,7 @@ context_fn = functools.partial(create_selective_checkpoint_contexts, save_policy
 
 
 def _linears(block):
-    # a Linear's LoRA is not a submodule (``lin.__dict__["_lora"]``): only the block's own Linears are seen here
+    # a Linear's LoRA is not a submodule (``linear_patch.attach_lora``): only the block's own Linears are seen here
     for name, m in block.named_modules():
         if hasattr(m, "in_features") and hasattr(m, "out_features"):
             yield name, m
@@ -84,7 +86,7 @@ def saved_bytes(block, batch: int, t_img: int, t_txt: int, elem: int = 2) -> int
         first = name.split(".")[0]
         tokens = 1 if "mod" in first else t_img if first.startswith("img_") else t_txt \
             if first.startswith("txt_") else t_img + t_txt
-        lora = m.__dict__.get("_lora")
+        lora = lora_of(m)
         width = m.out_features + (lora.rank if lora is not None else 0)
         total += batch * tokens * width * elem
         hidden = max(hidden, m.in_features)

@@ -5,16 +5,20 @@ import logging
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
 from ..optimization.attention.sdpa_priority import preferred_backends, sdpa_priority
+from ..optimization.blockswap import (BlockSwapConfig, BlockSwapRunner, get_pinned_pool, make_backend,
+                                      spread_indices)
+from .cuda_graph import GraphedLossAndGrads
 from .flux_forward import FluxTrainForward
 from .frozen_base import FrozenBase, outside_inference_mode
 from .lora import FluxLoraNetwork, LoraTargetSpec, is_flux_diffusion_model
-from .objective import TIMESTEP_SAMPLINGS, flow_loss, noisy_input, sample_sigmas
+from .objective import TIMESTEP_SAMPLINGS, flow_loss, flux_mu, noisy_input, sample_sigmas
 from .optim import OPTIMIZERS, SCHEDULERS, build_optimizer, build_scheduler
+from .quant import QuantizedBase
 from .save import atomic_save_safetensors, atomic_torch_save, kohya_metadata, prune_checkpoints
 
 log = logging.getLogger(__name__)
@@ -25,12 +29,9 @@ COMPILE_ENV = "SEEDVR2BW_TRAIN_COMPILE"
 
 
 @dataclass
-class TrainConfig:
-    rank: int = 16
-    alpha: float = 16.0
-    double_blocks: str = "all"
-    single_blocks: str = "all"
-    type_ranks: dict = field(default_factory=dict)
+class TrainConfig(LoraTargetSpec):
+    """A training run's settings: the LoRA's (rank, alpha, double_blocks, single_blocks, type_ranks: the fields of
+    ``LoraTargetSpec``, validated there) and the rest, as flat fields (the node's inputs and the resume state)."""
     steps: int = 1000
     batch_size: int = 1
     grad_accum: int = 1
@@ -73,8 +74,7 @@ class TrainConfig:
     def validate(self):
         def bad(what, fix):
             raise ValueError(f"{what}. Fix: {fix}.")
-        if int(self.rank) < 1:
-            bad(f"LoRA rank must be at least 1 (got {self.rank})", "set rank to 1 or more (16 is common for FLUX)")
+        super().validate()
         if self.steps < 1:
             bad(f"steps must be at least 1 (got {self.steps})", "set steps, e.g. 1000-2000")
         if self.batch_size < 1 or self.grad_accum < 1:
@@ -132,12 +132,9 @@ class FluxLoraTrainer:
         self.base = FrozenBase(dm)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(cfg.seed))
-            self.network = FluxLoraNetwork(dm, LoraTargetSpec(cfg.rank, cfg.alpha, cfg.double_blocks,
-                                                              cfg.single_blocks, dict(cfg.type_ranks)),
-                                           dtype=_dtype(cfg.lora_dtype), device=self.device)
+            self.network = FluxLoraNetwork(dm, cfg, dtype=_dtype(cfg.lora_dtype), device=self.device)
         self.network.attach()
         if cfg.base_precision in ("fp8", "nvfp4"):
-            from .quant import QuantizedBase
             self.quant = QuantizedBase(dm, cfg.base_precision)
         if cfg.blocks_to_swap:
             if not cfg.gradient_checkpointing:
@@ -149,8 +146,8 @@ class FluxLoraTrainer:
             self.block_runner = _make_block_runner(dm, cfg.blocks_to_swap, self.device, blockswap_backend,
                                                    blockswap_pool)
         self.forward = FluxTrainForward(dm, cfg.gradient_checkpointing, self.block_runner,
-                                        compile_blocks=self._gpu_feature("compile_blocks", COMPILE_ENV,
-                                                                         "compiled block forwards"),
+                                        compile_blocks=self.gpu_feature("compile_blocks", COMPILE_ENV,
+                                                                        "compiled block forwards"),
                                         selective=self._selective_mode())
         self.sdpa_backends, why = preferred_backends(self.device)
         log.info("[FluxLoraTrain] attention (SDPA) kernel order: %s", why)
@@ -185,11 +182,12 @@ class FluxLoraTrainer:
         y = torch.stack([self.data.pooled[c] for c in caps])
         return x0, ctx, y
 
-    def _process_in(self, lat):
+    def process_in(self, lat):
+        """A dataset latent as the model takes it (ComfyUI's ``latent_format.process_in``)."""
         return self.latent_format.process_in(lat) if self.latent_format is not None else lat
 
     # ---------------- one optimizer step ----------------
-    def _gpu_feature(self, name: str, env: str, label: str) -> bool:
+    def gpu_feature(self, name: str, env: str, label: str) -> bool:
         """A CUDA-only speed feature: the env variable, else the config field (auto = on); one log line."""
         raw = os.environ.get(env, "").strip().lower()
         mode, src = (raw, env) if raw else (str(getattr(self.cfg, name)).lower(), name)
@@ -216,16 +214,15 @@ class FluxLoraTrainer:
 
     def _make_graphed(self):
         """CUDA-graphed forward+backward (``cuda_graph.py``), captured per input shape."""
-        if not self._gpu_feature("cuda_graph", CUDA_GRAPH_ENV, "CUDA graphs"):
+        if not self.gpu_feature("cuda_graph", CUDA_GRAPH_ENV, "CUDA graphs"):
             return None
-        from .cuda_graph import GraphedLossAndGrads
-        return GraphedLossAndGrads(self._loss_and_grads, self.device)
+        return GraphedLossAndGrads(self.loss_and_grads, self.device)
 
     def _micro_loss(self, x_t, sigma, ctx, y, target):
         pred = self.forward(x_t, sigma, ctx, y, self.cfg.guidance)
         return flow_loss(pred, target, self.cfg.loss_type) / self.cfg.grad_accum
 
-    def _loss_and_grads(self, *inputs):
+    def loss_and_grads(self, *inputs):
         """Loss and LoRA gradients as returned tensors (what the CUDA graph captures)."""
         params = list(self.network.parameters())
         with self.network.cast_cache(self.dtype), sdpa_priority(self.sdpa_backends):
@@ -253,7 +250,7 @@ class FluxLoraTrainer:
         for attempt in (0, 1):
             try:
                 # gradients are added only once the whole backward has succeeded
-                loss, grads = (self.graphed or self._loss_and_grads)(*inputs)
+                loss, grads = (self.graphed or self.loss_and_grads)(*inputs)
                 self._accumulate(grads, last)
                 return loss.clone() if self.graphed is not None else loss   # a static output: replays overwrite it
             except torch.cuda.OutOfMemoryError:
@@ -271,7 +268,7 @@ class FluxLoraTrainer:
         total = None
         for micro in range(cfg.grad_accum):
             x0, ctx, y = self._sample_batch()
-            x0 = self._process_in(x0)
+            x0 = self.process_in(x0)
             noise = torch.randn(x0.shape, generator=self.gen, dtype=torch.float32)
             seq = (x0.shape[-2] // 2) * (x0.shape[-1] // 2)
             sigma = sample_sigmas(x0.shape[0], cfg.timestep_sampling, self.gen, sigmoid_scale=cfg.sigmoid_scale,
@@ -326,7 +323,7 @@ class FluxLoraTrainer:
     @outside_inference_mode
     def load_state_dict(self, st: dict):
         saved = st.get("config", {})
-        for k in ("rank", "alpha", "double_blocks", "single_blocks", "type_ranks", "optimizer"):
+        for k in [f.name for f in fields(LoraTargetSpec)] + ["optimizer"]:
             if k in saved and saved[k] != getattr(self.cfg, k):
                 raise ValueError(f"the resume state was trained with {k}={saved[k]!r}, this run has "
                                  f"{getattr(self.cfg, k)!r}. Fix: use the same setting, or another output name "
@@ -365,8 +362,7 @@ class FluxLoraTrainer:
         g = torch.Generator().manual_seed(int(seed))
         x = torch.randn((1, 16, height_lat, width_lat), generator=g).to(self.device, self.dtype)
         seq = (height_lat // 2) * (width_lat // 2)
-        from .objective import _flux_mu
-        mu = _flux_mu(seq)
+        mu = flux_mu(seq)
         ts = torch.linspace(1, 0, steps + 1)
         ts = torch.where(ts > 0, math.exp(mu) / (math.exp(mu) + (1 / ts.clamp(min=1e-9) - 1)), ts)
         ckpt = self.forward.gradient_checkpointing
@@ -458,12 +454,6 @@ def _make_block_runner(dm, n, device, backend=None, pool=None):
     """BlockSwap for training: ``n`` of the 57 FLUX blocks (spread evenly) live in pinned host RAM and are
     streamed through a GPU ring by ``optimization.blockswap.BlockSwapRunner`` (its module hooks load a block
     before it runs, forward and backward-recompute alike; LoRA parameters stay on the GPU)."""
-    try:
-        from ..optimization.blockswap import BlockSwapConfig, BlockSwapRunner, spread_indices
-        from ..optimization.blockswap import get_pinned_pool, make_backend
-    except Exception as exc:  # noqa: BLE001
-        raise RuntimeError(f"blocks_to_swap={n} needs optimization.blockswap ({type(exc).__name__}: {exc}). "
-                           "Fix: set blocks to swap to 0 and use base precision fp8 or nvfp4 to save memory.")
     blocks = [(f"double_blocks.{i}", b) for i, b in enumerate(dm.double_blocks)] + \
              [(f"single_blocks.{i}", b) for i, b in enumerate(dm.single_blocks)]
     idx = spread_indices(len(blocks), int(n))

@@ -17,7 +17,7 @@ Follows the official inference (docs/SPEC.md §6) with the ComfyUI-port convenie
 4. Normalise to [-1, 1]. Split the clip into temporal chunks of ``batch_size`` frames (must be 4n+1)
    that overlap by ``temporal_overlap`` frames; a chunk whose length is not 4n+1 (the last one, or a
    clip shorter than ``batch_size``) is padded by **repeating its last frame** (docs/SPEC.md §6 step 3).
-5. **VAE encode** (optionally spatially tiled), **sample** the posterior: mean + exp(0.5 logvar) * N(0,1),
+5. **VAE encode** (optionally spatially tiled by ``vae/tiling.py``), **sample** the posterior: mean + exp(0.5 logvar) * N(0,1),
    times the scaling factor 0.9152, channels-last ``(t, h, w, 16)``: the LQ latent.
 6. **Noise** x_T ~ N(0, I) (seeded, drawn on CPU so results do not depend on the device),
    condition = [LQ latent, ones]: DiT input ``[x_T | LQ | 1]`` (33 channels). ``cond_noise_scale`` is 0
@@ -30,12 +30,14 @@ Follows the official inference (docs/SPEC.md §6) with the ComfyUI-port convenie
 9. **Colour correction** (``wavelet`` = official StableSR wavelet reconstruction, ``adain``, ``lab``,
    ``none``) against the resized input chunk, then chunks are blended linearly over the overlap.
 
-The work runs in three phases (all encodes, then all DiT steps, then all decodes) so that the VAE and
+Steps 2-4 and the tiling settings are ``plan(frames, settings)``, which the ComfyUI node also uses to size its
+model loads. The work runs in three phases (all encodes, then all DiT steps, then all decodes) so that the VAE and
 the DiT need not be resident at the same time; ``hooks`` lets the caller load/offload models between
 phases. Latents are parked on ``offload_device`` between phases (they are 48x smaller than the frames).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -45,13 +47,10 @@ import torch
 import torch.nn.functional as F
 
 from .color import COLOR_CORRECTION_MODES, color_correct
+from .vae.tiling import plan_tiles
 
 _log = logging.getLogger(__name__)
 
-DEFAULT_SCALING_FACTOR = 0.9152
-LATENT_CHANNELS = 16
-SPATIAL_FACTOR = 8          # VAE
-TEMPORAL_FACTOR = 4         # VAE
 SIZE_MULTIPLE = 16          # VAE 8 x DiT patch 2
 MIN_INPUT_SIDE = 8          # smaller inputs carry no content worth upscaling (and break the resize)
 MIN_OUTPUT_SIDE = 16        # one 2x2 latent patch
@@ -187,6 +186,60 @@ def chunk_blend_weights(chunks: Sequence[tuple[int, int]], temporal_overlap: int
     return out
 
 
+def _check_frames(frames: torch.Tensor) -> None:
+    if not isinstance(frames, torch.Tensor):
+        raise SeedVR2InputError(f"frames must be a torch tensor (T, H, W, C), got {type(frames).__name__}")
+    if frames.dim() == 3:
+        raise SeedVR2InputError("frames must be (T, H, W, C); got a 3-D tensor (add the frame axis)")
+    if frames.dim() != 4:
+        raise SeedVR2InputError(f"frames must be (T, H, W, C), got shape {tuple(frames.shape)}")
+    if frames.shape[0] == 0:
+        raise SeedVR2InputError("no frames to upscale: the image batch is empty (0 frames).")
+    if frames.shape[-1] not in (3, 4):
+        raise SeedVR2InputError(f"frames must have 3 (RGB) or 4 (RGBA) channels, got {frames.shape[-1]}")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What one upscale run works on (``plan``): exact output size, the size the models see, the temporal chunks
+    with their blend weights, and the VAE tiling settings."""
+    frames: int                            # input frames
+    target: tuple[int, int]                # (th, tw): the returned frames' size
+    model: tuple[int, int]                 # (ph, pw): target rounded up to SIZE_MULTIPLE, what the VAE encodes
+    chunks: list[tuple[int, int]]          # half-open frame ranges (plan_chunks)
+    weights: list[torch.Tensor]            # per-chunk frame blend weights (chunk_blend_weights)
+    tiling: VAETiling
+
+    @property
+    def chunk_frames(self) -> int:
+        """Frames of the longest chunk (the first), before padding to 4n+1."""
+        s, e = self.chunks[0]
+        return e - s
+
+    def vae_tiles(self, kind: str, free_bytes: Callable[[], Optional[int]], dtype: torch.dtype,
+                  config) -> tuple[int, int]:
+        """(tile, overlap) of one VAE ``kind`` ("encode" / "decode") call on a model-size frame, as
+        ``vae/tiling.py``'s ``plan_tiles`` decides from these settings and ``free_bytes()`` at that moment."""
+        t = self.tiling
+        tile = t.encode_tile if kind == "encode" else t.decode_tile
+        mode = t.encode if kind == "encode" else t.decode
+        return plan_tiles(kind, mode, tile, t.overlap, self.model[0], self.model[1], free_bytes, dtype, config)
+
+
+def plan(frames: torch.Tensor, settings: UpscaleSettings) -> RunPlan:
+    """Checks ``frames`` (T, H, W, C) and ``settings`` (SeedVR2InputError saying what to change) and computes the
+    run's sizes, chunks and tiling settings; touches no model."""
+    s = settings
+    _check_frames(frames)
+    if s.color_correction not in COLOR_CORRECTION_MODES:
+        raise SeedVR2InputError(f"color_correction must be one of {', '.join(COLOR_CORRECTION_MODES)}, "
+                                f"got {s.color_correction!r}")
+    T, H, W, _ = frames.shape
+    target = compute_target_size(H, W, s.resolution, s.scale_factor, s.max_resolution)
+    chunks = plan_chunks(T, s.batch_size, s.temporal_overlap)
+    return RunPlan(T, target, model_size(*target), chunks, chunk_blend_weights(chunks, s.temporal_overlap), s.tiling)
+
+
 # ------------------------------------------------------------------------------------------- helpers
 def resize_frames(x: torch.Tensor, th: int, tw: int) -> torch.Tensor:
     """(N, C, H, W) in [0, 1] -> (N, C, th, tw), bicubic (antialiased when shrinking), clamped."""
@@ -209,29 +262,8 @@ def pad_frames_4n1(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return torch.cat([x, last.repeat(*reps)], dim=dim)
 
 
-def _param_dtype(module, default=torch.float32):
-    try:
-        return next(module.parameters()).dtype
-    except (StopIteration, AttributeError, TypeError):
-        return default
-
-
 def _seed_generator(seed: int, offset: int = 0) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed((int(seed) + offset) % (2 ** 64))
-
-
-def _call_with_optional(fn, *args, should_stop=None, **kwargs):
-    """Pass ``should_stop`` only to callables that take it."""
-    if should_stop is not None:
-        try:
-            import inspect
-            target = fn.forward if isinstance(fn, torch.nn.Module) else fn
-            params = inspect.signature(target).parameters
-            if "should_stop" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
-                kwargs["should_stop"] = should_stop
-        except (TypeError, ValueError):
-            pass
-    return fn(*args, **kwargs)
 
 
 class SeedVR2Cancelled(RuntimeError):
@@ -251,124 +283,21 @@ def _stop_checker(should_stop):
     return check
 
 
-def _split_posterior(out) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accept the usual shapes of an encoder result: (mean, logvar), an object with ``posterior`` /
-    ``latent_dist`` / ``mean``+``logvar``, or a 32-channel moments tensor."""
-    if isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out):
-        return out[0], out[1]
-    for attr in ("posterior", "latent_dist"):
-        if hasattr(out, attr):
-            out = getattr(out, attr)
-            break
-    if hasattr(out, "mean") and hasattr(out, "logvar") and not isinstance(out, torch.Tensor):
-        return out.mean, out.logvar
-    if isinstance(out, dict) and "mean" in out:
-        return out["mean"], out["logvar"]
-    if isinstance(out, torch.Tensor) and out.shape[1] == 2 * LATENT_CHANNELS:
-        mean, logvar = out.chunk(2, dim=1)
-        return mean, logvar.clamp(-30.0, 20.0)
-    raise TypeError(f"cannot read mean/logvar from the VAE encode result of type {type(out).__name__}")
-
-
-def _decoded_tensor(out) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    for attr in ("sample", "decoded"):
-        if hasattr(out, attr):
-            return getattr(out, attr)
-    if isinstance(out, (tuple, list)):
-        return out[0]
-    raise TypeError(f"cannot read pixels from the VAE decode result of type {type(out).__name__}")
-
-
-# ------------------------------------------------------------------------------------------- tiling
-def estimate_vae_bytes(pixels: int, frames: int, encode: bool, dtype=torch.bfloat16) -> int:
-    """Rough peak activation memory of the real VAE (128..512 channels) for ``frames`` frames of
-    ``pixels`` pixels; the VAE processes at most ~5 frames at a time (causal slicing)."""
-    per_pixel = 900 if encode else 1500           # bytes per pixel-frame at 2 bytes/element
-    scale = torch.finfo(dtype).bits / 16
-    return int(pixels * min(frames, 5) * per_pixel * scale)
-
-
-def choose_tile_size(height: int, width: int, frames: int, free_bytes: Optional[int], encode: bool,
-                     dtype=torch.bfloat16, fraction: float = 0.6) -> int:
-    """Tile edge (pixels, multiple of 64, >= 256) whose estimated memory fits into ``fraction`` of
-    ``free_bytes``; 0 means "no tiling needed"."""
-    if free_bytes is None:
-        return 0
-    budget = free_bytes * fraction
-    if estimate_vae_bytes(height * width, frames, encode, dtype) <= budget:
-        return 0
-    per_pixel = estimate_vae_bytes(1, frames, encode, dtype)
-    edge = int(math.sqrt(max(budget, 1) / max(per_pixel, 1)))
-    return max(256, (edge // 64) * 64)
-
-
-def _tile_starts(length: int, tile: int, overlap: int) -> list[int]:
-    if length <= tile:
-        return [0]
-    stride = max(tile - overlap, 1)
-    starts = list(range(0, length - tile, stride))
-    starts.append(length - tile)
-    return sorted(set(starts))
-
-
-def _ramp_mask(size: int, lo: bool, hi: bool, ramp: int, device, dtype) -> torch.Tensor:
-    w = torch.ones(size, device=device, dtype=dtype)
-    if ramp > 0:
-        r = torch.arange(1, ramp + 1, device=device, dtype=dtype) / (ramp + 1)
-        ramp = min(ramp, size)
-        if lo:
-            w[:ramp] = torch.minimum(w[:ramp], r[:ramp])
-        if hi:
-            w[size - ramp:] = torch.minimum(w[size - ramp:], r[:ramp].flip(0))
-    return w
-
-
-def tiled_spatial(fn, x: torch.Tensor, tile: int, overlap: int, scale: float, out_channels: int) -> torch.Tensor:
-    """Apply ``fn`` to overlapping spatial tiles of ``x`` (..., H, W) and blend linearly.
-
-    ``tile``/``overlap`` are in input units (multiples of the 8x factor for the encoder); ``scale``
-    is output/input size (1/8 for encode, 8 for decode). ``fn`` returns (B, out_channels, T', h, w).
-    """
-    H, W = x.shape[-2:]
-    ys, xs = _tile_starts(H, tile, overlap), _tile_starts(W, tile, overlap)
-    out = weight = None
-    for y0 in ys:
-        for x0 in xs:
-            y1, x1 = min(y0 + tile, H), min(x0 + tile, W)
-            res = fn(x[..., y0:y1, x0:x1])
-            if out is None:
-                shape = list(res.shape)
-                shape[-2], shape[-1] = int(round(H * scale)), int(round(W * scale))
-                out = torch.zeros(shape, device=res.device, dtype=torch.float32)
-                weight = torch.zeros(shape[-2:], device=res.device, dtype=torch.float32)
-            oy0, ox0 = int(round(y0 * scale)), int(round(x0 * scale))
-            oh, ow = res.shape[-2:]
-            ramp = int(round(overlap * scale))
-            my = _ramp_mask(oh, y0 > 0, y1 < H, ramp, res.device, torch.float32)
-            mx = _ramp_mask(ow, x0 > 0, x1 < W, ramp, res.device, torch.float32)
-            m = my[:, None] * mx[None, :]
-            out[..., oy0:oy0 + oh, ox0:ox0 + ow] += res.float() * m
-            weight[oy0:oy0 + oh, ox0:ox0 + ow] += m
-    return out / weight
-
-
 # ------------------------------------------------------------------------------------------- model calls
 class SeedVR2Runner:
-    """Runs the models; ``dit``/``vae`` are torch modules with the interfaces of ``models/seedvr2``."""
+    """Runs the models: ``dit`` a ``models.seedvr2.dit.NaDiT``, ``vae`` a ``models.seedvr2.vae.VideoAutoencoder``."""
 
     def __init__(self, dit, vae, text_embedding: torch.Tensor, device=None, dit_dtype=None, vae_dtype=None,
                  offload_device="cpu", should_stop: Optional[Callable[[], None]] = None,
                  free_memory: Optional[Callable[[], int]] = None):
         self.dit, self.vae = dit, vae
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.dit_dtype = dit_dtype or _param_dtype(dit)
-        self.vae_dtype = vae_dtype or _param_dtype(vae)
+        self.dit_dtype = dit_dtype or next(dit.parameters()).dtype
+        self.vae_dtype = vae_dtype or vae.dtype
         self.offload_device = torch.device(offload_device)
         self.should_stop = _stop_checker(should_stop)
         self.free_memory = free_memory
-        self.scaling_factor = float(getattr(vae, "scaling_factor", DEFAULT_SCALING_FACTOR))
+        self.scaling_factor = float(vae.scaling_factor)
         if text_embedding is None:
             raise SeedVR2InputError("SeedVR2 needs the positive text embedding (pos_emb); none was given.")
         self.txt = text_embedding
@@ -377,94 +306,37 @@ class SeedVR2Runner:
     def _autocast(self, dtype):
         if self.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
             return torch.autocast("cuda", dtype=dtype)
-        import contextlib
         return contextlib.nullcontext()
 
-    def _free_bytes(self) -> Optional[int]:
+    def free_bytes(self) -> Optional[int]:
+        """Free device memory now (the caller's ``free_memory`` if given), None where unknown (CPU)."""
         if self.free_memory is not None:
             return int(self.free_memory())
         if self.device.type == "cuda" and torch.cuda.is_available():
             return int(torch.cuda.mem_get_info(self.device)[0])
         return None
 
-    def _tile_for(self, mode: str, given: int, h: int, w: int, frames: int, encode: bool) -> int:
-        """Tile edge in pixels (multiple of 16) or 0 for no tiling."""
-        if mode == "off":
-            return 0
-        if given and given > 0:
-            tile = given
-        else:
-            free = self._free_bytes()
-            if free is None:
-                tile = 0 if mode == "auto" else 512
-            else:
-                tile = self._auto_tile(free, h, w, frames, encode)
-        if tile <= 0:
-            return 0
-        tile = max(SIZE_MULTIPLE * 2, (tile // SIZE_MULTIPLE) * SIZE_MULTIPLE)
-        return 0 if (tile >= h and tile >= w) else tile
-
-    def _auto_tile(self, free: int, h: int, w: int, frames: int, encode: bool) -> int:
-        cfg = getattr(self.vae, "config", None)
-        if cfg is not None and hasattr(cfg, "block_out_channels"):
-            try:  # the VAE's own estimate (models/seedvr2/vae/tiling.py)
-                from .vae.tiling import choose_tile_size as vae_choose
-                tile, _ = vae_choose(free, "encode" if encode else "decode", self.vae_dtype, cfg)
-                return tile if encode else tile * SPATIAL_FACTOR
-            except ImportError:
-                pass
-        return choose_tile_size(h, w, frames, free, encode, self.vae_dtype)
-
-    def encode(self, x: torch.Tensor, tiling: VAETiling) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (1, 3, T, H, W) in [-1, 1] -> mean, logvar (1, 16, t, H/8, W/8), float32."""
+    def encode(self, x: torch.Tensor, tile: int = 0, overlap: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (1, 3, T, H, W) in [-1, 1] -> mean, logvar (1, 16, t, H/8, W/8), float32; spatial tiles of ``tile``
+        pixels overlapping by ``overlap`` when ``tile`` > 0."""
         x = x.to(self.device, self.vae_dtype)
-        H, W = x.shape[-2:]
-        tile = self._tile_for(tiling.encode, tiling.encode_tile, H, W, x.shape[2], True)
-        vae = self.vae
+        self.should_stop()
+        with torch.no_grad(), self._autocast(self.vae_dtype):
+            if tile:
+                post = self.vae.encode_tiled(x, tile, overlap, should_stop=self.should_stop)
+            else:
+                post = self.vae.encode(x, should_stop=self.should_stop)
+        return post.mean.float(), post.logvar.float()
 
-        def enc(t):
-            self.should_stop()
-            with torch.no_grad(), self._autocast(self.vae_dtype):
-                mean, logvar = _split_posterior(_call_with_optional(vae.encode, t, should_stop=self.should_stop))
-            return torch.cat([mean.float(), logvar.float()], dim=1)
-
-        if tile:
-            overlap = min(max(0, (tiling.overlap // SIZE_MULTIPLE) * SIZE_MULTIPLE), tile // 2)
-            if hasattr(vae, "encode_tiled"):  # models/seedvr2/vae: tile/overlap in pixels
-                with torch.no_grad(), self._autocast(self.vae_dtype):
-                    mean, logvar = _split_posterior(vae.encode_tiled(x, tile, overlap, should_stop=self.should_stop))
-                return mean.float(), logvar.float()
-            moments = tiled_spatial(enc, x, tile, overlap, 1.0 / SPATIAL_FACTOR, 2 * LATENT_CHANNELS)
-        else:
-            moments = enc(x)
-        mean, logvar = moments.chunk(2, dim=1)
-        return mean, logvar
-
-    def decode(self, z: torch.Tensor, tiling: VAETiling) -> torch.Tensor:
-        """z (1, 16, t, h, w) (unscaled) -> pixels (1, 3, 4(t-1)+1, 8h, 8w) in about [-1, 1] (VAE dtype)."""
+    def decode(self, z: torch.Tensor, tile: int = 0, overlap: int = 0) -> torch.Tensor:
+        """z (1, 16, t, h, w) (unscaled) -> pixels (1, 3, 4(t-1)+1, 8h, 8w) in about [-1, 1]; spatial tiles of
+        ``tile`` latents overlapping by ``overlap`` when ``tile`` > 0."""
         z = z.to(self.device, self.vae_dtype)
-        h, w = z.shape[-2:]
-        tile = self._tile_for(tiling.decode, tiling.decode_tile, h * SPATIAL_FACTOR, w * SPATIAL_FACTOR,
-                              4 * (z.shape[2] - 1) + 1, False)
-        vae = self.vae
-
-        def dec(t):
-            self.should_stop()
-            with torch.no_grad(), self._autocast(self.vae_dtype):
-                out = _decoded_tensor(_call_with_optional(vae.decode, t, should_stop=self.should_stop))
-            if out.dim() == 4:  # single frame: the wrapper squeezes time
-                out = out.unsqueeze(2)
-            return out
-
-        if tile:
-            tl = tile // SPATIAL_FACTOR
-            ol = min(max(0, tiling.overlap // SPATIAL_FACTOR), tl // 2)
-            if hasattr(vae, "decode_tiled"):  # models/seedvr2/vae: tile/overlap in latents
-                with torch.no_grad(), self._autocast(self.vae_dtype):
-                    out = _decoded_tensor(vae.decode_tiled(z, tl, ol, should_stop=self.should_stop))
-                return out.unsqueeze(2) if out.dim() == 4 else out
-            return tiled_spatial(dec, z, tl, ol, float(SPATIAL_FACTOR), 3)
-        return dec(z)
+        self.should_stop()
+        with torch.no_grad(), self._autocast(self.vae_dtype):
+            if tile:
+                return self.vae.decode_tiled(z, tile, overlap, should_stop=self.should_stop)
+            return self.vae.decode(z, should_stop=self.should_stop)
 
     def dit_step(self, lq_latent: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """One Euler step at t = 1000. lq_latent, noise: (t, h, w, 16) -> x_0 (t, h, w, 16) float32."""
@@ -479,29 +351,13 @@ class SeedVR2Runner:
         txt_shape = torch.tensor([[txt.shape[0]]], dtype=torch.long, device=dev)
         timestep = torch.tensor([TIMESTEP], device=dev, dtype=dt)
         with torch.no_grad(), self._autocast(dt):
-            out = _call_with_optional(self.dit, vid=vid, txt=txt, vid_shape=vid_shape, txt_shape=txt_shape,
-                                      timestep=timestep, should_stop=self.should_stop)
-        v = getattr(out, "vid_sample", out)
-        if isinstance(v, (tuple, list)):
-            v = v[0]
+            v = self.dit(vid=vid, txt=txt, vid_shape=vid_shape, txt_shape=txt_shape, timestep=timestep,
+                         should_stop=self.should_stop)
         v = v.float().reshape(t, h, w, c)
         return x_t - (TIMESTEP / 1000.0) * v
 
 
 # ------------------------------------------------------------------------------------------- main entry
-def _check_frames(frames: torch.Tensor) -> None:
-    if not isinstance(frames, torch.Tensor):
-        raise SeedVR2InputError(f"frames must be a torch tensor (T, H, W, C), got {type(frames).__name__}")
-    if frames.dim() == 3:
-        raise SeedVR2InputError("frames must be (T, H, W, C); got a 3-D tensor (add the frame axis)")
-    if frames.dim() != 4:
-        raise SeedVR2InputError(f"frames must be (T, H, W, C), got shape {tuple(frames.shape)}")
-    if frames.shape[0] == 0:
-        raise SeedVR2InputError("no frames to upscale: the image batch is empty (0 frames).")
-    if frames.shape[-1] not in (3, 4):
-        raise SeedVR2InputError(f"frames must have 3 (RGB) or 4 (RGBA) channels, got {frames.shape[-1]}")
-
-
 def upscale(frames: torch.Tensor, dit, vae, text_embedding: torch.Tensor, settings: UpscaleSettings = None,
             device=None, dit_dtype=None, vae_dtype=None, offload_device="cpu", output_device="cpu",
             should_stop: Optional[Callable[[], None]] = None,
@@ -510,21 +366,15 @@ def upscale(frames: torch.Tensor, dit, vae, text_embedding: torch.Tensor, settin
             free_memory: Optional[Callable[[], int]] = None, frame_group: int = 8) -> torch.Tensor:
     """Upscale ``frames`` (T, H, W, C in [0, 1], C = 3 or 4) -> (T, th, tw, C) float32 on ``output_device``.
 
-    ``should_stop()`` is called between chunks/tiles (and handed to the models when they accept it);
+    ``should_stop()`` is called between chunks/tiles (and handed to the models);
     it must raise to stop (or return True). ``progress(done, total)`` is called after each chunk of each
     phase. ``frame_group``: frames resized / colour-corrected at a time (bounds device temporaries).
     """
     s = settings or UpscaleSettings()
     hooks = hooks or PipelineHooks()
-    _check_frames(frames)
-    if s.color_correction not in COLOR_CORRECTION_MODES:
-        raise SeedVR2InputError(f"color_correction must be one of {', '.join(COLOR_CORRECTION_MODES)}, "
-                                f"got {s.color_correction!r}")
+    p = plan(frames, s)
     T, H, W, C = frames.shape
-    th, tw = compute_target_size(H, W, s.resolution, s.scale_factor, s.max_resolution)
-    ph, pw = model_size(th, tw)
-    chunks = plan_chunks(T, s.batch_size, s.temporal_overlap)
-    weights = chunk_blend_weights(chunks, s.temporal_overlap)
+    (th, tw), (ph, pw), chunks, weights = p.target, p.model, p.chunks, p.weights
     runner = SeedVR2Runner(dit, vae, text_embedding, device, dit_dtype, vae_dtype, offload_device,
                            should_stop, free_memory)
     stop = runner.should_stop
@@ -564,7 +414,7 @@ def upscale(frames: torch.Tensor, dit, vae, text_embedding: torch.Tensor, settin
     for ci, (s0, e0) in enumerate(chunks):
         stop()
         x = vae_input(s0, e0)
-        mean, logvar = runner.encode(x, s.tiling)
+        mean, logvar = runner.encode(x, *p.vae_tiles("encode", runner.free_bytes, runner.vae_dtype, vae.config))
         g = _seed_generator(s.seed, 1)
         eps = torch.randn(mean.shape, generator=g, dtype=torch.float32).to(mean.device)
         z = (mean + torch.exp(0.5 * logvar) * eps) * runner.scaling_factor
@@ -593,7 +443,8 @@ def upscale(frames: torch.Tensor, dit, vae, text_embedding: torch.Tensor, settin
     for ci, ((s0, e0), x0) in enumerate(zip(chunks, samples)):
         stop()
         z = (x0.to(dev) / runner.scaling_factor).permute(3, 0, 1, 2).unsqueeze(0)  # (1, 16, t, h, w)
-        px = runner.decode(z, s.tiling)[0]                                          # (3, T', ph, pw)
+        tiles = p.vae_tiles("decode", runner.free_bytes, runner.vae_dtype, vae.config)
+        px = runner.decode(z, *tiles)[0]                                            # (3, T', ph, pw)
         n = e0 - s0
         if px.shape[1] < n:
             raise RuntimeError(f"VAE decoded {px.shape[1]} frames for a chunk of {n}")

@@ -165,8 +165,6 @@ def test_models_registered_with_comfy_and_freed(comfy_inprocess, tiny):
 
 
 def test_blockswap_socket_accepts_the_blockswap_node(comfy_inprocess, tiny):
-    if "SeedVR2BW_BlockSwap" not in comfy_inprocess.node_classes:
-        pytest.skip("BlockSwap node not available")
     wf, prompt = _run_with(comfy_inprocess)
     prompt["99"] = {"class_type": "SeedVR2BW_BlockSwap",
                     "inputs": {"blocks_to_swap": 2, "prefetch": 1, "buffers": 2, "swap_io_components": False,

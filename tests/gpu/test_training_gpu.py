@@ -17,14 +17,14 @@ def _rel(a, b):
 def test_fp8_linear_forward_and_input_grad():
     from seedvr2bw.optimization.hardware import get_policy
     from seedvr2bw.optimization.nvfp4.format import quantize_fp8_per_tensor
-    from seedvr2bw.training.quant import _FP8LinearFn
+    from seedvr2bw.training.quant import FP8LinearFn
     dev = torch.device("cuda")
     torch.manual_seed(0)
     w = torch.randn(3072, 3072, device=dev, dtype=torch.bfloat16) / 55
     x = torch.randn(2, 512, 3072, device=dev, dtype=torch.bfloat16, requires_grad=True)
     q, s = quantize_fp8_per_tensor(w)
     tc = get_policy(dev).fp8_gemm
-    y = _FP8LinearFn.apply(x, q, s, None, tc)
+    y = FP8LinearFn.apply(x, q, s, None, tc)
     g = torch.randn_like(y)
     y.backward(g)
     xr = x.detach().float().requires_grad_(True)
@@ -34,7 +34,7 @@ def test_fp8_linear_forward_and_input_grad():
     assert _rel(x.grad, xr.grad) < 0.08
     print("fp8 tensorcores:", tc, "fwd rel", _rel(y, yr), "dgrad rel", _rel(x.grad, xr.grad))
     x1 = torch.randn(1, 1, 3072, device=dev, dtype=torch.bfloat16)  # modulation-style M=1 (padded to 16)
-    assert _rel(_FP8LinearFn.apply(x1, q, s, None, tc), x1.float() @ w.float().t()) < 0.06
+    assert _rel(FP8LinearFn.apply(x1, q, s, None, tc), x1.float() @ w.float().t()) < 0.06
 
 
 def test_nvfp4_roundtrip():
@@ -145,7 +145,7 @@ def test_selective_checkpointing_matches_full_on_cuda(tmp_path, mode, monkeypatc
 
         def check(tr, sel=sel):
             n = len(tr.dm.double_blocks) + len(tr.dm.single_blocks)
-            assert list(tr.forward._selective_n.values()) == ([n] if sel == "on" else [])
+            assert list(tr.forward.selective_by_shape.values()) == ([n] if sel == "on" else [])
             assert tr.graphed is not None and tr.graphed.failed is None
         runs[sel] = _train_and_collect(tr, cfg.steps, check)
     _same_training(runs["on"], runs["off"], 1e-2, 1e-2, f"{mode} selective vs full:")

@@ -84,10 +84,6 @@ class DiTConfig:
         # rotary-embedding-torch on one axis of dim d = rope_dim // 3 keeps d // 2 frequencies
         return (self.rope_dim // 3) // 2
 
-    @property
-    def rope_rotated_dims(self) -> int:
-        return 3 * 2 * self.rope_freqs_count
-
     def shared(self, i: int) -> bool:
         """3B blocks >= mm_layers share one weight set between video and text."""
         return self.variant == "3b" and i >= self.mm_layers

@@ -18,6 +18,8 @@ from typing import Dict, Mapping, Optional, Union
 
 import torch
 
+from ....optimization.hardware import get_policy
+from ....optimization.nvfp4.linear import replace_linears
 from .config import DiTConfig
 from .nadit import NaDiT
 from .rope import lang_freqs, pixel_freqs
@@ -32,10 +34,6 @@ _CORE_KEYS = ("vid_in.proj.weight", "txt_in.weight", "emb_in.proj_out.weight")
 
 class DiTCheckpointError(ValueError):
     """The file is not a SeedVR2 DiT checkpoint (or not a complete one)."""
-
-
-class DiTFormatNotSupported(NotImplementedError):
-    """The checkpoint stores a weight format this build cannot load."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -236,21 +234,8 @@ def load_dit(
 
     linear_names = set()
     if is_quantized(sd):
-        try:
-            from ....optimization.nvfp4.linear import replace_linears
-        except ImportError as exc:
-            raise DiTFormatNotSupported(
-                f"{source}: the checkpoint stores fp8/NVFP4 linear weights, which need "
-                f"optimization.nvfp4.linear.replace_linears; it is not available in this build ({exc}). "
-                f"Use an fp16/bf16 checkpoint."
-            ) from exc
         if policy is None:
-            try:
-                from ....optimization.hardware import get_policy
-
-                policy = get_policy(torch.device(device))
-            except Exception as exc:  # noqa: BLE001 - fall back to the format's own choice
-                _log.warning("no hardware policy (%s); quantized linears use their automatic path", exc)
+            policy = get_policy(torch.device(device))
         report = replace_linears(model, sd, policy, keep_high_precision=keep_high_precision,
                                  dtype=dtype or torch.bfloat16)
         if report.get("missing"):

@@ -69,14 +69,6 @@ def modulate_in(x, e: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, le
     return torch.addcmul(b, x, s, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
 
 
-def modulate_gate(x, e: torch.Tensor, gate: torch.Tensor, lens) -> torch.Tensor:
-    """x*(e_gate + gate)."""
-    g = _per_token(e.float()[..., 2] + gate.float(), lens)
-    if _exact(x):
-        return x * g.to(x.dtype)
-    return torch.mul(x, g, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
-
-
 def gated_residual(res: torch.Tensor, x: torch.Tensor, e: torch.Tensor, gate: torch.Tensor, lens) -> torch.Tensor:
     """res + x*(e_gate + gate): the "out" modulation followed by the residual add."""
     g = _per_token(e.float()[..., 2] + gate.float(), lens)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ....optimization.attention import resolve_backend
+from ....optimization.blockswap import ResidentRunner
 from .attention import AttentionContext
 from .block import MMSRBlock
 from .config import DiTConfig
@@ -31,17 +32,6 @@ from .modulation import OutAda, modulate_in, split_embedding
 from .norm import RMSNorm
 from .rope import lang_freqs, make_rope_table, pixel_freqs, text_angles, video_angles
 from .window import build_joint_layout
-
-try:  # the block runners belong to optimization/blockswap (another part of the pack)
-    from ....optimization.blockswap import ResidentRunner  # type: ignore[attr-defined]
-except ImportError:
-    try:
-        from ....optimization.blockswap.resident import ResidentRunner  # type: ignore
-    except ImportError:
-        class ResidentRunner:  # minimal stand-in: yields the blocks as they are
-            def iterate(self, blocks):
-                return iter(blocks)
-
 
 class DiTInterrupted(RuntimeError):
     """Raised between blocks when ``should_stop()`` returns True."""
@@ -97,14 +87,16 @@ class NaDiT(nn.Module):
         self.clear_cache()
         return super().load_state_dict(*args, **kwargs)
 
-    def _dtype(self) -> torch.dtype:
+    def run_dtype(self) -> torch.dtype:
+        """The dtype the forward computes in: ``compute_dtype``, else the float dtype of the weights (bf16 for
+        quantized ones)."""
         if self.compute_dtype is not None:
             return self.compute_dtype
         dt = self.vid_in.proj.weight.dtype
         return dt if dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64) else torch.bfloat16
 
     # ---- per-shape precomputation ---------------------------------------------------------------
-    def _rope_freqs(self, method: str) -> torch.Tensor:
+    def rope_freqs(self) -> torch.Tensor:
         """The RoPE frequencies, computed from the config in fp32. The per-block ``rope.rope.freqs``
         buffers hold the same constants (kept for the checkpoint keys; the loader checks them). Reading
         the constants here, not a block buffer, keeps the tables valid while a block runner has the
@@ -123,7 +115,7 @@ class NaDiT(nn.Module):
         ctx = {}
         for method in dict.fromkeys(self.config.window_methods):
             lay = build_joint_layout(grids, txt_lens, method, self.config.window, device)
-            freqs = self._rope_freqs(method)
+            freqs = self.rope_freqs()
             vid_rope = make_rope_table(video_angles(kind, freqs, lay.coords, lay.sizes, lay.txt_offset), device)
             txt_rope = None
             if kind == "mmrope3d":
@@ -142,7 +134,7 @@ class NaDiT(nn.Module):
         ``block{i}.vid``, ``block{i}.txt``, ``vid_out_in``) without changing the computation."""
         should_stop = should_stop if should_stop is not None else self.should_stop
         device = vid.device
-        dtype = self._dtype()
+        dtype = self.run_dtype()
         shapes = [tuple(int(v) for v in s) for s in vid_shape.tolist()]
         txt_lens = [int(s[0]) for s in txt_shape.tolist()]
         pt, ph, pw = self.config.patch_size

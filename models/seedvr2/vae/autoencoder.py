@@ -4,7 +4,7 @@ API used by the pipeline:
   vae.encode(x)  x (B, 3, T, H, W) in [-1, 1], T = 4n + 1  ->  LatentDistribution (mean, logvar), each
                  (B, 16, (T-1)/4 + 1, H/8, W/8); `mean, logvar = vae.encode(x)` also works.
   vae.decode(z)  z (B, 16, t, h, w)  ->  (B, 3, 4(t-1) + 1, 8h, 8w). A 4-D z (B, 16, h, w) gives a 4-D image.
-  vae.encode_tiled / vae.decode_tiled: spatial tiles with linear blending (tiling.py).
+  vae.encode_tiled / vae.decode_tiled: spatial tiles with linear blending (tiling.py, the pack's one VAE tiler).
   vae.scaling_factor (0.9152): the pipeline multiplies latents by it after encode and divides before decode.
 Every entry point takes `should_stop`, a callable checked between temporal chunks and tiles; when it returns
 True, `VAECancelled` is raised.
@@ -12,51 +12,18 @@ True, `VAECancelled` is raised.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
+from . import tiling
 from .causal_conv import GIB, CausalConv3d, TemporalCache
 from .config import SEEDVR2_VAE, VAEConfig
 from .decoder import Decoder3D
 from .encoder import Encoder3D
+from .posterior import LatentDistribution, check_stop
 from .resnet import ResnetBlock3D
-
-
-class VAECancelled(RuntimeError):
-    """Raised when `should_stop()` returned True between two chunks or tiles."""
-
-
-def check_stop(should_stop: Optional[Callable[[], bool]]) -> None:
-    if should_stop is not None and should_stop():
-        raise VAECancelled("VAE run cancelled")
-
-
-class LatentDistribution:
-    """Diagonal Gaussian posterior (diffusers `DiagonalGaussianDistribution`): moments split into mean (first half
-    of the channels) and logvar (second half), logvar clamped to [-30, 20]."""
-
-    def __init__(self, moments: torch.Tensor):
-        self.moments = moments
-        c = moments.shape[1] // 2
-        self.mean = moments[:, :c]
-        self.logvar = moments[:, c:].clamp(-30.0, 20.0)
-
-    @property
-    def std(self) -> torch.Tensor:
-        return torch.exp(0.5 * self.logvar)
-
-    def sample(self, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """mean + std * N(0, 1): what the official pipeline uses as the LQ latent (docs/SPEC.md §5, §6 step 4)."""
-        noise = torch.randn(self.mean.shape, generator=generator, device=self.mean.device, dtype=self.mean.dtype)
-        return self.mean + self.std * noise
-
-    def mode(self) -> torch.Tensor:
-        return self.mean
-
-    def __iter__(self):
-        return iter((self.mean, self.logvar))
 
 
 def temporal_chunks(length: int, first: int, step: Optional[int]) -> list:
@@ -78,17 +45,11 @@ class VideoAutoencoder(nn.Module):
         self.decoder = Decoder3D(config)
         self.split_size = config.split_size
         self.set_memory_limit(config.conv_max_mem, config.norm_max_mem)
-        # Tiling defaults used by encode/decode when `tiling` is set (see set_tiling).
-        self.tiling = None
 
     # ---------------------------------------------------------------- properties and settings
     @property
     def scaling_factor(self) -> float:
         return self.config.scaling_factor
-
-    @property
-    def shift_factor(self) -> float:
-        return self.config.shift_factor
 
     @property
     def spatial_factor(self) -> int:
@@ -121,12 +82,6 @@ class VideoAutoencoder(nn.Module):
         if split_size is not None and split_size % self.temporal_factor:
             raise ValueError(f"split_size must be a multiple of {self.temporal_factor}, got {split_size}")
         self.split_size = split_size
-
-    def set_tiling(self, encode_tile: Optional[int] = None, encode_overlap: int = 64,
-                   decode_tile: Optional[int] = None, decode_overlap: int = 8) -> None:
-        """Make encode/decode tile spatially (encode tile/overlap in pixels, decode in latents); None = off."""
-        self.tiling = dict(encode_tile=encode_tile, encode_overlap=encode_overlap,
-                           decode_tile=decode_tile, decode_overlap=decode_overlap)
 
     # ---------------------------------------------------------------- chunked cores
     def _frames_check(self, t: int) -> None:
@@ -163,8 +118,6 @@ class VideoAutoencoder(nn.Module):
     # ---------------------------------------------------------------- public API
     @torch.no_grad()
     def encode(self, x: torch.Tensor, should_stop=None) -> LatentDistribution:
-        if self.tiling and self.tiling.get("encode_tile"):
-            return self.encode_tiled(x, self.tiling["encode_tile"], self.tiling["encode_overlap"], should_stop)
         if x.ndim == 4:
             x = x.unsqueeze(2)
         chunks = [h for _, h in self.iter_encode(x, should_stop)]
@@ -173,9 +126,6 @@ class VideoAutoencoder(nn.Module):
 
     @torch.no_grad()
     def decode(self, z: torch.Tensor, should_stop=None, output_device=None, output_dtype=None) -> torch.Tensor:
-        if self.tiling and self.tiling.get("decode_tile"):
-            return self.decode_tiled(z, self.tiling["decode_tile"], self.tiling["decode_overlap"], should_stop,
-                                     output_device=output_device, output_dtype=output_dtype)
         squeeze = z.ndim == 4
         if squeeze:
             z = z.unsqueeze(2)
@@ -191,10 +141,8 @@ class VideoAutoencoder(nn.Module):
         return out.squeeze(2) if squeeze else out
 
     def encode_tiled(self, x, tile=512, overlap=64, should_stop=None) -> LatentDistribution:
-        from .tiling import encode_tiled
-        return encode_tiled(self, x, tile, overlap, should_stop)
+        return tiling.encode_tiled(self, x, tile, overlap, should_stop)
 
     def decode_tiled(self, z, tile=64, overlap=8, should_stop=None, output_device=None, output_dtype=None):
-        from .tiling import decode_tiled
-        return decode_tiled(self, z, tile, overlap, should_stop, output_device=output_device,
-                            output_dtype=output_dtype)
+        return tiling.decode_tiled(self, z, tile, overlap, should_stop, output_device=output_device,
+                                   output_dtype=output_dtype)

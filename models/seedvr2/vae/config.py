@@ -7,7 +7,7 @@ tensors. The GroupNorm group count is the one thing no tensor records, so it mus
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple
 
 
@@ -39,9 +39,6 @@ class VAEConfig:
     @property
     def temporal_factor(self) -> int:
         return 2 ** self.temporal_scale_num
-
-    def with_(self, **kw) -> "VAEConfig":
-        return replace(self, **kw)
 
 
 # The released SeedVR2 VAE (250,648,227 parameters, docs/SPEC.md §0).

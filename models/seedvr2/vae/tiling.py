@@ -16,13 +16,13 @@ that may live on another device (e.g. CPU), so peak device memory does not grow 
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .autoencoder import LatentDistribution, check_stop
 from .causal_conv import GIB
 from .config import SEEDVR2_VAE, VAEConfig
+from .posterior import LatentDistribution, check_stop
 
 Pair = Union[int, Tuple[int, int]]
 
@@ -206,3 +206,38 @@ def choose_tile_size(free_vram_bytes: int, mode: str = "decode", dtype: torch.dt
         tile = min(tile, max_tile) if max_tile else tile
         return tile, max(2 * s, (tile // 4) // s * s)
     raise ValueError(f"mode must be 'decode' or 'encode', got {mode!r}")
+
+
+def plan_tiles(kind: str, mode: str, tile_px: int, overlap_px: int, height: int, width: int,
+               free_bytes: Callable[[], Optional[int]], dtype: torch.dtype = torch.bfloat16,
+               config: VAEConfig = SEEDVR2_VAE) -> Tuple[int, int]:
+    """The tiling of one `kind` ("encode" / "decode") call on a height x width pixel frame: (tile, overlap) in the
+    units of encode_tiled (pixels) / decode_tiled (latents), (0, 0) for none.
+
+    `mode` "off": none. A given `tile_px` > 0 is used as it is; otherwise the tile comes from `free_bytes()` (asked
+    only then) through choose_tile_size, and where free memory is unknown (None) "auto" does not tile and "on" uses
+    512 px. Tiles are whole 2x2 latent patches (multiples of 16 px, at least 32); a tile covering the frame means no
+    tiling. The overlap is `overlap_px` rounded down to the tile's unit, at most half a tile.
+    """
+    if mode == "off":
+        return 0, 0
+    s = config.spatial_factor
+    unit = 2 * s
+    if tile_px and tile_px > 0:
+        tile = tile_px
+    else:
+        free = free_bytes()
+        if free is None:
+            tile = 0 if mode == "auto" else 512
+        else:
+            tile, _ = choose_tile_size(free, kind, dtype, config)
+            tile = tile if kind == "encode" else tile * s
+    if tile <= 0:
+        return 0, 0
+    tile = max(2 * unit, (tile // unit) * unit)
+    if tile >= height and tile >= width:
+        return 0, 0
+    if kind == "encode":
+        return tile, min(max(0, (overlap_px // unit) * unit), tile // 2)
+    tile_lat = tile // s
+    return tile_lat, min(max(0, overlap_px // s), tile_lat // 2)
