@@ -30,7 +30,7 @@ class LatentDistribution:
         return torch.exp(0.5 * self.logvar)
 
     def sample(self, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """mean + std * N(0, 1): what the official pipeline uses as the LQ latent (SPEC §5, §6 step 4)."""
+        """mean + std * N(0, 1): what the official pipeline uses as the LQ latent (docs/SPEC.md §5, §6 step 4)."""
         noise = torch.randn(self.mean.shape, generator=generator, device=self.mean.device, dtype=self.mean.dtype)
         return self.mean + self.std * noise
 
