@@ -463,3 +463,12 @@ def test_error_bad_sizes():
         dequantize(torch.zeros(72), QType.Q4_K, (2, 256))
     with pytest.raises(GGUFError, match="takes 34 bytes, raw has 68"):
         GGUFTensor(torch.zeros(68, dtype=torch.uint8), QType.Q8_0, torch.Size((32,)))
+
+
+def test_gguf_tensor_takes_gguf_enum_and_tuple_shape():
+    t = GGUFTensor(torch.zeros(34, dtype=torch.uint8), GT.Q8_0, (32,))
+    assert t.qtype is QType.Q8_0 and t.shape == torch.Size((32,)) and "Q8_0" in repr(t)
+    assert t.block_size == 32 and t.type_size == 34 and t.nbytes == 34
+    assert torch.equal(t.dequantize(torch.float32), torch.zeros(32))
+    with pytest.raises(GGUFError, match="F16 is not a quantized type"):
+        GGUFTensor(torch.zeros(64, dtype=torch.uint8), GT.F16, (32,))

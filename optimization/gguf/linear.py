@@ -167,7 +167,7 @@ def replace_with_gguf_linears(model: torch.nn.Module, tensors: Mapping[str, Unio
                             f"{(module.out_features, module.in_features)} (a file for another model size?)")
         if (b is None) != (module.bias is None) and b is not None:
             raise GGUFError(f"{key}.bias: the file has a bias, the model's linear has none")
-        if isinstance(w, GGUFTensor) and not keep_rule(name, module):
+        if isinstance(w, GGUFTensor) and name and not keep_rule(name, module):  # (a root Linear cannot be swapped)
             device = None if module.weight.device.type == "meta" else module.weight.device
             dtype = _float_dtype(module)
             bias = _as_plain(b, dtype) if b is not None else module.bias

@@ -24,7 +24,7 @@ from typing import Any, Union
 import torch
 
 from .dequant import dequantize, raw_nbytes
-from .format import PLAIN_DTYPES, QUANT_SIZES, GGUFError, QType, qtype_name, supported_names
+from .format import PLAIN_DTYPES, QUANT_SIZES, GGUFError, QType, as_qtype, qtype_name, supported_names
 
 ORIG_SHAPE_KEY = "comfy.gguf.orig_shape."  # + tensor name: ComfyUI-GGUF's record of a reshaped tensor's shape
 GGUF_MAGIC = b"GGUF"
@@ -43,6 +43,9 @@ class GGUFTensor:
     shape: torch.Size
 
     def __post_init__(self):
+        # normalise a gguf.GGMLQuantizationType / int and a tuple shape, so that .name and == work everywhere
+        object.__setattr__(self, "qtype", as_qtype(self.qtype, "GGUFTensor"))
+        object.__setattr__(self, "shape", torch.Size(self.shape))
         if self.qtype not in QUANT_SIZES:
             raise GGUFError(f"GGUFTensor holds quantized data; {qtype_name(self.qtype)} is not a quantized type")
         if self.raw.dtype != torch.uint8:
@@ -127,7 +130,8 @@ def _open(gguf, path: str, size: int):
                 f"{path}: a tensor has a GGML type this `gguf` package does not know ({msg}); the file is newer than "
                 f"the package (pip install -U gguf) or corrupt. This pack decodes: {supported_names()}") from e
         if "version" in msg:
-            raise GGUFError(f"{path}: unsupported GGUF version ({msg}); pip install -U gguf, or re-convert the file") from e
+            raise GGUFError(f"{path}: unsupported GGUF version ({msg}); pip install -U gguf, or re-convert the file"
+                            ) from e
         raise GGUFError(
             f"{path}: the GGUF file is truncated or corrupt ({size} bytes; reader: {type(e).__name__}: {msg}); "
             "an interrupted download leaves a short file: download it again") from e
@@ -187,7 +191,8 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, TensorOrGGUF], dict[st
                             "download it again")
         shape = _orig_shape(metadata, t.name, path) or stored
         if raw_nbytes(q, shape) != int(t.n_bytes):
-            raise GGUFError(f"{path}: tensor {t.name!r}: shape {shape} does not match its {t.n_bytes} bytes of {q.name}")
+            raise GGUFError(f"{path}: tensor {t.name!r}: shape {shape} does not match its {t.n_bytes} bytes of "
+                            f"{q.name}")
         data = torch.from_numpy(t.data)  # a view of the mapping: no copy
         if q in PLAIN_DTYPES:
             if data.dtype != PLAIN_DTYPES[q]:  # BF16 comes as bytes from the reader
