@@ -8,7 +8,7 @@ import logging
 
 _log = logging.getLogger(__name__)
 
-FEATURE_MODULES = ("hardware", "seedvr2", "blockswap", "nvfp4", "training", "diagnostic")
+FEATURE_MODULES = ("hardware", "seedvr2", "video", "blockswap", "nvfp4", "training", "diagnostic")
 
 
 def all_nodes():

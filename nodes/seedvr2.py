@@ -290,6 +290,42 @@ class SeedVR2LoadVAE(io.ComfyNode):
         return io.NodeOutput(SeedVR2VAEModel(patcher=patcher, dtype=torch_dtype, tiling=tiling, path=path))
 
 
+def upscale_inputs(batch_size: int = 5, temporal_overlap: int = 0) -> list:
+    """The upscale settings every SeedVR2 upscaler node offers (image batch, video, video file), in one order."""
+    return [
+        io.Int.Input("seed", default=42, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
+                     tooltip="Noise seed (drawn on the CPU: the same seed gives the same result on any GPU)."),
+        io.Combo.Input("size_mode", options=SIZE_MODES, default="shortest_edge",
+                       tooltip="shortest_edge: the short side becomes `resolution`; scale_factor: both "
+                               "sides are multiplied by `scale_factor`."),
+        io.Int.Input("resolution", default=1080, min=16, max=16384, step=2,
+                     tooltip="Output shortest edge in pixels (shortest_edge mode)."),
+        io.Float.Input("scale_factor", default=2.0, min=0.25, max=16.0, step=0.05,
+                       tooltip="Output / input size (scale_factor mode)."),
+        io.Int.Input("max_resolution", default=0, min=0, max=16384, step=2,
+                     tooltip="Cap on the output's longest edge (shortest_edge mode); 0 = no cap."),
+        io.Int.Input("batch_size", default=batch_size, min=1, max=1025, step=4,
+                     tooltip="Frames per temporal chunk; must be 4n+1 (1, 5, 9, 13, ...). Larger chunks "
+                             "are more temporally consistent and need more VRAM."),
+        io.Int.Input("temporal_overlap", default=temporal_overlap, min=0, max=1024,
+                     tooltip="Frames shared by consecutive chunks, cross-faded linearly (hides "
+                             "chunk-boundary jumps). Must be < batch_size."),
+        io.Combo.Input("color_correction", options=list(COLOR_CORRECTION_MODES), default="wavelet",
+                       tooltip="wavelet: official (low frequencies from the input); adain: per-channel "
+                               "mean/std; lab: mean/std in CIE Lab; none."),
+    ]
+
+
+def upscale_settings(seed, size_mode, resolution, scale_factor, max_resolution, batch_size, temporal_overlap,
+                     color_correction, tiling) -> P.UpscaleSettings:
+    """The node widgets as pipeline settings (the size fields of the mode not chosen are ignored)."""
+    return P.UpscaleSettings(
+        resolution=resolution, scale_factor=scale_factor if size_mode == "scale_factor" else 0.0,
+        max_resolution=max_resolution if size_mode == "shortest_edge" else 0,
+        batch_size=batch_size, temporal_overlap=temporal_overlap, color_correction=color_correction,
+        seed=seed, tiling=tiling)
+
+
 class SeedVR2Upscale(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -303,26 +339,7 @@ class SeedVR2Upscale(io.ComfyNode):
                 io.Image.Input("image", tooltip="Frames (a single image or a video as an image batch)."),
                 SeedVR2DiT.Input("dit"),
                 SeedVR2VAE.Input("vae"),
-                io.Int.Input("seed", default=42, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
-                             tooltip="Noise seed (drawn on the CPU: the same seed gives the same result on any GPU)."),
-                io.Combo.Input("size_mode", options=SIZE_MODES, default="shortest_edge",
-                               tooltip="shortest_edge: the short side becomes `resolution`; scale_factor: both "
-                                       "sides are multiplied by `scale_factor`."),
-                io.Int.Input("resolution", default=1080, min=16, max=16384, step=2,
-                             tooltip="Output shortest edge in pixels (shortest_edge mode)."),
-                io.Float.Input("scale_factor", default=2.0, min=0.25, max=16.0, step=0.05,
-                               tooltip="Output / input size (scale_factor mode)."),
-                io.Int.Input("max_resolution", default=0, min=0, max=16384, step=2,
-                             tooltip="Cap on the output's longest edge (shortest_edge mode); 0 = no cap."),
-                io.Int.Input("batch_size", default=5, min=1, max=1025, step=4,
-                             tooltip="Frames per temporal chunk; must be 4n+1 (1, 5, 9, 13, ...). Larger chunks "
-                                     "are more temporally consistent and need more VRAM."),
-                io.Int.Input("temporal_overlap", default=0, min=0, max=1024,
-                             tooltip="Frames shared by consecutive chunks, cross-faded linearly (hides "
-                                     "chunk-boundary jumps). Must be < batch_size."),
-                io.Combo.Input("color_correction", options=list(COLOR_CORRECTION_MODES), default="wavelet",
-                               tooltip="wavelet: official (low frequencies from the input); adain: per-channel "
-                                       "mean/std; lab: mean/std in CIE Lab; none."),
+                *upscale_inputs(),
             ],
             outputs=[io.Image.Output(display_name="image")],
         )
@@ -333,11 +350,8 @@ class SeedVR2Upscale(io.ComfyNode):
         import comfy.model_management as mm
         import comfy.utils
         device = mm.get_torch_device()
-        settings = P.UpscaleSettings(
-            resolution=resolution, scale_factor=scale_factor if size_mode == "scale_factor" else 0.0,
-            max_resolution=max_resolution if size_mode == "shortest_edge" else 0,
-            batch_size=batch_size, temporal_overlap=temporal_overlap, color_correction=color_correction,
-            seed=seed, tiling=vae.tiling)
+        settings = upscale_settings(seed, size_mode, resolution, scale_factor, max_resolution, batch_size,
+                                    temporal_overlap, color_correction, vae.tiling)
         plan = P.plan(image, settings)   # validates before the models are touched
         (ph, pw), frames = plan.model, plan.chunk_frames
         stager = ModelStager(dit, vae, device, dit_activation_bytes(dit.model, ph, pw, P.next_4n1(frames)),

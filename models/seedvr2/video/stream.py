@@ -147,6 +147,13 @@ def check_disk(out_path: str, frames: int, width: int, height: int, codec_name: 
                              "the output to another disk, or choose h264/h265 (smaller files).")
 
 
+def job_key(info: VideoInfo, settings: StreamSettings, size: tuple[int, int], model_key: str) -> dict:
+    """Everything a job's output depends on: a work folder with another key is not resumed."""
+    return {"input": info.fingerprint(), "batch_size": settings.batch_size, "overlap": settings.overlap,
+            "codec": get_codec(settings.codec).name, "scene_threshold": settings.scene_threshold,
+            "size": [int(size[0]), int(size[1])], "model": model_key}
+
+
 class FrameCursor:
     """Frames of one file by index ranges that only move forward (a worker's chunks come in increasing order);
     keeps the frames the next range may share with the last one."""
@@ -186,9 +193,7 @@ class Job:
         self.in_path, self.out_path = in_path, out_path
         self.oh, self.ow = out_size(self.info.height, self.info.width)
         check_disk(out_path, self.info.frames, self.ow, self.oh, self.codec.name)
-        self.key = {"input": self.info.fingerprint(), "batch_size": settings.batch_size,
-                    "overlap": settings.overlap, "codec": self.codec.name,
-                    "scene_threshold": settings.scene_threshold, "size": [self.oh, self.ow], "model": model_key}
+        self.key = job_key(self.info, settings, (self.oh, self.ow), model_key)
         self.work = WorkDir(out_path, self.key)
         if open_work:
             self.work.open(settings.resume)

@@ -29,6 +29,24 @@ def _atomic_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def unfinished_output(folder: str, prefix: str, key: dict):
+    """The output path of an unfinished job in ``folder`` whose name starts with ``prefix`` and whose manifest has
+    ``key`` (so a rerun of the same job resumes it), or None."""
+    if not os.path.isdir(folder):
+        return None
+    want = json.loads(json.dumps(key))
+    for name in sorted(os.listdir(folder)):
+        if not (name.startswith("." + prefix) and name.endswith(".seedvr2-work")):
+            continue
+        try:
+            with open(os.path.join(folder, name, MANIFEST)) as f:
+                if json.load(f).get("key") == want:
+                    return os.path.join(folder, name[1:-len(".seedvr2-work")])
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 class WorkDir:
     def __init__(self, out_path: str, key: dict):
         """``key``: everything the output depends on (input fingerprint, settings, model identity)."""

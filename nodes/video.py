@@ -1,0 +1,224 @@
+"""SeedVR2 video nodes: upscale ComfyUI's VIDEO (core's Load Video) or a video file, file to file, with the
+streaming upscale (models/seedvr2/video): one chunk in memory at a time, the audio copied, resumable. The output is a
+VIDEO backed by the written file (Save Video and Preview take it) and the file's path.
+
+The file goes to ComfyUI's output folder as ``<filename_prefix>_<counter>_.<ext>``. A run that stopped (cancel,
+crash) left its work folder there; running the same job again continues it, into the same file name.
+"""
+from __future__ import annotations
+
+import hashlib
+import io as _io
+import os
+
+import numpy as np
+import torch
+from comfy_api.latest import InputImpl, io
+
+from ..models.seedvr2 import pipeline as P
+from ..models.seedvr2.video.container import CODECS, VideoFileError, available_codecs, probe
+from ..models.seedvr2.video.stream import StreamSettings, job_key, upscale_video
+from ..models.seedvr2.video.workdir import unfinished_output
+from .seedvr2 import upscale_inputs, upscale_settings
+from .staging import ModelStager, dit_activation_bytes, vae_activation_bytes
+from .types import CATEGORY, SeedVR2DiT, SeedVR2VAE
+
+
+def _codec_options() -> list[str]:
+    ok = [k for k, v in available_codecs().items() if v] if _has_av() else list(CODECS)
+    return ok or list(CODECS)
+
+
+def _has_av() -> bool:
+    try:
+        import av  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _video_inputs() -> list:
+    return [
+        SeedVR2DiT.Input("dit"),
+        SeedVR2VAE.Input("vae"),
+        *upscale_inputs(batch_size=21, temporal_overlap=4),
+        io.Combo.Input("codec", options=_codec_options(), default="h264",
+                       tooltip="h264: 8-bit .mp4; h265: 10-bit .mp4; prores: 10-bit .mov; ffv1: 16-bit lossless "
+                               ".mkv; png16: a folder of 16-bit PNG frames."),
+        io.String.Input("filename_prefix", default="seedvr2/video",
+                        tooltip="Output file name inside ComfyUI's output folder (sub-folders allowed)."),
+        io.Float.Input("scene_threshold", default=0.12, min=0.0, max=1.0, step=0.01,
+                       tooltip="Scene-cut sensitivity: chunks never span a cut (0 = no scene detection)."),
+    ]
+
+
+def _source_path(video) -> str:
+    """A file path for ComfyUI's VIDEO: its own file, or (uploaded bytes / frames in memory) a temporary copy."""
+    import folder_paths
+    src = video.get_stream_source() if hasattr(video, "get_stream_source") else None
+    if isinstance(src, str):
+        return src
+    tmp_dir = os.path.join(folder_paths.get_temp_directory(), "seedvr2bw_video")
+    os.makedirs(tmp_dir, exist_ok=True)
+    if isinstance(src, _io.BytesIO):
+        data = src.getvalue()
+        path = os.path.join(tmp_dir, hashlib.sha1(data).hexdigest()[:16] + ".mkv")
+        if not os.path.exists(path):
+            with open(path + ".partial", "wb") as f:
+                f.write(data)
+            os.replace(path + ".partial", path)
+        return path
+    path = os.path.join(tmp_dir, f"components_{id(video):x}.mp4")
+    video.save_to(path)
+    return path
+
+
+def _model_key(dit, vae, settings: P.UpscaleSettings) -> str:
+    def fid(p):
+        try:
+            st = os.stat(p)
+            return f"{os.path.abspath(p)}:{st.st_size}:{st.st_mtime_ns}"
+        except OSError:
+            return str(p)
+    return (f"dit={fid(dit.path)} vae={fid(vae.path)} dtype={dit.dtype}/{vae.dtype} seed={settings.seed} "
+            f"res={settings.resolution} scale={settings.scale_factor} max={settings.max_resolution} "
+            f"cc={settings.color_correction}")
+
+
+def _output_path(prefix: str, ext: str, key: dict) -> str:
+    """An unfinished job with this key resumes into its file; otherwise the next free counter."""
+    import folder_paths
+    out_dir = folder_paths.get_output_directory()
+    full_dir, name, counter, _sub, _ = folder_paths.get_save_image_path(prefix, out_dir)
+    again = unfinished_output(full_dir, name + "_", key)
+    if again is not None:
+        return again
+    while True:
+        path = os.path.join(full_dir, f"{name}_{counter:05}_{ext}")
+        if not os.path.exists(path) and not os.path.exists(os.path.join(full_dir, f".{name}_{counter:05}_{ext}"
+                                                                                   ".seedvr2-work")):
+            return path
+        counter += 1
+
+
+def run_video(src_path: str, dit, vae, seed, size_mode, resolution, scale_factor, max_resolution, batch_size,
+              temporal_overlap, color_correction, codec, filename_prefix, scene_threshold, node_id=None):
+    import comfy.model_management as mm
+    import comfy.utils
+    device = mm.get_torch_device()
+    settings = upscale_settings(seed, size_mode, resolution, scale_factor, max_resolution, batch_size, 0,
+                                color_correction, vae.tiling)
+    stream = StreamSettings(batch_size=batch_size, overlap=temporal_overlap, codec=codec,
+                            scene_threshold=scene_threshold, resume=True)
+    stream.validate()   # settings and the input file are checked before any model is touched
+    info = probe(src_path)
+    target = P.compute_target_size(info.height, info.width, settings.resolution, settings.scale_factor,
+                                   settings.max_resolution)
+    spec = CODECS[codec]
+    ext = "" if spec.sequence() else spec.container
+    key = job_key(info, stream, target, _model_key(dit, vae, settings))
+    out_path = _output_path(filename_prefix, ext, key)
+    ph, pw = P.model_size(*target)
+    stager = ModelStager(dit, vae, device, dit_activation_bytes(dit.model, ph, pw, P.next_4n1(batch_size)),
+                         vae_activation_bytes(ph * pw, batch_size, dtype=vae.dtype))
+    bar = comfy.utils.ProgressBar(info.frames, node_id=node_id)
+    server = _prompt_server()
+
+    def upscale_chunk(frames: np.ndarray) -> np.ndarray:
+        out = P.upscale(torch.from_numpy(frames), dit.model, vae.model, dit.embeddings.positive, settings,
+                        device=device, dit_dtype=dit.dtype, vae_dtype=vae.dtype,
+                        offload_device=mm.unet_offload_device(), output_device="cpu",
+                        should_stop=mm.throw_exception_if_processing_interrupted, hooks=stager.hooks(),
+                        free_memory=(lambda: mm.get_free_memory(device)) if device.type == "cuda" else None)
+        return out.numpy()
+
+    def progress(done, total, fps, left):
+        bar.update_absolute(done, total)
+        if server is not None and node_id is not None:
+            server.send_progress_text(f"{done}/{total} frames  {fps:.2f} frames/s  {left:.0f} s left", node_id)
+
+    res = upscale_video(src_path, out_path, upscale_chunk, lambda h, w: target, stream, model_key=key["model"],
+                        progress=progress, should_stop=mm.throw_exception_if_processing_interrupted)
+    mm.soft_empty_cache()
+    return res
+
+
+def _prompt_server():
+    try:
+        from server import PromptServer
+        return PromptServer.instance
+    except Exception:  # noqa: BLE001 - outside a running ComfyUI
+        return None
+
+
+def _video_output(res):
+    if os.path.isdir(res.out_path):   # a PNG sequence: no VIDEO to hand on
+        return None
+    return InputImpl.VideoFromFile(res.out_path)
+
+
+class SeedVR2UpscaleVideo(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="SeedVR2BW_UpscaleVideo",
+            display_name="SeedVR2 Upscale Video (SeedVR2-BW)",
+            category=CATEGORY,
+            description="Upscales a VIDEO of any length file to file: one chunk in memory at a time, audio kept, "
+                        "scene cuts respected, resumable after a cancel or crash (run it again).",
+            inputs=[io.Video.Input("video", tooltip="From Load Video (or any node giving a VIDEO)."),
+                    *_video_inputs()],
+            outputs=[io.Video.Output(display_name="video"), io.String.Output(display_name="path")],
+            hidden=[io.Hidden.unique_id],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, video, dit, vae, seed, size_mode, resolution, scale_factor, max_resolution, batch_size,
+                temporal_overlap, color_correction, codec, filename_prefix, scene_threshold) -> io.NodeOutput:
+        node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
+        res = run_video(_source_path(video), dit, vae, seed, size_mode, resolution, scale_factor, max_resolution,
+                        batch_size, temporal_overlap, color_correction, codec, filename_prefix, scene_threshold,
+                        node_id)
+        return io.NodeOutput(_video_output(res), res.out_path, ui={"text": [_summary(res)]})
+
+
+class SeedVR2UpscaleVideoFile(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="SeedVR2BW_UpscaleVideoFile",
+            display_name="SeedVR2 Upscale Video File (SeedVR2-BW)",
+            category=CATEGORY,
+            description="As SeedVR2 Upscale Video, from a file path (absolute, or relative to ComfyUI's input "
+                        "folder): for videos too long to load as frames.",
+            inputs=[io.String.Input("path", default="", tooltip="Video file: absolute, or relative to ComfyUI's "
+                                    "input folder."),
+                    *_video_inputs()],
+            outputs=[io.Video.Output(display_name="video"), io.String.Output(display_name="path")],
+            hidden=[io.Hidden.unique_id],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, path, dit, vae, seed, size_mode, resolution, scale_factor, max_resolution, batch_size,
+                temporal_overlap, color_correction, codec, filename_prefix, scene_threshold) -> io.NodeOutput:
+        import folder_paths
+        p = (path or "").strip().strip('"')
+        if not p:
+            raise VideoFileError("no video file given. Fix: enter the path of a video file (absolute, or relative "
+                                 "to ComfyUI's input folder).")
+        if not os.path.isabs(p):
+            p = os.path.join(folder_paths.get_input_directory(), p)
+        node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
+        res = run_video(p, dit, vae, seed, size_mode, resolution, scale_factor, max_resolution, batch_size,
+                        temporal_overlap, color_correction, codec, filename_prefix, scene_threshold, node_id)
+        return io.NodeOutput(_video_output(res), res.out_path, ui={"text": [_summary(res)]})
+
+
+def _summary(res) -> str:
+    return (f"wrote {res.out_path}: {res.frames} frames in {res.chunks} chunks ({res.resumed_chunks} resumed), "
+            f"{res.fps:.2f} frames/s")
+
+
+NODES = [SeedVR2UpscaleVideo, SeedVR2UpscaleVideoFile]

@@ -1,0 +1,152 @@
+"""The video nodes through ComfyUI's executor (in-process) with the tiny SeedVR2 models: core Load Video ->
+SeedVR2 Upscale Video -> the VIDEO output into core nodes; the file-path node; a 1,000-frame clip with audio in
+bounded host memory; a cancelled run resumes into the same file."""
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("av", reason="PyAV (ComfyUI's video library) is not installed")
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+from video_clips import audio_seconds, clip_frames, write_clip  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def rig(comfy_inprocess, tmp_path_factory):
+    from make_tiny_models import make_tiny_models
+    models = tmp_path_factory.mktemp("video_models")
+    make_tiny_models(models)
+    comfy_inprocess.folder_paths.add_model_folder_path("seedvr2", str(models / "SEEDVR2"))
+    return comfy_inprocess
+
+
+def _loaders():
+    return {
+        "1": {"class_type": "SeedVR2BW_LoadDiT", "inputs": {"model": "seedvr2_tiny_3b.safetensors",
+                                                            "compute_dtype": "auto", "attention": "auto"}},
+        "2": {"class_type": "SeedVR2BW_LoadVAE", "inputs": {"model": "ema_vae_tiny.safetensors", "dtype": "auto",
+                                                            "encode_tiling": "auto", "encode_tile_size": 512,
+                                                            "decode_tiling": "auto", "decode_tile_size": 512}},
+    }
+
+
+def _settings(prefix, **kw):
+    s = {"dit": ["1", 0], "vae": ["2", 0], "seed": 42, "size_mode": "shortest_edge", "resolution": 48,
+         "scale_factor": 2.0, "max_resolution": 0, "batch_size": 9, "temporal_overlap": 2,
+         "color_correction": "wavelet", "codec": "h264", "filename_prefix": prefix, "scene_threshold": 0.12}
+    s.update(kw)
+    return s
+
+
+def _fix_loader_inputs(comfy, prompt):
+    """Fill the loader widgets from the registered schemas (their defaults), keeping what the prompt sets."""
+    for nid in ("1", "2"):
+        cls = comfy.node_classes[prompt[nid]["class_type"]]
+        spec = cls.INPUT_TYPES()
+        for sec in ("required",):
+            for name, entry in spec.get(sec, {}).items():
+                if name not in prompt[nid]["inputs"]:
+                    opts = entry[1] if len(entry) > 1 and isinstance(entry[1], dict) else {}
+                    if "default" in opts:
+                        prompt[nid]["inputs"][name] = opts["default"]
+                    elif isinstance(entry[0], list) and entry[0]:
+                        prompt[nid]["inputs"][name] = entry[0][0]
+        prompt[nid]["inputs"] = {k: v for k, v in prompt[nid]["inputs"].items()
+                                 if k in spec.get("required", {}) or k in spec.get("optional", {})}
+    return prompt
+
+
+def _out_file(comfy, res, node):
+    return Path(res.outputs[node]["text"][0].split("wrote ", 1)[1].split(":")[0])
+
+
+def test_load_video_to_upscale_video_to_core_nodes(rig):
+    comfy = rig
+    inp = Path(comfy.folder_paths.get_input_directory())
+    write_clip(str(inp / "clip.mp4"), clip_frames([20, 13], 24, 40), codec="h264")
+    prompt = _loaders()
+    prompt["3"] = {"class_type": "LoadVideo", "inputs": {"file": "clip.mp4"}}
+    prompt["4"] = {"class_type": "SeedVR2BW_UpscaleVideo", "inputs": {"video": ["3", 0], **_settings("t/v")}}
+    prompt["5"] = {"class_type": "GetVideoComponents", "inputs": {"video": ["4", 0]}}
+    prompt["6"] = {"class_type": "PreviewAny", "inputs": {"source": ["5", 2]}}   # the fps, through core nodes
+    res = comfy.run(_fix_loader_inputs(comfy, prompt))
+    assert res.success, (res.status, res.error)
+    out = _out_file(comfy, res, "4")
+    from seedvr2bw.models.seedvr2.video.container import probe
+    info = probe(str(out))
+    assert info.frames == 33 and (info.width, info.height) == (80, 48) and info.has_audio
+    assert abs(audio_seconds(str(out)) - audio_seconds(str(inp / "clip.mp4"))) < 1e-6
+    assert out.parent == Path(comfy.folder_paths.get_output_directory()) / "t"
+    assert float(res.outputs["6"]["text"][0]) == pytest.approx(24.0)
+    assert "progress" in res.event_names()
+
+
+def test_file_node_thousand_frames_bounded_memory(rig):
+    comfy = rig
+    inp = Path(comfy.folder_paths.get_input_directory())
+    write_clip(str(inp / "c100.mp4"), clip_frames([60, 40], 24, 40), codec="h264")
+    write_clip(str(inp / "c1000.mp4"), clip_frames([400, 350, 250], 24, 40), codec="h264")
+
+    def run(name, prefix):
+        prompt = _loaders()
+        prompt["4"] = {"class_type": "SeedVR2BW_UpscaleVideoFile", "inputs": {"path": name, **_settings(prefix)}}
+        peak = [0]
+        stop = threading.Event()
+
+        def watch():   # this process's current RSS while the node runs
+            while not stop.is_set():
+                with open("/proc/self/statm") as f:
+                    peak[0] = max(peak[0], int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+                time.sleep(0.02)
+        th = threading.Thread(target=watch, daemon=True)
+        th.start()
+        try:
+            res = comfy.run(_fix_loader_inputs(comfy, prompt))
+        finally:
+            stop.set()
+            th.join()
+        assert res.success, (res.status, res.error)
+        return res, peak[0]
+    run("c100.mp4", "warm/x")   # the first run loads code and models
+    _, small = run("c100.mp4", "rss/small")
+    res, big = run("c1000.mp4", "rss/big")
+    out = _out_file(comfy, res, "4")
+    from seedvr2bw.models.seedvr2.video.container import probe
+    assert probe(str(out)).frames == 1000
+    assert abs(audio_seconds(str(out)) - audio_seconds(str(inp / "c1000.mp4"))) < 1e-6
+    assert big <= 1.10 * small, f"RSS peak {big / 2**20:.0f} MiB for 1,000 frames vs {small / 2**20:.0f} MiB for 100"
+
+
+def test_cancelled_run_resumes_into_the_same_file(rig):
+    comfy = rig
+    inp = Path(comfy.folder_paths.get_input_directory())
+    write_clip(str(inp / "c60.mp4"), clip_frames([60], 24, 40), codec="h264")
+    prompt = _fix_loader_inputs(comfy, {**_loaders(), "4": {"class_type": "SeedVR2BW_UpscaleVideoFile",
+                                                            "inputs": {"path": "c60.mp4", **_settings("cancel/x")}}})
+    th, box = comfy.run_in_thread(prompt)
+    out_dir = Path(comfy.folder_paths.get_output_directory()) / "cancel"
+    t0 = time.time()
+    while time.time() - t0 < 120:
+        works = list(out_dir.glob(".*.seedvr2-work")) if out_dir.exists() else []
+        if works and len(list(works[0].glob("body_*[0-9].nut"))) >= 2:
+            break
+        time.sleep(0.02)
+    comfy.interrupt()
+    th.join(timeout=120)
+    res = box["result"]
+    assert res.status == "execution_interrupted", (res.status, res.error)
+    assert not list(out_dir.glob("x_*.mp4")), "a partial output under the final name"
+    again = comfy.run(prompt)
+    assert again.success, again.error
+    text = again.outputs["4"]["text"][0]
+    assert "resumed)" in text and "(0 resumed)" not in text, text
+    from seedvr2bw.models.seedvr2.video.container import probe
+    assert probe(str(_out_file(comfy, again, "4"))).frames == 60
