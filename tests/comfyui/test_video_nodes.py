@@ -150,3 +150,25 @@ def test_cancelled_run_resumes_into_the_same_file(rig):
     assert "resumed)" in text and "(0 resumed)" not in text, text
     from seedvr2bw.models.seedvr2.video.container import probe
     assert probe(str(_out_file(comfy, again, "4"))).frames == 60
+
+
+def test_long_video_workflow_runs(rig):
+    """workflows/seedvr2_long_video.json converted as the frontend does, pointed at the tiny models."""
+    import json
+    from .ui_to_api import from_node_classes, ui_to_api
+    comfy = rig
+    inp = Path(comfy.folder_paths.get_input_directory())
+    write_clip(str(inp / "wf.mp4"), clip_frames([15], 24, 40), codec="h264")
+    wf = json.loads((REPO / "workflows" / "seedvr2_long_video.json").read_text())
+    prompt = ui_to_api(wf, from_node_classes(comfy.node_classes))
+    ids = {n["type"]: str(n["id"]) for n in wf["nodes"]}
+    prompt[ids["LoadVideo"]]["inputs"]["file"] = "wf.mp4"
+    prompt[ids["SeedVR2BW_LoadDiT"]]["inputs"]["model"] = "seedvr2_tiny_3b.safetensors"
+    prompt[ids["SeedVR2BW_LoadVAE"]]["inputs"]["model"] = "ema_vae_tiny.safetensors"
+    prompt[ids["SeedVR2BW_UpscaleVideo"]]["inputs"].update({"resolution": 48, "batch_size": 9, "temporal_overlap": 2,
+                                                           "filename_prefix": "wf/long"})
+    res = comfy.run(prompt)
+    assert res.success, (res.status, res.error)
+    path = res.outputs[ids["PreviewAny"]]["text"][0]
+    from seedvr2bw.models.seedvr2.video.container import probe
+    assert probe(path).frames == 15
