@@ -23,9 +23,9 @@ from typing import Callable, Mapping
 
 import torch
 
-log = logging.getLogger(__name__)
+from .runtime import knobs
 
-ENV_PREFIX = "SEEDVR2BW_"
+log = logging.getLogger(__name__)
 
 # NVFP4 GEMM paths, fastest first. `reference` (dequantize + matmul in the input dtype) runs anywhere.
 NVFP4_PATHS = ("fp4_tensorcore", "fp8_speed", "fidelity", "reference")
@@ -138,7 +138,7 @@ def _os_name() -> str:
         return "windows"
     if sys.platform == "darwin":
         return "darwin"
-    if "microsoft" in platform.release().lower() or os.environ.get("WSL_DISTRO_NAME"):
+    if "microsoft" in platform.release().lower() or knobs.external("WSL_DISTRO_NAME"):
         return "wsl"
     return "linux"
 
@@ -226,45 +226,15 @@ def _default_selftests() -> dict[str, SelfTest]:
     return {"nvfp4": selftest.nvfp4_gemm_selftest, "fp8": selftest.fp8_gemm_selftest}
 
 
-def _parse_bool(name: str, value: str) -> bool:
-    v = value.strip().lower()
-    if v in ("1", "true", "on", "yes"):
-        return True
-    if v in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"{ENV_PREFIX}{name.upper()}={value!r}: expected on/off (1/0, true/false)")
-
-
-def _parse_bytes(name: str, value: str) -> int:
-    v = value.strip().upper().removesuffix("B")
-    mult = {"K": 1024, "M": 1024 ** 2, "G": GiB, "T": 1024 ** 4}.get(v[-1:], 1)
-    try:
-        return int(float(v.rstrip("KMGT")) * mult)
-    except ValueError:
-        raise ValueError(f"{ENV_PREFIX}{name.upper()}={value!r}: expected a size such as 8G or 512M") from None
-
-
 OVERRIDABLE = ("profile", "nvfp4_gemm", "fp8_gemm", "attention", "pinned_pool_bytes", "copy_streams", "tf32",
                "cudnn_benchmark")
 
 
 def read_env_overrides(environ: Mapping[str, str] | None = None) -> dict:
-    """``SEEDVR2BW_<FIELD>`` environment variables, parsed; a bad value raises with the variable's name."""
-    environ = os.environ if environ is None else environ
-    out: dict = {}
-    for name in OVERRIDABLE:
-        raw = environ.get(ENV_PREFIX + name.upper())
-        if raw is None or raw.strip() == "" or raw.strip().lower() == "auto":
-            continue
-        if name in ("fp8_gemm", "tf32", "cudnn_benchmark"):
-            out[name] = _parse_bool(name, raw)
-        elif name == "pinned_pool_bytes":
-            out[name] = _parse_bytes(name, raw)
-        elif name == "copy_streams":
-            out[name] = int(raw)
-        else:
-            out[name] = raw.strip().lower()
-    return out
+    """The ``SEEDVR2BW_<FIELD>`` knobs that are set (``environ``: parse these variables instead of the process's);
+    a bad value raises with the variable's name."""
+    values = {n.upper(): knobs.get(n.upper()) for n in OVERRIDABLE} if environ is None else knobs.parse(environ)
+    return {n: values[n.upper()] for n in OVERRIDABLE if values[n.upper()] is not None}
 
 
 def _validate_overrides(overrides: Mapping) -> None:

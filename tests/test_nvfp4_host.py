@@ -341,16 +341,3 @@ def test_scratch_weight_is_not_used_when_autograd_keeps_the_weight(fake_gpu):
     assert layer._scratch_weight(x.requires_grad_(), torch.bfloat16) is None
     with torch.no_grad():
         assert layer._scratch_weight(x, torch.bfloat16) is not None
-
-
-def test_l2_keep_can_be_switched_off(fake_gpu, monkeypatch):
-    """SEEDVR2BW_NVFP4_L2_KEEP=0 (L.L2_KEEP False): no shared scratch, plain stores, as before session 14."""
-    monkeypatch.setattr(L, "L2_KEEP", False)
-    log, _ = fake_gpu
-    layer = _layer(256, 512)
-    x = torch.randn(300, 512).to(torch.bfloat16)
-    assert layer._scratch_weight(x, torch.bfloat16) is None
-    mark = len(log)
-    layer(x)
-    binds = [e for e in log[mark:] if e[0] == "bind" and e[1] == "_dequant_kernel"]
-    assert binds and binds[0][4]["L2_KEEP"] is False

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..optimization.attention.sdpa_priority import preferred_backends, sdpa_priority
+from ..optimization.runtime import knobs
 from .flux_forward import FluxTrainForward
 from .frozen_base import FrozenBase, outside_inference_mode
 from .lora import FluxLoraNetwork, LoraTargetSpec, is_flux_diffusion_model
@@ -191,7 +192,7 @@ class FluxLoraTrainer:
     # ---------------- one optimizer step ----------------
     def _gpu_feature(self, name: str, env: str, label: str) -> bool:
         """A CUDA-only speed feature: the env variable, else the config field (auto = on); one log line."""
-        raw = os.environ.get(env, "").strip().lower()
+        raw = knobs.get(env.removeprefix(knobs.PREFIX)) or ""
         mode, src = (raw, env) if raw else (str(getattr(self.cfg, name)).lower(), name)
         why = None
         if mode in ("0", "off", "false"):
@@ -206,7 +207,7 @@ class FluxLoraTrainer:
     def _selective_mode(self) -> str:
         """selective_checkpointing as set (the env variable wins); the per-shape decision is logged by the forward."""
         from .selective_checkpoint import ENV, MODES
-        raw = os.environ.get(ENV, "").strip().lower()
+        raw = knobs.get(ENV.removeprefix(knobs.PREFIX)) or ""
         mode = {"0": "off", "false": "off", "1": "on", "true": "on"}.get(raw, raw) or \
             str(self.cfg.selective_checkpointing).lower()
         if mode not in MODES:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 
 import torch
 
+from ..runtime import knobs
+
 log = logging.getLogger(__name__)
-ENV = "SEEDVR2BW_SDPA"
-CHOICES = ("auto", "cudnn", "flash", "default")
+ENV = knobs.KNOB["SDPA"].var
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,9 +53,7 @@ def preferred_backends(device) -> tuple[list | None, str]:
     """(SDPA backends in priority order, or None for torch's own order; the reason, for the log line)."""
     from torch.nn.attention import SDPBackend
     device = torch.device(device)
-    choice = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if choice not in CHOICES:
-        raise ValueError(f"{ENV}={choice!r} is not one of {', '.join(CHOICES)}. Fix: set it to one of those or unset it.")
+    choice = knobs.get("SDPA")
     if device.type != "cuda" or choice == "default":
         return None, f"torch's order ({'CPU' if device.type != 'cuda' else ENV + '=default'})"
     rest = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

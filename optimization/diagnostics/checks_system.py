@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..runtime import knobs
 from .result import FAIL, PASS, SKIP, WARN, CheckResult
 
 SECTION = "System"
@@ -208,7 +209,7 @@ def find_comfyui_version(pack_root) -> tuple[str | None, str | None]:
     """(version, path) of the ComfyUI tree this pack sits in (ComfyUI/custom_nodes/<pack>/), if any."""
     roots = [pack_root, Path(os.path.abspath(__file__)).parents[2]]  # resolved, and as reached (symlinked packs)
     # the shell's logical working directory keeps a symlinked pack's path (os.getcwd() resolves links)
-    pwd = os.environ.get("PWD")
+    pwd = knobs.external("PWD")
     try:
         logical = Path(pwd) if pwd and os.path.samefile(pwd, os.getcwd()) else Path(os.getcwd())
     except OSError:

@@ -26,11 +26,11 @@ one N x D pass = 133 MB = 44 us at 3 TB/s):
 from __future__ import annotations
 
 import logging
-import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..runtime import knobs
 from . import reference
 
 log = logging.getLogger(__name__)
@@ -57,14 +57,10 @@ def triton_available() -> bool:
     return _load() is not None
 
 
-def _env_enabled() -> bool:
-    return os.environ.get("SEEDVR2BW_FUSED", "1").strip().lower() not in ("0", "false", "off", "no")
-
-
 def enabled(*tensors: torch.Tensor) -> bool:
     """True when the fused kernels may run on these tensors (see module doc)."""
     x = tensors[0]
-    if not x.is_cuda or x.dtype not in _HALF or not _env_enabled():
+    if not x.is_cuda or x.dtype not in _HALF or not knobs.get("FUSED"):
         return False
     if any(t.device != x.device for t in tensors[1:]):
         return False
@@ -177,7 +173,7 @@ def _qkv_call(k, variant, qkv, heads, head_dim, wq, wk, eps, cos, sin, dst, out,
 def _pick_qkv_variant(k, passing: List[str], device) -> str:
     """The faster of the passing qkv kernels, timed once on this device at a 7B-like shape (4096 tokens,
     24 heads x 128, 30 rotated pairs; a few ms in all). ``SEEDVR2BW_QKV_KERNEL`` forces one."""
-    forced = os.environ.get("SEEDVR2BW_QKV_KERNEL")
+    forced = knobs.get("QKV_KERNEL")
     if forced in passing:
         return forced
     if len(passing) == 1 or device.type != "cuda":
@@ -249,7 +245,7 @@ def qkv_norm_rope_pack(qkv: torch.Tensor, heads: int, head_dim: int, wq: torch.T
     head (weights wq/wk) and rotated by cos/sin[src] ((N, R/2) fp32 per pair; None: no RoPE); v copied.
     ``src`` (default: row i) picks the input row of output row i (the text copies)."""
     dev = str(out.device)
-    variant = os.environ.get("SEEDVR2BW_QKV_KERNEL") or _qkv_variant.get(dev, QKV_VARIANTS[0])
+    variant = knobs.get("QKV_KERNEL") or _qkv_variant.get(dev, QKV_VARIANTS[0])
     _qkv_call(_load(), variant, qkv.contiguous(), heads, head_dim, wq.contiguous(), wk.contiguous(), eps,
               cos, sin, dst, out, src)
 
@@ -266,8 +262,8 @@ def group_norm_frames(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool) -> 
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(x @ W^T + b) with the GELU in the cuBLASLt epilogue on CUDA (cuBLASLt's GELU is the tanh
     form; should torch take its non-Lt path it applies GELU after the GEMM; either is within bf16 rounding
-    of gelu_tanh, the self-test checks it). Elsewhere, or with SEEDVR2BW_FUSED_GELU=0: linear + gelu_tanh."""
-    if not x.is_cuda or os.environ.get("SEEDVR2BW_FUSED_GELU", "1") == "0":
+    of gelu_tanh, the self-test checks it). Elsewhere, or with SEEDVR2BW_FUSED_GELU=off: linear + gelu_tanh."""
+    if not x.is_cuda or not knobs.get("FUSED_GELU"):
         return torch.nn.functional.gelu(torch.nn.functional.linear(x, weight, bias), approximate="tanh")
     shp = x.shape
     out = torch._addmm_activation(bias, x.reshape(-1, shp[-1]), weight.t(), use_gelu=True)

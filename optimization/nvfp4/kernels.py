@@ -23,6 +23,7 @@ None of these kernels uses FP4 instructions, so they run (and are tested) on any
 
 import torch
 
+from ..runtime import knobs
 from . import wgmma_w4a16 as W
 from .format import F8_E4M3_MAX, roundup
 
@@ -38,9 +39,7 @@ except Exception:  # noqa: BLE001
 MAX_ELEMENTS_PER_CALL = 2 ** 31 - 2 ** 20   # stay clear of 32-bit index overflow inside one launch
 
 
-import os
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # lets the CPU run the kernels (tests only)
+_INTERPRET = knobs.external("TRITON_INTERPRET") == "1"   # lets the CPU run the kernels (tests only)
 
 # Triton >= 3.2 can keep an autotuner's choice in its on-disk cache: the dequantize kernel's 7-config sweep
 # (~1 s per weight shape and process) then runs once per machine instead of at every ComfyUI start
@@ -366,7 +365,7 @@ if HAS_TRITON:
 # the same specialization key (dtypes, 16-byte pointer alignment, int == 1 / % 16 / int32 range, constexprs)
 # call its launcher directly. SEEDVR2BW_NVFP4_FAST_LAUNCH=0 turns it off; any launcher error turns it off too.
 # ----------------------------------------------------------------------------------------------------------
-_FAST_LAUNCH = [os.environ.get("SEEDVR2BW_NVFP4_FAST_LAUNCH", "1") == "1" and not _INTERPRET]
+_FAST_LAUNCH = [knobs.get("NVFP4_FAST_LAUNCH") and not _INTERPRET]
 _FAST_CACHE: dict = {}
 
 
@@ -658,7 +657,7 @@ _SM_COUNT: dict = {}
 # decode NVFP4 codes with the PTX byte-table routine (``_e2m1_pairs_scaled``) in the fused W4A16 kernel and the
 # dequantize kernel; off = the arithmetic decode / the table gather (the only ones the Triton interpreter can
 # run). SEEDVR2BW_W4A16_ASM=0 turns it off on a GPU.
-W4A16_ASM_DECODE = os.environ.get("SEEDVR2BW_W4A16_ASM", "1") != "0"
+W4A16_ASM_DECODE = knobs.get("W4A16_ASM")
 
 
 def _sm_count(device) -> int:

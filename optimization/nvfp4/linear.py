@@ -31,7 +31,6 @@ return (same quantizers, exact arithmetic) so that each path can be checked agai
 from __future__ import annotations
 
 import logging
-import os
 import re
 from typing import Callable, Iterable, Mapping
 
@@ -99,10 +98,6 @@ FIDELITY_KERNELS = ("auto", "fused", "rs", "dequant", "pipelined", "pipelined_n"
 #   run 11 (session 15, bench_nvfp4.py, commit 0aa2725): the RS kernel (rs_w4a16.py) 0.96-1.01x bf16 at M=4096,
 #     1.00-1.04x at 16384, dequant + cuBLAS 0.90-0.96x / 0.98-0.99x in the same run  -> RS from M >= 4096
 FUSED_MAX_M = 256
-# dequant kernel (M > FUSED_MAX_M): the weight goes to one shared scratch buffer per device with L2 evict_last
-# stores, so the GEMM reads it back from L2 (session 14, docs/BENCHMARKS.md). SEEDVR2BW_NVFP4_L2_KEEP=0: a fresh
-# buffer per call, plain stores (the behaviour before).
-L2_KEEP = os.environ.get("SEEDVR2BW_NVFP4_L2_KEEP", "1") != "0"
 PIPELINE_MIN_M = None        # set (e.g. 1024) to let "auto" time pipelined against dequant once per shape
 PIPELINE_CHUNKS = 4          # pipelined: first K part = Kp / PIPELINE_CHUNKS (exposed); N split: N chunks
 PIPELINE_ALIGN = 128         # N split: chunk boundaries on 128-row multiples (the swizzled scales slice per chunk)
@@ -485,7 +480,7 @@ class NVFP4Linear(_QuantLinearBase):
         if dtype not in (torch.bfloat16, torch.float16) or (self.bias is not None and self.bias.dtype != dtype):
             return None
         dq = K.dequant_plan(self.weight, self.weight_scale, self.weight_scale_2,
-                            (self.out_features, self.in_features), dtype, l2_keep=L2_KEEP)
+                            (self.out_features, self.in_features), dtype, l2_keep=True)
         if dq is None:
             return None
         bias, flat, linear = self.bias, len(out_shape) == 2, F.linear
@@ -580,7 +575,7 @@ class NVFP4Linear(_QuantLinearBase):
         """[N, K] view of the device's shared scratch weight for the dequantize + GEMM kernel, or None where it
         must not be used: off CUDA / Triton, or when autograd would keep the weight for the backward (the next
         layer overwrites the scratch)."""
-        if (not L2_KEEP or not (K.on_cuda(x2) and K.triton_usable(self.weight))
+        if (not (K.on_cuda(x2) and K.triton_usable(self.weight))
                 or (torch.is_grad_enabled() and x2.requires_grad)):
             return None
         n, k = self.out_features, self.in_features

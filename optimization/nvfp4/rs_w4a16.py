@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 
 import torch
 
+from ..runtime import knobs
 from . import wgmma_w4a16 as W
 
 log = logging.getLogger(__name__)
 
 _SOURCE_PATH = Path(__file__).with_name("w4a16_rs.cu")
-ENABLED = [os.environ.get("SEEDVR2BW_RS_KERNEL", "1") != "0"]
-STREAM_K = [os.environ.get("SEEDVR2BW_RS_STREAM_K", "1") != "0"]   # 0: whole tiles only (see split)
 MAX_SMEM = 232448            # sm_90 opt-in shared memory per block
 BN = 128                     # weight rows per tile
 DIAG = [0]                   # probe-only kernel knobs (see the .cu's DIAG); 0 in production
@@ -154,7 +152,7 @@ def split(n_tiles: int, kt: int, sms: int) -> tuple[int, int, int]:
     kt x sk_tiles / g_sk + the partial sums' cost). H100, bench_nvfp4 5c5f014: 120 tiles of 48 k tiles split over
     132 CTAs (a 0.4 k-tile gain, every tile through the workspace) ran at 0.50x bf16, dequantize + cuBLAS 0.76x."""
     rem = n_tiles % sms
-    if rem == 0 or kt < 2 * MIN_SK_UNITS or not STREAM_K[0]:
+    if rem == 0 or kt < 2 * MIN_SK_UNITS:
         return n_tiles, 0, 1
     g_sk = min(sms, rem * kt // MIN_SK_UNITS)
     if g_sk <= rem or -(-rem * kt // g_sk) + 3 * SK_FIXUP > kt:
@@ -233,7 +231,7 @@ AUTO_M = 4096
 def usable(x: torch.Tensor, n: int, k: int) -> bool:
     """Whether the product of x [M, k] with an [n, k] NVFP4 weight runs on this kernel here: switch, M, shape,
     device and the per-device self-test."""
-    return ENABLED[0] and x.shape[0] >= MIN_M and supported(x, n, k) and selftest(x.device)
+    return knobs.get("RS_KERNEL") and x.shape[0] >= MIN_M and supported(x, n, k) and selftest(x.device)
 
 
 def rs_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):

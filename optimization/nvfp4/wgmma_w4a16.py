@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 
 import torch
 
+from ..runtime import knobs
+
 log = logging.getLogger(__name__)
 
 _SOURCE_PATH = Path(__file__).with_name("w4a16_wgmma.cu")
-ENABLED = [os.environ.get("SEEDVR2BW_WGMMA", "1") != "0"]
 # M <= 64: the Triton kernel's 16/32/64-token tiles fit better than this kernel's 128-token tile
 MIN_M = 65
 DIAG = [0]                   # probe-only kernel knobs (see the .cu's DIAG); 0 in production
@@ -119,7 +119,7 @@ def supported(x: torch.Tensor, n: int, k: int, rows: int = 64) -> bool:
 
 def usable(x: torch.Tensor, n: int, k: int) -> bool:
     """Whether the fused W4A16 product of x [M, k] with an [n, k] NVFP4 weight runs on this kernel."""
-    return (ENABLED[0] and x.shape[0] >= MIN_M and supported(x, n, k) and selftest(x.device))
+    return (knobs.get("WGMMA") and x.shape[0] >= MIN_M and supported(x, n, k) and selftest(x.device))
 
 
 def default_min_blocks(wg: int, bm: int) -> int:

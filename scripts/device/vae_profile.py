@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from bench_vae import make_random_vae  # noqa: E402
 
 from seedvr2bw.models.seedvr2.vae import SEEDVR2_VAE  # noqa: E402
+from seedvr2bw.optimization.runtime import knobs  # noqa: E402
 
 
 def sync(dev):
@@ -34,6 +35,7 @@ def sync(dev):
 def apply_variant(vae, variant: str):
     opts = set(variant.split("+"))
     os.environ["SEEDVR2BW_FUSED"] = "0" if "torchgn" in opts else "1"   # torchgn: torch's GroupNorm
+    knobs.reset()
     torch.backends.cudnn.benchmark = "bench" in opts
     if "nolimit" in opts:
         vae.set_memory_limit(None, None)
