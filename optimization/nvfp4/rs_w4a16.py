@@ -23,16 +23,14 @@ log = logging.getLogger(__name__)
 _SOURCE_PATH = Path(__file__).with_name("w4a16_rs.cu")
 MAX_SMEM = 232448            # sm_90 opt-in shared memory per block
 BN = 128                     # weight rows per tile
-DIAG = [0]                   # probe-only kernel knobs (see the .cu's DIAG); 0 in production
 _KERNELS: dict = {}          # config key -> _Kernel, or None after a failure
 _DISABLED_REASON: list = []
 
 
-def kernel_source(tn: int, stages: int, has_bias: bool, diag: int = 0) -> tuple[str, str]:
+def kernel_source(tn: int, stages: int, has_bias: bool) -> tuple[str, str]:
     """(kernel name, CUDA source) for one configuration."""
-    name = f"w4a16_rs_{tn}_{stages}_{int(has_bias)}_{diag}"
-    head = (f"#define TN {tn}\n#define STAGES {stages}\n#define DIAG {diag}\n#define HAS_BIAS {int(has_bias)}\n"
-            f"#define KERNEL_NAME {name}\n")
+    name = f"w4a16_rs_{tn}_{stages}_{int(has_bias)}"
+    head = f"#define TN {tn}\n#define STAGES {stages}\n#define HAS_BIAS {int(has_bias)}\n#define KERNEL_NAME {name}\n"
     body = _SOURCE_PATH.read_text().replace("//%%WGMMA%%", W.wgmma_call(tn, acc_arg=True), 1)
     return name, head + W.COMMON_PATH.read_text() + body
 
@@ -97,10 +95,10 @@ class _Kernel:
     """A compiled configuration and its launcher (one cuLaunchKernel through ctypes)."""
     threads = 384
 
-    def __init__(self, tn, stages, has_bias, diag):
+    def __init__(self, tn, stages, has_bias):
         from torch.cuda import _utils as cu
         _check_config(tn, stages)
-        name, src = kernel_source(tn, stages, has_bias, diag)
+        name, src = kernel_source(tn, stages, has_bias)
         self.smem = smem_bytes(tn, stages)
         self.kernel = torch.cuda._compile_kernel(src, name, compute_capability="90a")
         self.kernel.set_shared_memory_config(self.smem)
@@ -113,7 +111,7 @@ class _Kernel:
 
 
 def get_kernel(tn, stages, has_bias):
-    return W.compiled(_KERNELS, _DISABLED_REASON, (tn, stages, has_bias, DIAG[0]), _Kernel, "RS W4A16 kernel")
+    return W.compiled(_KERNELS, _DISABLED_REASON, (tn, stages, has_bias), _Kernel, "RS W4A16 kernel")
 
 
 def supported(x: torch.Tensor, n: int, k: int) -> bool:

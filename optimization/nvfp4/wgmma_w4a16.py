@@ -25,7 +25,6 @@ log = logging.getLogger(__name__)
 _SOURCE_PATH = Path(__file__).with_name("w4a16_wgmma.cu")
 # M <= 64: the Triton kernel's 16/32/64-token tiles fit better than this kernel's 128-token tile
 MIN_M = 65
-DIAG = [0]                   # probe-only kernel knobs (see the .cu's DIAG); 0 in production
 _KERNELS: dict = {}          # config key -> _Kernel, or None after a failure
 _DISABLED_REASON: list = []
 
@@ -49,11 +48,10 @@ def wgmma_call(bm: int, acc_arg: bool = False) -> str:
 COMMON_PATH = Path(__file__).with_name("sm90_common.cuh")
 
 
-def kernel_source(wg: int, bm: int, stages: int, min_blocks: int, split: bool, has_bias: bool,
-                  diag: int = 0) -> tuple[str, str]:
+def kernel_source(wg: int, bm: int, stages: int, min_blocks: int, split: bool, has_bias: bool) -> tuple[str, str]:
     """(kernel name, CUDA source) for one configuration."""
-    name = f"w4a16_wgmma_{wg}_{bm}_{stages}_{min_blocks}_{int(split)}_{int(has_bias)}_{diag}"
-    head = (f"#define WG {wg}\n#define BM {bm}\n#define STAGES {stages}\n#define MINB {min_blocks}\n#define DIAG {diag}\n"
+    name = f"w4a16_wgmma_{wg}_{bm}_{stages}_{min_blocks}_{int(split)}_{int(has_bias)}"
+    head = (f"#define WG {wg}\n#define BM {bm}\n#define STAGES {stages}\n#define MINB {min_blocks}\n"
             f"#define SPLIT {int(split)}\n#define HAS_BIAS {int(has_bias)}\n#define KERNEL_NAME {name}\n")
     body = _SOURCE_PATH.read_text().replace("//%%WGMMA%%", wgmma_call(bm), 1)
     return name, head + COMMON_PATH.read_text() + body
@@ -67,9 +65,9 @@ def smem_bytes(wg: int, bm: int, stages: int) -> int:
 class _Kernel:
     """A compiled configuration and a cheap launcher (one cuLaunchKernel through ctypes)."""
 
-    def __init__(self, wg, bm, stages, min_blocks, split, has_bias, diag):
+    def __init__(self, wg, bm, stages, min_blocks, split, has_bias):
         from torch.cuda import _utils as cu
-        name, src = kernel_source(wg, bm, stages, min_blocks, split, has_bias, diag)
+        name, src = kernel_source(wg, bm, stages, min_blocks, split, has_bias)
         self.kernel = torch.cuda._compile_kernel(src, name, compute_capability="90a")
         self.smem = smem_bytes(wg, bm, stages)
         self.kernel.set_shared_memory_config(self.smem)
@@ -103,7 +101,7 @@ def compiled(cache: dict, reasons: list, key: tuple, make, what: str):
 
 
 def get_kernel(wg, bm, stages, min_blocks, split, has_bias):
-    return compiled(_KERNELS, _DISABLED_REASON, (wg, bm, stages, min_blocks, split, has_bias, DIAG[0]), _Kernel,
+    return compiled(_KERNELS, _DISABLED_REASON, (wg, bm, stages, min_blocks, split, has_bias), _Kernel,
                     "wgmma kernel (the Triton kernel is used)")
 
 

@@ -7,8 +7,7 @@ compared with the fp32 product of the dequantized weight (relative L2; bf16 outp
 ``--part time``: the six SeedVR2 shapes; per shape, CUDA-graph replays of ``--inner`` calls, ``--rounds`` rounds in
 rotating order; ratio = median over rounds of bf16 / variant in the same round. Variants: ``bf16`` (F.linear on
 the dequantized bf16 weight), ``layer`` (NVFP4Linear fidelity, dequantize + cuBLAS), ``rs`` (the default config),
-``rsT_S`` (tokens per tile, stages), ``..._nosk`` (no stream-K tail), ``nodec`` / ``nostore`` (DIAG 2 / 4: no
-decode / no output stores, wrong results, bounds only).
+``rsT_S`` (tokens per tile, stages), ``..._nosk`` (no stream-K tail).
     python scripts/device/rs_probe.py --part check,time [--m 4096,16384] [--variants ...] [--json out.json]
 """
 import argparse
@@ -101,22 +100,15 @@ def time_rounds(fns, inner, rounds):
 
 
 def variant(name, x, t, n, bias):
-    """fn for an rs variant name: rs | rsT_S (tokens per tile, stages) with optional suffixes _dD (DIAG bits) and
-    _nosk (whole tiles only); nodec = rs_d2, nostore = rs_d4."""
-    name = {"nodec": "rs_d2", "nostore": "rs_d4"}.get(name, name)
+    """fn for an rs variant name: rs | rsT_S (tokens per tile, stages) with an optional suffix _nosk (whole tiles
+    only)."""
     parts = name[2:].split("_") if name.startswith("rs") else []
-    diag = sum(int(p[1:]) for p in parts if p.startswith("d"))
     nums = [int(p) for p in parts if p.isdigit()]
     cfg = (nums[0], nums[1]) if nums else None
     sk = "nosk" not in parts
 
     def fn(out=None):
-        R.DIAG[0] = diag
-        try:
-            return R.rs_linear(x, t.packed, t.block_scale, t.global_scale, n, bias, cfg, stream_k=sk, out=out)
-        finally:
-            R.DIAG[0] = 0
-    fn.exact = diag & 31 == 0
+        return R.rs_linear(x, t.packed, t.block_scale, t.global_scale, n, bias, cfg, stream_k=sk, out=out)
     return fn
 
 
@@ -136,8 +128,6 @@ def time_part(dev, gen, args, log):
             ref = F.linear(x.float(), wb.float(), bias.float())
             errs = {}
             for nm, fn in fns.items():
-                if not getattr(fn, "exact", True):
-                    continue
                 if nm.startswith("rs"):             # the output poisoned first: every element must be written
                     y = fn(torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev))
                 else:

@@ -125,44 +125,9 @@ def time_shapes(dev, m_list, shapes, out):
         del layer, lin
 
 
-def bounds(dev, m_list, shapes, out):
-    """What limits the large-M tiles: each config with probe knobs that drop one part of the work (DIAG bits:
-    2 = no decode (constant A), 4 = no output stores); results with a knob set are not checked."""
-    gen = torch.Generator(device="cpu").manual_seed(2)
-    for k, n in shapes:
-        t = fmt.quantize_nvfp4(torch.randn(n, k, generator=gen) * 0.02, return_tensor=True).to(dev)
-        lin_w = t.dequantize(torch.bfloat16)
-        for m in m_list:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            res = {"bf16": graphed(lambda: F.linear(x, lin_w), 8, 15)}
-            for cfg in ((2, 256, 4, 1), (2, 256, 5, 1), (4, 128, 4, 1), (4, 128, 5, 1)):
-                if n % (64 * cfg[0]):
-                    continue
-                for diag in (0, 2, 4, 6):
-                    W.DIAG[0] = diag
-                    label = f"{cfg}d{diag}"
-                    try:
-                        if diag == 0:
-                            y = W.wgmma_linear(x, t.packed, t.block_scale, t.global_scale, n, None, cfg)
-                            e = rel(y, F.linear(x.float(), lin_w.float()))
-                            if e > 5e-3:
-                                res[label] = f"rel {e:.2e}"
-                                continue
-                        res[label] = graphed(
-                            lambda: W.wgmma_linear(x, t.packed, t.block_scale, t.global_scale, n, None, cfg), 8, 15)
-                    except Exception as exc:  # noqa: BLE001
-                        res[label] = str(exc)[:200]
-            W.DIAG[0] = 0
-            b = res["bf16"]
-            print(f"bound K={k} N={n} M={m}: bf16 {b:.4f} | " + ", ".join(
-                f"{c} {v:.4f} ({b / v:.2f}x)" if isinstance(v, float) else f"{c} {v}" for c, v in res.items()
-                if c != "bf16"), flush=True)
-            out.append({"part": "bound", "K": k, "N": n, "M": m, "ms": res})
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", default="check,time", help="check, time, bound (comma-separated)")
+    ap.add_argument("--part", default="check,time", help="check, time (comma-separated)")
     ap.add_argument("--m", default="256,4096")
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
     ap.add_argument("--json", default=None)
@@ -179,9 +144,6 @@ def main():
         if worst > 5e-3 and "time" in parts:
             print("check failed: timing skipped", flush=True)
             parts.remove("time")
-    if "bound" in parts:
-        bounds(dev, [int(v) for v in args.m.split(",")],
-               [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")], out)
     if "time" in parts:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
         time_shapes(dev, [int(v) for v in args.m.split(",")], shapes, out)
