@@ -22,6 +22,9 @@ from comfy_api.latest import io
 from ..models.seedvr2 import pipeline as P
 from ..models.seedvr2.color import COLOR_CORRECTION_MODES
 from ..models.seedvr2.embeddings import TextEmbeddings, load_text_embeddings
+from ..optimization.attention import CHOICES as ATTENTION_CHOICES
+from ..optimization.attention import backend_unavailable_reason
+from ..optimization.runtime.policy import get_policy
 from .types import CATEGORY, BlockSwapConfig, SeedVR2DiT, SeedVR2VAE
 
 _log = logging.getLogger(__name__)
@@ -29,7 +32,6 @@ _log = logging.getLogger(__name__)
 FOLDER_KEY = "seedvr2"
 FOLDER_NAME = "SEEDVR2"
 MODEL_EXTENSIONS = (".safetensors", ".pth", ".pt", ".ckpt", ".bin")
-ATTENTION_CHOICES = ["auto", "sdpa", "flash_attn", "sage"]
 DTYPE_CHOICES = ["auto", "bf16", "fp16", "fp32"]
 TILING_CHOICES = ["auto", "on", "off"]
 SIZE_MODES = ["shortest_edge", "scale_factor"]
@@ -164,20 +166,9 @@ def _resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def _policy(device):
-    try:
-        from ..optimization.hardware import get_policy
-        return get_policy(device)
-    except Exception as exc:  # noqa: BLE001 - the policy is optional for loading
-        _log.debug("hardware policy unavailable: %s", exc)
-        return None
-
-
 def _choose_attention(choice: str, device) -> str:
-    from ..optimization.attention import backend_unavailable_reason
     if choice == "auto":
-        policy = _policy(device)
-        name = getattr(policy, "attention", None) or "auto"
+        name = get_policy(device).attention
         if name != "auto" and backend_unavailable_reason(name, device) is not None:
             name = "auto"
         return name
@@ -302,18 +293,18 @@ class SeedVR2LoadDiT(io.ComfyNode):
         device = mm.get_torch_device()
         dtype = _resolve_dtype(compute_dtype, device)
         backend = _choose_attention(attention, device)
-        policy = _policy(device)
+        policy = get_policy(device)
         try:
-            # weights land on the offload device; the ModelPatcher moves them to `device` when needed.
-            # The policy of the *compute* device decides the fp8/NVFP4 linear path.
-            dit = load_dit(path, device="cpu", dtype=dtype, attention_backend=backend, policy=policy)
+            # weights land on the offload device; the ModelPatcher moves them to `device` when needed, and each
+            # NVFP4 linear takes the path of the device it runs on
+            dit = load_dit(path, device="cpu", dtype=dtype, attention_backend=backend)
         except (ValueError, NotImplementedError) as exc:
             raise ValueError(f"SeedVR2 Load DiT: {exc}") from exc
         cfg = getattr(dit, "config", None)
         emb = load_text_embeddings(path, extra_dirs=seedvr2_dirs(), expected_dim=getattr(cfg, "txt_in_dim", None))
         patcher = _make_patcher(dit, device, mm.unet_offload_device())
         _log.info("[SeedVR2-BW] DiT %s (%s, %s, attention %s)%s", os.path.basename(path),
-                  getattr(cfg, "variant", "?"), dtype, backend, f"; {policy.summary()}" if policy else "")
+                  getattr(cfg, "variant", "?"), dtype, backend, f"; {policy.summary()}")
         handle = SeedVR2DiTModel(patcher=patcher, embeddings=emb, dtype=dtype, attention=backend, path=path,
                                  variant=getattr(cfg, "variant", "?"), blockswap=blockswap)
         return io.NodeOutput(handle)

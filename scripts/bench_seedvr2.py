@@ -117,9 +117,10 @@ def set_linears(model, kind: str) -> None:
     """The DiT's linears as ``kind``: bf16 (as built), nvfp4 (NVFP4 fidelity path, as the pack picks its kernel),
     nvfp4_dequant (the same weights, the RS kernel off: dequantize + cuBLAS). bf16 must come before the others: the
     quantization is in place."""
-    from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear, quantize_model_linears
+    from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear
+    from seedvr2bw.optimization.nvfp4.surgery import quantize_model_linears
     if kind != "bf16" and not any(isinstance(m, NVFP4Linear) for m in model.modules()):
-        quantize_model_linears(model, policy="fidelity")
+        quantize_model_linears(model, path="fidelity")
     os.environ["SEEDVR2BW_RS_KERNEL"] = "off" if kind == "nvfp4_dequant" else "on"
     knobs.reset()
 

@@ -17,7 +17,7 @@ import _pack  # noqa: F401
 import torch
 
 from seedvr2bw.optimization.nvfp4.convert import convert_file
-from seedvr2bw.optimization.nvfp4.linear import DEFAULT_KEEP_PATTERNS
+from seedvr2bw.optimization.nvfp4.surgery import DEFAULT_KEEP_PATTERNS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -9,7 +9,6 @@ from seedvr2bw.models.seedvr2.dit import (
     SEEDVR2_3B,
     SEEDVR2_7B,
     DiTCheckpointError,
-    DiTFormatNotSupported,
     build_dit,
     config_from_state_dict,
     detect_variant,
@@ -118,7 +117,7 @@ def test_pth_loads(tmp_path):
     assert model.config.variant == "7b"
 
 
-def test_fp8_goes_to_replace_linears_or_says_not_supported(tmp_path):
+def test_fp8_goes_to_replace_linears(tmp_path):
     if not hasattr(torch, "float8_e4m3fn"):
         pytest.skip("torch without float8")
     from safetensors.torch import load_file, save_file
@@ -127,11 +126,7 @@ def test_fp8_goes_to_replace_linears_or_says_not_supported(tmp_path):
     sd = {k: (v.to(torch.float8_e4m3fn) if k.endswith("proj_qkv.vid.weight") else v) for k, v in sd.items()}
     path = tmp_path / "tiny_fp8.safetensors"
     save_file(sd, str(path))
-    try:
-        model = load_dit(path)
-    except DiTFormatNotSupported as e:
-        assert "fp8" in str(e) and "replace_linears" in str(e)
-        return
+    model = load_dit(path)
     assert model.config.variant == "7b"
     qkv = model.blocks[0].attn.proj_qkv.vid
     assert qkv.weight.dtype == torch.float8_e4m3fn, type(qkv)  # stays fp8 in memory
@@ -147,7 +142,6 @@ def test_fp8_everything(tmp_path):
     """numz-style fp8 files may store every tensor (ada vectors, norm weights, biases) in fp8."""
     if not hasattr(torch, "float8_e4m3fn"):
         pytest.skip("torch without float8")
-    pytest.importorskip("seedvr2bw.optimization.nvfp4.linear")
     from safetensors.torch import load_file, save_file
 
     sd = load_file(DATA / "golden" / "dit_3b_tiny_weights.safetensors")
@@ -167,14 +161,15 @@ def test_fp8_everything(tmp_path):
 
 def test_nvfp4_checkpoint_loads(tmp_path):
     """A ComfyUI-format NVFP4 file (packed uint8 weights + block scales) is detected and loaded."""
-    linear = pytest.importorskip("seedvr2bw.optimization.nvfp4.linear")
     from safetensors.torch import load_file, save_file
 
+    from seedvr2bw.optimization.nvfp4 import surgery
+
     model = load_dit(DATA / "golden" / "dit_7b_tiny_weights.safetensors", dtype=torch.bfloat16)
-    linear.quantize_model_linears(model, policy="reference")
+    surgery.quantize_model_linears(model, path="reference")
     path = tmp_path / "tiny_nvfp4.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
-    loaded = load_dit(path, policy="reference")
+    loaded = load_dit(path, nvfp4_path="reference")
     assert config_from_state_dict(load_file(str(path))).variant == "7b"
     assert type(loaded.blocks[0].attn.proj_qkv.vid).__name__ == "NVFP4Linear"
     inp = load_file(DATA / "golden" / "dit_case_image_inputs.safetensors")

@@ -208,7 +208,7 @@ def test_block_wrappers_fall_back_exactly():
 def test_selftest_passes_interpreted():
     out = _run("""
         from seedvr2bw.optimization import fused
-        ok, why = fused._run_selftest(k, torch.device("cpu"), 1e-2)
+        ok, why = fused.check_kernels(k, torch.device("cpu"), 1e-2)
         assert ok, why
         print("ok", why)
     """)

@@ -26,7 +26,7 @@ import logging
 
 import torch
 
-from ..optimization.hardware import get_policy
+from ..optimization.runtime.policy import get_policy
 from ..optimization.nvfp4 import format as fmt
 from ..optimization.nvfp4 import kernels as nvfp4_kernels
 from ..optimization.nvfp4.format import NVFP4Tensor

@@ -36,6 +36,7 @@ phases. Latents are parked on ``offload_device`` between phases (they are 48x sm
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ...optimization.runtime.policy import get_policy, torch_settings
 from .color import COLOR_CORRECTION_MODES, color_correct
 
 _log = logging.getLogger(__name__)
@@ -372,13 +374,15 @@ class SeedVR2Runner:
         if text_embedding is None:
             raise SeedVR2InputError("SeedVR2 needs the positive text embedding (pos_emb); none was given.")
         self.txt = text_embedding
+        self.policy = get_policy(self.device)
 
-    # -- autocast on CUDA for reduced precision, as the official script (bf16 autocast)
-    def _autocast(self, dtype):
-        if self.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-            return torch.autocast("cuda", dtype=dtype)
-        import contextlib
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _model_call(self, dtype):
+        """One model call: autocast on CUDA for reduced precision, as the official script (bf16 autocast), and the
+        hardware policy's TF32 / cuDNN settings, restored afterwards."""
+        cast = self.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+        with torch_settings(self.policy), (torch.autocast("cuda", dtype=dtype) if cast else contextlib.nullcontext()):
+            yield
 
     def _free_bytes(self) -> Optional[int]:
         if self.free_memory is not None:
@@ -424,14 +428,14 @@ class SeedVR2Runner:
 
         def enc(t):
             self.should_stop()
-            with torch.no_grad(), self._autocast(self.vae_dtype):
+            with torch.no_grad(), self._model_call(self.vae_dtype):
                 mean, logvar = _split_posterior(_call_with_optional(vae.encode, t, should_stop=self.should_stop))
             return torch.cat([mean.float(), logvar.float()], dim=1)
 
         if tile:
             overlap = min(max(0, (tiling.overlap // SIZE_MULTIPLE) * SIZE_MULTIPLE), tile // 2)
             if hasattr(vae, "encode_tiled"):  # models/seedvr2/vae: tile/overlap in pixels
-                with torch.no_grad(), self._autocast(self.vae_dtype):
+                with torch.no_grad(), self._model_call(self.vae_dtype):
                     mean, logvar = _split_posterior(vae.encode_tiled(x, tile, overlap, should_stop=self.should_stop))
                 return mean.float(), logvar.float()
             moments = tiled_spatial(enc, x, tile, overlap, 1.0 / SPATIAL_FACTOR, 2 * LATENT_CHANNELS)
@@ -450,7 +454,7 @@ class SeedVR2Runner:
 
         def dec(t):
             self.should_stop()
-            with torch.no_grad(), self._autocast(self.vae_dtype):
+            with torch.no_grad(), self._model_call(self.vae_dtype):
                 out = _decoded_tensor(_call_with_optional(vae.decode, t, should_stop=self.should_stop))
             if out.dim() == 4:  # single frame: the wrapper squeezes time
                 out = out.unsqueeze(2)
@@ -460,7 +464,7 @@ class SeedVR2Runner:
             tl = tile // SPATIAL_FACTOR
             ol = min(max(0, tiling.overlap // SPATIAL_FACTOR), tl // 2)
             if hasattr(vae, "decode_tiled"):  # models/seedvr2/vae: tile/overlap in latents
-                with torch.no_grad(), self._autocast(self.vae_dtype):
+                with torch.no_grad(), self._model_call(self.vae_dtype):
                     out = _decoded_tensor(vae.decode_tiled(z, tl, ol, should_stop=self.should_stop))
                 return out.unsqueeze(2) if out.dim() == 4 else out
             return tiled_spatial(dec, z, tl, ol, float(SPATIAL_FACTOR), 3)
@@ -478,7 +482,7 @@ class SeedVR2Runner:
         vid_shape = torch.tensor([[t, h, w]], dtype=torch.long, device=dev)
         txt_shape = torch.tensor([[txt.shape[0]]], dtype=torch.long, device=dev)
         timestep = torch.tensor([TIMESTEP], device=dev, dtype=dt)
-        with torch.no_grad(), self._autocast(dt):
+        with torch.no_grad(), self._model_call(dt):
             out = _call_with_optional(self.dit, vid=vid, txt=txt, vid_shape=vid_shape, txt_shape=txt_shape,
                                       timestep=timestep, should_stop=self.should_stop)
         v = getattr(out, "vid_sample", out)

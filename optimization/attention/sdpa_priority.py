@@ -10,22 +10,24 @@ torch's own order stays. ``SEEDVR2BW_SDPA`` = ``auto`` (default) | ``cudnn`` | `
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 
 import torch
 
-from ..runtime import knobs
+from ..runtime import knobs, selftests
 
 log = logging.getLogger(__name__)
 ENV = knobs.KNOB["SDPA"].var
 
 
-@functools.lru_cache(maxsize=None)
 def cudnn_selftest(device_index: int) -> tuple[bool, str]:
-    """cuDNN SDPA forward + input gradients on a small causal-free case against the math kernel in fp32."""
+    """cuDNN SDPA forward + input gradients on a small causal-free case against the math kernel in fp32 (once per
+    device)."""
+    return selftests.run("cudnn_sdpa", torch.device("cuda", device_index), check=_check_cudnn)
+
+
+def _check_cudnn(_variant, dev) -> tuple[bool, str]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    dev = torch.device("cuda", device_index)
     if torch.cuda.get_device_capability(dev) < (8, 0):
         return False, "cuDNN fused attention needs sm_80+"
     try:

@@ -63,13 +63,13 @@ class _Unit:
         self.uses = 0
         self.views: dict[int, list] = {}
         self.used_bytes = max((r.offset + r.nbytes for r in arena.records), default=0)
-        # modules caching tensors derived from their weights (NVFP4Linear._derived: e.g. an fp8 copy on the GPU):
-        # a swapped block must not keep them, or every swapped block would leave a GPU copy behind
-        self.derived = [m for m in module.modules() if isinstance(getattr(m, "_derived", None), dict)]
+        # modules caching tensors derived from their weights (NVFP4Linear: e.g. an fp8 copy on the GPU) say so with
+        # a drop_derived() method: a swapped block must not keep them, or it would leave a GPU copy behind
+        self.derived = [m for m in module.modules() if callable(getattr(m, "drop_derived", None))]
 
     def drop_derived(self):
         for m in self.derived:
-            m._derived.clear()
+            m.drop_derived()
 
     def __repr__(self):
         return f"_Unit({self.name})"

@@ -30,13 +30,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..runtime import knobs
+from ..runtime import knobs, selftests
 from . import reference
 
 log = logging.getLogger(__name__)
 
 _HALF = (torch.bfloat16, torch.float16)
-_selftest: Dict[str, Tuple[bool, str]] = {}
 _sid_cache: Dict[tuple, torch.Tensor] = {}
 _kernels = None
 _import_error: Optional[str] = None
@@ -70,7 +69,7 @@ def enabled(*tensors: torch.Tensor) -> bool:
 
 
 def selftest_status(device) -> Optional[Tuple[bool, str]]:
-    return _selftest.get(str(torch.device(device)))
+    return selftests.status("fused", device)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -79,25 +78,23 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def selftest(device, tol: float = 1e-2) -> Tuple[bool, str]:
-    """Run each kernel once on small random inputs against the torch reference (cached per device)."""
-    key = str(torch.device(device))
-    if key in _selftest:
-        return _selftest[key]
+    """Run each kernel once on small random inputs against the torch reference (once per device)."""
+    return selftests.run("fused", device, check=lambda _variant, dev: _check(dev, tol))
+
+
+def _check(device, tol) -> Tuple[bool, str]:
     k = _load()
     if k is None:
         res = (False, f"triton unavailable: {_import_error}")
     else:
-        try:
-            res = _run_selftest(k, torch.device(device), tol)
-        except Exception as exc:  # noqa: BLE001 - a crashing self-test is a failed one
-            res = (False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        res = selftests.guard(check_kernels)(k, device, tol)
     if not res[0]:
-        log.warning("seedvr2 fused kernels disabled on %s: %s", key, res[1])
-    _selftest[key] = res
+        log.warning("seedvr2 fused kernels disabled on %s: %s", device, res[1])
     return res
 
 
-def _run_selftest(k, device, tol) -> Tuple[bool, str]:
+def check_kernels(k, device, tol) -> Tuple[bool, str]:
+    """Each kernel of the module ``k`` on small random inputs against the torch reference (the self-test)."""
     g = torch.Generator(device="cpu").manual_seed(1234)
     dt = torch.bfloat16
 

@@ -47,7 +47,8 @@ class Knob:
         if self.kind == "count":
             return "`auto` (default) or a whole number"
         if self.kind == "choice":
-            return ", ".join(f"`{c}`" + (" (default)" if c == self.default else "") for c in self.choices)
+            unset = "unset (default), " if self.default is None else ""
+            return unset + ", ".join(f"`{c}`" + (" (default)" if c == self.default else "") for c in self.choices)
         return "unset (default) or text"
 
 
@@ -78,12 +79,12 @@ KNOBS: tuple[Knob, ...] = (
     Knob("NVFP4_FAST_LAUNCH", "switch", True, "per-shape launch plans of the NVFP4 / FP8 linears (off: every "
          "call through Triton's launcher)"),
     # diagnostics and training
-    Knob("DIAG_FAULT", "text", None, "force diagnostic faults (`nvfp4_wrong`, `pin_fail`, `a|b`) to test the "
-         "report"),
-    Knob("TRAIN_CUDA_GRAPH", "text", None, "FLUX LoRA training: CUDA graphs (`0`/`off`: off; anything else: the "
-         "setting's on); unset: the node setting"),
-    Knob("TRAIN_COMPILE", "text", None, "FLUX LoRA training: torch.compile of the blocks (`0`/`off`: off); unset: "
-         "the node setting"),
+    Knob("DIAG_FAULT", "text", None, "force diagnostic faults to test the report: `nvfp4_wrong`, `pin_fail`, or "
+         "both comma-separated"),
+    Knob("TRAIN_CUDA_GRAPH", "text", None, "FLUX LoRA training: CUDA graphs; `0` / `off` turns them off, any other "
+         "value on (CUDA only); unset: the node setting"),
+    Knob("TRAIN_COMPILE", "text", None, "FLUX LoRA training: torch.compile of the blocks; `0` / `off` turns it off, "
+         "any other value on (CUDA only); unset: the node setting"),
     Knob("TRAIN_SELECTIVE_CKPT", "choice", None, "FLUX LoRA training: selective activation checkpointing; unset: "
          "the node setting", choices=("auto", "on", "off"),
          aliases=(("0", "off"), ("false", "off"), ("1", "on"), ("true", "on"))),

@@ -203,7 +203,7 @@ def main():
             store="evict_last": its L2_KEEP stores."""
             hc = cols // 2
             r_, c_, w_ = cfg
-            K._dequant_kernel.fn[(triton.cdiv(rows, r_), triton.cdiv(hc, c_))](
+            K.dequant_kernel.fn[(triton.cdiv(rows, r_), triton.cdiv(hc, c_))](
                 packed, scales, lut, g, out, packed.shape[0], packed.shape[1], rows, cols, scales.shape[1] // 4,
                 c0 // 2, hc, BLOCK_R=r_, BLOCK_C=c_, ASM_DECODE=True, L2_KEEP=store == "evict_last", num_warps=w_)
             return out
@@ -364,7 +364,7 @@ def main():
                 print(f"  raw {nm}: " + " ".join(f"{t:.4f}" for t in v), flush=True)
         med = {nm: statistics.median(v) for nm, v in per.items()}
         ratio = {nm: statistics.median([per["bf16"][i] / per[nm][i] for i in range(args.rounds)]) for nm in per}
-        shipped = getattr(K._dequant_kernel, "best_config", None)
+        shipped = getattr(K.dequant_kernel, "best_config", None)
         print(f"shipped dequant config: {shipped}", flush=True)
         row = {"shipped_config": str(shipped), "k": k, "n": n, "weight_mb": nbytes / 2**20, "hit_ratio": hit, "ms": med, "x_bf16": ratio,
                "exact_vs_fixed": exact}

@@ -68,7 +68,7 @@ def check(dev, gen, log):
                 y = R.rs_linear(x, t.packed, t.block_scale, t.global_scale, N, bias, cfg, grid, out=out)
                 torch.cuda.synchronize()
                 if y is None:
-                    log(f"check M={M} K={Kd} N={N} cfg={cfg}: kernel unavailable {R._DISABLED_REASON[-1:]}")
+                    log(f"check M={M} K={Kd} N={N} cfg={cfg}: kernel unavailable {R.DISABLED_REASONS[-1:]}")
                     worst = float("inf")
                     continue
                 e = rel(y, ref)

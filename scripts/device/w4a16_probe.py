@@ -79,17 +79,17 @@ def _probe_kernel(x_ptr, p_ptr, s_ptr, wb_ptr, y_ptr, g, M, N, Kd, NCB4, TILES,
             p = tl.load(p_base + k0 // 2)
             if V == 1:
                 sb = tl.full((BLOCK_N, BLOCK_K // 2), 1.0, tl.bfloat16)
-                hv, lv = K._e2m1_pairs_scaled(p, sb, False)
+                hv, lv = K.e2m1_pairs_scaled(p, sb, False)
             elif V == 5:   # scales as a [BLOCK_N, BLOCK_K/16] tile whose offsets are provably 4-byte runs
                 sv = tl.load(s_ptr + s_row + (k0 // 64) * 512 + s_col[None, :])
                 sb = tl.reshape(tl.broadcast_to(sv.to(tl.bfloat16)[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)),
                                 (BLOCK_N, BLOCK_K // 2))
-                hv, lv = K._e2m1_pairs_scaled(p, sb, False)
+                hv, lv = K.e2m1_pairs_scaled(p, sb, False)
             else:
                 sv = tl.load(s_tile + (k0 // 64) * 512 + s_loc)
                 sb = tl.reshape(tl.broadcast_to(sv.to(tl.bfloat16)[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)),
                                 (BLOCK_N, BLOCK_K // 2))
-                hv, lv = K._e2m1_pairs_scaled(p, sb, False)
+                hv, lv = K.e2m1_pairs_scaled(p, sb, False)
             w = tl.reshape(tl.join(hv, lv), (BLOCK_N, BLOCK_K))
         acc = tl.dot(w, xt, acc)
     acc = acc * g

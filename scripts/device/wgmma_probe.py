@@ -59,7 +59,7 @@ def check(dev, out):
                     continue
                 y = W.wgmma_linear(x, t.packed, t.block_scale, t.global_scale, n, b, cfg)
                 if y is None:
-                    print("check", (m, n, k), cfg, "unavailable:", W._DISABLED_REASON[-1:], flush=True)
+                    print("check", (m, n, k), cfg, "unavailable:", W.DISABLED_REASONS[-1:], flush=True)
                     out.append({"part": "check", "case": (m, n, k), "cfg": cfg, "error": "unavailable"})
                     continue
                 torch.cuda.synchronize()
@@ -147,7 +147,7 @@ def main():
     if "time" in parts:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
         time_shapes(dev, [int(v) for v in args.m.split(",")], shapes, out)
-    print(f"total {time.time() - t0:.0f} s; compile failures: {W._DISABLED_REASON}", flush=True)
+    print(f"total {time.time() - t0:.0f} s; compile failures: {W.DISABLED_REASONS}", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"info": info, "results": out}, fh, indent=1, default=str)

@@ -3,7 +3,6 @@ from .config import CONFIGS, SEEDVR2_3B, SEEDVR2_7B, DiTConfig, config_from_refe
 from .nadit import DiTInterrupted, NaDiT  # noqa: F401
 from .loader import (  # noqa: F401
     DiTCheckpointError,
-    DiTFormatNotSupported,
     build_dit,
     config_from_state_dict,
     detect_variant,

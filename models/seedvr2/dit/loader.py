@@ -7,7 +7,7 @@
 * Anything else (the SeedVR2 VAE, FLUX, ...) is rejected with an error naming the file, what was expected
   and what was found.
 * fp16/bf16/fp32 weights load as they are (``dtype=`` casts on request). fp8 e4m3 weights and NVFP4
-  (``weight_scale`` keys) go through ``optimization.nvfp4.linear.replace_linears``.
+  (``weight_scale`` keys) go through ``optimization.nvfp4.surgery.replace_linears``.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Dict, Mapping, Optional, Union
 
 import torch
 
+from ....optimization.nvfp4.surgery import replace_linears
 from .config import DiTConfig
 from .nadit import NaDiT
 from .rope import lang_freqs, pixel_freqs
@@ -32,10 +33,6 @@ _CORE_KEYS = ("vid_in.proj.weight", "txt_in.weight", "emb_in.proj_out.weight")
 
 class DiTCheckpointError(ValueError):
     """The file is not a SeedVR2 DiT checkpoint (or not a complete one)."""
-
-
-class DiTFormatNotSupported(NotImplementedError):
-    """The checkpoint stores a weight format this build cannot load."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -216,14 +213,15 @@ def load_dit(
     dtype: Optional[torch.dtype] = None,
     attention_backend: str = "auto",
     block_runner=None,
-    policy=None,
+    nvfp4_path: str = "auto",
     keep_high_precision=None,
 ) -> NaDiT:
     """Build the right DiT for ``checkpoint`` (path or state dict) and load it strictly.
 
     ``dtype``: cast floating weights (fp32/fp16/bf16) to this dtype; None keeps the file's dtype.
     Quantized files (fp8 weights, NVFP4 ``weight_scale`` keys) are handed to
-    ``optimization.nvfp4.linear.replace_linears(model, state_dict, policy, ...)``.
+    ``optimization.nvfp4.surgery.replace_linears(model, state_dict, nvfp4_path, ...)``; ``nvfp4_path="auto"``: each
+    NVFP4 linear runs the hardware policy's path of the device it runs on (not of ``device``).
     """
     source = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else "state dict"
     sd = read_state_dict(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else unwrap_state_dict(dict(checkpoint), source)
@@ -236,22 +234,7 @@ def load_dit(
 
     linear_names = set()
     if is_quantized(sd):
-        try:
-            from ....optimization.nvfp4.linear import replace_linears
-        except ImportError as exc:
-            raise DiTFormatNotSupported(
-                f"{source}: the checkpoint stores fp8/NVFP4 linear weights, which need "
-                f"optimization.nvfp4.linear.replace_linears; it is not available in this build ({exc}). "
-                f"Use an fp16/bf16 checkpoint."
-            ) from exc
-        if policy is None:
-            try:
-                from ....optimization.hardware import get_policy
-
-                policy = get_policy(torch.device(device))
-            except Exception as exc:  # noqa: BLE001 - fall back to the format's own choice
-                _log.warning("no hardware policy (%s); quantized linears use their automatic path", exc)
-        report = replace_linears(model, sd, policy, keep_high_precision=keep_high_precision,
+        report = replace_linears(model, sd, nvfp4_path, keep_high_precision=keep_high_precision,
                                  dtype=dtype or torch.bfloat16)
         if report.get("missing"):
             raise DiTCheckpointError(f"{source}: no weights for linear layers {report['missing'][:8]}")

@@ -32,15 +32,7 @@ from .norm import RMSNorm
 from .rope import lang_freqs, make_rope_table, pixel_freqs, text_angles, video_angles
 from .window import build_joint_layout
 
-try:  # the block runners belong to optimization/blockswap (another part of the pack)
-    from ....optimization.blockswap import ResidentRunner  # type: ignore[attr-defined]
-except ImportError:
-    try:
-        from ....optimization.blockswap.resident import ResidentRunner  # type: ignore
-    except ImportError:
-        class ResidentRunner:  # minimal stand-in: yields the blocks as they are
-            def iterate(self, blocks):
-                return iter(blocks)
+from ....optimization.blockswap.resident import ResidentRunner
 
 
 class DiTInterrupted(RuntimeError):
