@@ -199,7 +199,7 @@ def test_no_plan_where_the_call_is_not_a_single_fused_launch(fake_gpu):
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_dequant_plan_launches_and_multiplies_like_the_full_forward(fake_gpu, monkeypatch, bias):
-    """M > FUSED_MAX_M: dequantize + cuBLAS. The plan launches the dequantize kernel as the full forward does
+    """M > dispatch.W4A16_MAX_M: dequantize + cuBLAS. The plan launches the dequantize kernel as the full forward does
     (same grid, integers, constexprs, weight-side tensors; the device's shared scratch weight as the output,
     with the stores kept in L2) and multiplies by what it wrote."""
     log, _ = fake_gpu

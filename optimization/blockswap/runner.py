@@ -219,17 +219,6 @@ class BlockSwapRunner:
                 self.pool.release_owner(self.owner)
                 self._finalizer.detach()
 
-    def invalidate(self) -> None:
-        """Forget what the ring slots hold (call after changing the host weights in place)."""
-        self.backend.synchronize()
-        for s in self.slots:
-            if s.unit is not None and s.unit.uses == 0:
-                if s.unit.bound:
-                    s.unit.arena.unbind()
-                    s.unit.bound = False
-                s.unit.slot = None
-                s.unit = None
-
     def stats(self) -> dict:
         c = self.c
         return {

@@ -68,10 +68,6 @@ def enabled(*tensors: torch.Tensor) -> bool:
     return selftest(x.device)[0]
 
 
-def selftest_status(device) -> Optional[Tuple[bool, str]]:
-    return selftests.status("fused", device)
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double().cpu(), b.double().cpu()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
