@@ -6,6 +6,7 @@ import contextlib
 
 import torch
 
+from ..nvfp4 import format as fmt
 from ..nvfp4.dispatch import NVFP4_PATHS
 from ..nvfp4.fp4_gemm import fp4_gemm_supported
 from ..nvfp4.selftest import run_gemm_selftest
@@ -25,11 +26,6 @@ PATH_TOLERANCE = {"reference": 1e-2, "fidelity": 1e-2, "fp8_speed": 0.08, "fp4_t
 CPU_REFERENCE_TOLERANCE = 1e-4   # fp32 on CPU: only summation order differs from the independent reference
 PATH_LABEL = {"fp4_tensorcore": "FP4 tensor cores (W4A4)", "fp8_speed": "FP8 speed path (W8A8)",
               "fidelity": "fidelity path (W4A16)", "reference": "reference (dequantize + matmul)"}
-
-
-def _import_nvfp4():
-    from ..nvfp4 import format as fmt
-    return fmt
 
 
 def check_nvfp4_library(ctx) -> CheckResult:
@@ -56,11 +52,6 @@ def _corrupt_packed(fmt, packed):
 
 def check_nvfp4_quantize(ctx) -> CheckResult:
     name = "NVFP4 quantize/dequantize"
-    try:
-        fmt = _import_nvfp4()
-    except Exception as exc:  # noqa: BLE001
-        return CheckResult(name, FAIL, None, "% mismatch", f"optimization.nvfp4.format failed to import: "
-                           f"{type(exc).__name__}: {exc}")
     dev = ctx.device
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(128 if ctx.quick else 256, 3072, generator=gen)
@@ -136,7 +127,6 @@ def _no_tf32():
 def build_linear(w: torch.Tensor, bias, path: str, dtype=torch.bfloat16):
     """An NVFP4Linear holding ``w`` quantized (on w's device), pinned to ``path``; returns (module, fp32 weight as
     stored, i.e. dequantized)."""
-    from ..nvfp4 import format as fmt
     from ..nvfp4.linear import NVFP4Linear
     mod = NVFP4Linear.from_nvfp4(fmt.quantize_nvfp4(w, return_tensor=True), bias=bias, path=path, dtype=dtype)
     return mod, mod.dequantize_weight(torch.float32)

@@ -76,7 +76,7 @@ def _verdict(report) -> list:
         out.append(line)
         if d.get("kernel_table"):
             out.append("quantized linears, kernel by rows M (bf16 activations):")
-            out.extend(row.strip() for row in d["kernel_table"])
+            out.extend("  " + row.strip() for row in d["kernel_table"])
     h2d, ov = by.get("H2D pinned vs pageable"), by.get("copy/compute overlap")
     if h2d is not None and h2d.status != "SKIP" and h2d.data:
         text = f"host->GPU copies: {h2d.data['pinned_gbps']:.1f} GB/s pinned ({h2d.data['ratio']:.1f}x pageable)"
