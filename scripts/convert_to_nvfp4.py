@@ -7,7 +7,7 @@
 Streams tensor by tensor (peak RAM ~ one tensor), writes a temp file and renames it into place (atomic), shows a
 tqdm progress bar and prints a summary of quantized / kept layers and sizes.
 Default keep rule (high precision): embeddings, norms, modulation/adaLN, patch-in/out and first/last layers,
-any layer whose K is not a multiple of 16 (see optimization/nvfp4/linear.py DEFAULT_KEEP_PATTERNS).
+any layer whose K is not a multiple of 16 (see optimization/nvfp4/surgery.py DEFAULT_KEEP_PATTERNS).
 """
 import argparse
 import json

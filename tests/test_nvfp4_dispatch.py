@@ -90,6 +90,10 @@ def test_table_rows_name_every_range():
         assert part in fidelity
     assert any(line.strip().startswith("nvfp4 auto -> fp8_speed (hardware policy): all M: fp8_rowwise")
                for line in lines)
+    info = device.DeviceInfo(type="cuda", index=0, name="H100", capability=(9, 0), arch_list=("sm_90a",))
+    summary = policy.decide(info, selftests={"nvfp4": lambda p, i: (True, "ok"),
+                                             "fp8": lambda f, i: (True, "ok")}).summary()
+    assert "profile=hopper" in summary and fidelity.strip() in summary     # the policy prints the whole table
 
 
 def test_facts_that_demote_a_kernel():
