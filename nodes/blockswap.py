@@ -50,9 +50,10 @@ class BlockSwap(io.ComfyNode):
                 io.Boolean.Input("swap_io_components", default=False,
                                  tooltip="Also stream the embeddings and patch in/out layers (saves ~0.2 GB)."),
                 io.Float.Input("pinned_cap_gb", default=0.0, min=0.0, max=1024.0, step=0.5,
-                               tooltip="Cap on pinned (page-locked) RAM for this model. 0 = platform default "
-                                       "(Windows 40 % of RAM, WSL 1 GB, Linux up to 90 %). Blocks beyond the cap "
-                                       "are copied from pageable memory (slower)."),
+                               tooltip="Cap on pinned (page-locked) RAM for this model. 0 = the pack's pinned "
+                                       "pool (Windows 40 % of RAM, WSL 1 GB, Linux half of RAM but at least 8 GB "
+                                       "left free; SEEDVR2BW_PINNED_POOL_BYTES). Blocks beyond the cap are copied "
+                                       "from pageable memory (slower)."),
                 io.Float.Input("reserve_gb", default=0.0, min=0.0, max=64.0, step=0.25,
                                tooltip="VRAM kept free for activations when blocks_to_swap = -1. "
                                        "0 = max(2 GB, 10 % of VRAM). Raise it for long/large batches."),

@@ -6,7 +6,9 @@ import time
 import torch
 from comfy_api.latest import io
 
-from ..optimization import hardware
+from ..optimization.attention import CHOICES as ATTENTION_CHOICES
+from ..optimization.nvfp4.dispatch import NVFP4_PATHS
+from ..optimization.runtime import policy
 from .types import CATEGORY
 
 
@@ -30,9 +32,9 @@ class HardwareInfo(io.ComfyNode):
             category=CATEGORY,
             description="Which GEMM path, attention backend, pinned-memory cap and TF32 settings this GPU gets, and why.",
             inputs=[
-                io.Combo.Input("nvfp4_gemm", options=["auto", *hardware.NVFP4_PATHS], default="auto",
+                io.Combo.Input("nvfp4_gemm", options=["auto", *NVFP4_PATHS], default="auto",
                                tooltip="Force an NVFP4 GEMM path (still self-tested; falls back with a reason)."),
-                io.Combo.Input("attention", options=["auto", "sdpa", "flash_attn", "sage", "reference"],
+                io.Combo.Input("attention", options=list(ATTENTION_CHOICES),
                                default="auto"),
             ],
             outputs=[io.String.Output(display_name="report")],
@@ -42,8 +44,7 @@ class HardwareInfo(io.ComfyNode):
     @classmethod
     def execute(cls, nvfp4_gemm: str, attention: str) -> io.NodeOutput:
         import comfy.model_management as mm
-        policy = hardware.get_policy(mm.get_torch_device(), _policy_overrides(nvfp4_gemm, attention))
-        text = policy.summary()
+        text = policy.get_policy(mm.get_torch_device(), _policy_overrides(nvfp4_gemm, attention)).summary()
         return io.NodeOutput(text, ui={"text": [text]})
 
 

@@ -11,7 +11,7 @@ import os
 import torch
 from comfy_api.latest import io
 
-from ..optimization.nvfp4.linear import DEFAULT_KEEP_PATTERNS
+from ..optimization.nvfp4.surgery import DEFAULT_KEEP_PATTERNS
 from .types import CATEGORY
 
 _MODEL_FOLDERS = ("diffusion_models", "checkpoints", "unet")

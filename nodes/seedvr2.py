@@ -24,8 +24,9 @@ from ..models.seedvr2.color import COLOR_CORRECTION_MODES
 from ..models.seedvr2.dit.loader import load_dit
 from ..models.seedvr2.embeddings import TextEmbeddings, load_text_embeddings
 from ..models.seedvr2.vae import load_vae
+from ..optimization.attention import CHOICES as ATTENTION_CHOICES
 from ..optimization.attention import backend_unavailable_reason
-from ..optimization.hardware import get_policy
+from ..optimization.runtime.policy import get_policy
 from .staging import ModelStager, dit_activation_bytes, vae_activation_bytes
 from .types import CATEGORY, BlockSwapConfig, SeedVR2DiT, SeedVR2VAE
 
@@ -34,7 +35,6 @@ _log = logging.getLogger(__name__)
 FOLDER_KEY = "seedvr2"
 FOLDER_NAME = "SEEDVR2"
 MODEL_EXTENSIONS = (".safetensors", ".pth", ".pt", ".ckpt", ".bin")
-ATTENTION_CHOICES = ["auto", "sdpa", "flash_attn", "sage"]
 DTYPE_CHOICES = ["auto", "bf16", "fp16", "fp32"]
 TILING_CHOICES = ["auto", "on", "off"]
 SIZE_MODES = ["shortest_edge", "scale_factor"]
@@ -171,7 +171,7 @@ def _resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
 
 def _choose_attention(choice: str, device) -> str:
     if choice == "auto":
-        name = get_policy(device).attention or "auto"
+        name = get_policy(device).attention
         if name != "auto" and backend_unavailable_reason(name, device) is not None:
             name = "auto"
         return name
@@ -228,9 +228,9 @@ class SeedVR2LoadDiT(io.ComfyNode):
         backend = _choose_attention(attention, device)
         policy = get_policy(device)
         try:
-            # weights land on the offload device; the ModelPatcher moves them to `device` when needed.
-            # The policy of the *compute* device decides the fp8/NVFP4 linear path.
-            dit = load_dit(path, device="cpu", dtype=dtype, attention_backend=backend, policy=policy)
+            # weights land on the offload device; the ModelPatcher moves them to `device` when needed, and each
+            # NVFP4 linear takes the path of the device it runs on
+            dit = load_dit(path, device="cpu", dtype=dtype, attention_backend=backend)
         except (ValueError, NotImplementedError) as exc:
             raise ValueError(f"SeedVR2 Load DiT: {exc}") from exc
         cfg = getattr(dit, "config", None)

@@ -5,7 +5,7 @@
                                   [--inner 8] [--variants] [--sweep]
 
 --variants adds the fidelity path's kernels forced one by one (fid_dequant, fid_fused [M <= 1024],
-fid_pipe2/4/8 = pipelined with 2/4/8 N chunks), so the M thresholds in linear.py can be read off one run;
+fid_rs [M >= 1024, sm_90]), so the M thresholds in dispatch.py can be read off one run;
 --sweep times the fused W4A16 kernel over a few tile configs (for kernels.W4A16_CONFIGS).
 
 Shapes are KxN (in x out): SeedVR2 3B hidden 2560 / MLP 6912, 7B hidden 3072 / MLP 12288, plus qkv/out.
@@ -34,7 +34,9 @@ import torch.nn.functional as F
 
 from seedvr2bw.optimization.nvfp4 import format as fmt
 from seedvr2bw.optimization.nvfp4 import kernels as K
-from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear, fp4_gemm_supported
+from seedvr2bw.optimization.nvfp4 import launch
+from seedvr2bw.optimization.nvfp4.fp4_gemm import fp4_gemm_supported
+from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear
 
 DEFAULT_SHAPES = "2560x6912,6912x2560,3072x12288,12288x3072,3072x9216,3072x3072"
 DEFAULT_M = "64,256,1024,4096,16384,32768"
@@ -185,7 +187,7 @@ def main(argv=None):
     if ck is not None:
         info["comfy_kitchen_version"] = getattr(ck, "__version__", "?")
     if args.variants:
-        paths += ["fid_dequant", "fid_fused", "fid_pipe2", "fid_pipe4", "fid_pipe8"]
+        paths += ["fid_dequant", "fid_fused", "fid_rs"]
     print(json.dumps(info))
     results = []
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -198,14 +200,12 @@ def main(argv=None):
         layers = {p: NVFP4Linear.from_nvfp4(t, bias=bias, path=p) for p in ("fidelity", "fp8_speed", "fp4_tensorcore")
                   if p in paths}
         if "fp8_speed" in layers:
-            layers["fp8_speed"]._fp8_weight(dev)        # one-time conversion, outside the timing
+            layers["fp8_speed"].fp8_weight(dev)        # one-time conversion, outside the timing
         for p in paths:
             if p.startswith("fid_"):
                 lay = NVFP4Linear.from_nvfp4(t, bias=bias, path="fidelity")
                 kind = p[4:]
-                lay.fidelity_kernel = "pipelined" if kind.startswith("pipe") else kind
-                if kind.startswith("pipe"):
-                    lay.pipeline_chunks = int(kind[4:])
+                lay.fidelity_kernel = kind
                 layers[p] = lay
         if ck is not None:
             ck_q = t.packed
@@ -261,7 +261,7 @@ def main(argv=None):
                         t.packed, t.block_scale, t.global_scale, (n, k), torch.bfloat16), rep_ms=args.rep_ms)
                     row["c_act_fp8_ms"] = _bench(lambda: K.quantize_act_fp8_rowwise(x), rep_ms=args.rep_ms)
                     if "fp8_speed" in layers:
-                        w8, sw = layers["fp8_speed"]._fp8_weight(dev)
+                        w8, sw = layers["fp8_speed"].fp8_weight(dev)
                         xq, sx = K.quantize_act_fp8_rowwise(x)
                         row["c_fp8_gemm_ms"] = _bench(lambda: torch._scaled_mm(
                             xq, w8.t(), scale_a=sx.reshape(-1, 1), scale_b=sw.reshape(1, -1), out_dtype=torch.bfloat16,
@@ -287,7 +287,7 @@ def main(argv=None):
                     except Exception as exc:  # noqa: BLE001
                         row[f"{p}_acc_error"] = str(exc).splitlines()[0]
             if "fidelity" in layers:
-                row["fidelity_kernel"] = layers["fidelity"]._fidelity_kernel_for(xs[0])
+                row["fidelity_kernel"] = layers["fidelity"].decision(xs[0]).kernel
             results.append(row)
             line = f"K={k:5d} N={n:5d} M={m:5d} " + " ".join(
                 f"{p}={row[f'{p}_ms']:.4f}ms" + (f"({row[f'{p}_vs_bf16']:.2f}x)" if f"{p}_vs_bf16" in row else "")
@@ -312,9 +312,9 @@ def main(argv=None):
             summary[f"{p}_rel_err_mean"] = sum(es) / len(es)
             summary[f"{p}_snr_db_mean"] = sum(-20 * math.log10(e) for e in es) / len(es)
     summary["weight_rel_err_mean"] = sum(r["weight_rel_err"] for r in acc) / max(len(acc), 1)
-    from seedvr2bw.optimization.nvfp4.linear import _FUSED_BROKEN
-    summary["fused_w4a16_unavailable"] = _FUSED_BROKEN[0] if _FUSED_BROKEN else None
-    summary["fast_launch"] = K._FAST_LAUNCH[0]
+    from seedvr2bw.optimization.nvfp4.linear import W4A16_TRITON_BROKEN
+    summary["fused_w4a16_unavailable"] = W4A16_TRITON_BROKEN[0] if W4A16_TRITON_BROKEN else None
+    summary["fast_launch"] = launch.FAST_LAUNCH[0]
     print(json.dumps(summary))
     print("\n| K | N | M | " + " | ".join(f"{p} ms" for p in paths) + " | " +
           " | ".join(f"{p}/bf16" for p in paths if p != "bf16") + " | fid/ck | fid kernel |")

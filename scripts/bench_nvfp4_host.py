@@ -35,6 +35,8 @@ import _pack
 import torch
 
 from seedvr2bw.optimization.nvfp4 import kernels as K
+from seedvr2bw.optimization.nvfp4 import launch
+from seedvr2bw.optimization.nvfp4 import linear as L
 from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear
 
 DEFAULT_SHAPES = "2560x6912,6912x2560,3072x12288,12288x3072,3072x9216,3072x3072"
@@ -75,21 +77,21 @@ class _FakeJit:
 def install_fakes():
     if not K.HAS_TRITON:
         sys.exit("needs triton importable (the kernels module defines its kernels only then)")
-    K.on_cuda = lambda t: True
-    K.device_is_cuda = lambda d: True
-    K.raw_stream = lambda index: 0
-    K._SM_COUNT["cpu"] = H100_SMS
+    launch.on_cuda = lambda t: True
+    launch.device_is_cuda = lambda d: True
+    launch.raw_stream = lambda index: 0
+    launch.SM_COUNT["cpu"] = H100_SMS
     fakes = {}
-    for name in ("_w4a16_swab_kernel", "_splitk_reduce_kernel", "_act_fp8_row_kernel", "_act_nvfp4_kernel",
-                 "_dequant_kernel"):
+    for module, name in ((K, "w4a16_swab_kernel"), (launch, "splitk_reduce_kernel"), (K, "act_fp8_row_kernel"),
+                         (K, "_act_nvfp4_kernel"), (K, "dequant_kernel")):
         fakes[name] = _FakeJit(name)
-        setattr(K, name, fakes[name])
+        setattr(module, name, fakes[name])
     # the dequantize kernel is autotuned: its chosen config is what the cached relaunch keys on
-    fakes["_dequant_kernel"].best_config = type("Cfg", (), {"kwargs": {"BLOCK_R": 32, "BLOCK_C": 64}})()
+    fakes["dequant_kernel"].best_config = type("Cfg", (), {"kwargs": {"BLOCK_R": 32, "BLOCK_C": 64}})()
     K.byte_lut = lambda device: _LUT
-    hooks = K._hooks_set()
-    if hooks:   # Triton without empty-hook detection in _hooks_set: behave as on the H100 run (Triton 3.6)
-        K._hooks_set = lambda: False
+    hooks = launch.hooks_set()
+    if hooks:   # Triton without empty-hook detection in hooks_set: behave as on the H100 run (Triton 3.6)
+        launch.hooks_set = lambda: False
     out_cache = {}
 
     def fake_scaled_mm(a, b, scale_a=None, scale_b=None, out_dtype=torch.bfloat16, **kw):
@@ -146,12 +148,12 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     fakes, hooks = install_fakes()
-    if args.full and hasattr(NVFP4Linear, "_make_plan"):
-        NVFP4Linear._make_plan = lambda self, *a: None
+    if args.full:
+        L.make_plan = lambda *a: None
     ms = [int(v) for v in args.m.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     paths = args.paths.split(",")
-    print(f"commit {_pack.git_commit()}  torch {torch.__version__}  fast launch {K._FAST_LAUNCH[0]}  "
+    print(f"commit {_pack.git_commit()}  torch {torch.__version__}  fast launch {launch.FAST_LAUNCH[0]}  "
           f"(Triton hooks reported set: {hooks}{' -> treated as unset' if hooks else ''})"
           f"{'  launch plans off (--full)' if args.full else ''}")
     rows = []

@@ -30,6 +30,7 @@ import torch
 from seedvr2bw.models.seedvr2.dit import SEEDVR2_3B, SEEDVR2_7B, NaDiT
 from seedvr2bw.models.seedvr2.dit.window import build_joint_layout
 from seedvr2bw.optimization.attention import available_backends, resolve_backend
+from seedvr2bw.optimization.runtime import knobs
 
 RESOLUTIONS = {"720p": (720, 1280), "1080p": (1080, 1920)}
 TXT_LEN = 58
@@ -116,11 +117,12 @@ def set_linears(model, kind: str) -> None:
     """The DiT's linears as ``kind``: bf16 (as built), nvfp4 (NVFP4 fidelity path, as the pack picks its kernel),
     nvfp4_dequant (the same weights, the RS kernel off: dequantize + cuBLAS). bf16 must come before the others: the
     quantization is in place."""
-    from seedvr2bw.optimization.nvfp4 import rs_w4a16
-    from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear, quantize_model_linears
+    from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear
+    from seedvr2bw.optimization.nvfp4.surgery import quantize_model_linears
     if kind != "bf16" and not any(isinstance(m, NVFP4Linear) for m in model.modules()):
-        quantize_model_linears(model, policy="fidelity")
-    rs_w4a16.ENABLED[0] = kind != "nvfp4_dequant"
+        quantize_model_linears(model, path="fidelity")
+    os.environ["SEEDVR2BW_RS_KERNEL"] = "off" if kind == "nvfp4_dequant" else "on"
+    knobs.reset()
 
 
 def bench_dit(name, cfg, cases, args, peak):
@@ -139,6 +141,7 @@ def _bench_dit_cases(model, name, cfg, cases, args, peak, linears):
     weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 30
     for backend, (res, frames), fz in [(b, c, f) for b in args.backends for c in cases for f in args.fused_modes]:
         os.environ["SEEDVR2BW_FUSED"] = "1" if fz == "on" else "0"
+        knobs.reset()
         model.attention_backend = backend
         h, w = RESOLUTIONS[res]
         padded, latent = latent_grid(h, w, frames)
@@ -253,8 +256,10 @@ def bench_fused_ops(n=21600, d=3072, heads=24, hidden=12288):
     qkv_out = torch.empty(3, n, heads, 128, device=dev, dtype=bf)
 
     def fused_qkv(variant):
-        os.environ["SEEDVR2BW_QKV_KERNEL"] = variant
-        fused.qkv_norm_rope_pack(qkv, heads, 128, w, w, 1e-5, table.cos_pair, table.sin_pair, perm, qkv_out)
+        def run():
+            fused.qkv_norm_rope_pack(qkv, heads, 128, w, w, 1e-5, table.cos_pair, table.sin_pair, perm, qkv_out)
+        run.qkv_variant = variant
+        return run
 
     lin_w = torch.randn(hidden, d, device=dev, dtype=bf) * d ** -0.5
     lin_b = torch.randn(hidden, device=dev, dtype=bf)
@@ -275,9 +280,9 @@ def bench_fused_ops(n=21600, d=3072, heads=24, hidden=12288):
         "residual_norm_modulate": (4, lambda: M.modulate_in(rms_norm(M.gated_residual(x, o, e, p, [n]), None, 1e-5), e, p, p, [n]),
                                    lambda: fused.residual_norm_modulate(x, o, M._vec(e, 2, p), M._vec(e, 1, p), M._vec(e, 0, p), 1e-5, [n])),
         "gated_residual": (3, lambda: M.gated_residual(x, o, e, p, [n]), lambda: fused.gated_residual(x, o, M._vec(e, 2, p), [n])),
-        "qkv_norm_rope_pack v1": (6, torch_qkv, lambda: fused_qkv("v1")),
-        "qkv_norm_rope_pack v2": (6, torch_qkv, lambda: fused_qkv("v2")),
-        "qkv_norm_rope_pack v3": (6, torch_qkv, lambda: fused_qkv("v3")),
+        "qkv_norm_rope_pack v1": (6, torch_qkv, fused_qkv("v1")),
+        "qkv_norm_rope_pack v2": (6, torch_qkv, fused_qkv("v2")),
+        "qkv_norm_rope_pack v3": (6, torch_qkv, fused_qkv("v3")),
         "silu_mul(N x 6912)": (3 * 6912 / d, lambda: torch.nn.functional.silu(sa) * sb, lambda: fused.silu_mul(sa, sb)),
         "linear+gelu(N x 4D)": (0, lambda: torch.nn.functional.gelu(torch.nn.functional.linear(x, lin_w, lin_b), approximate="tanh"),
                                 lambda: fused.linear_gelu(x, lin_w, lin_b)),
@@ -286,9 +291,9 @@ def bench_fused_ops(n=21600, d=3072, heads=24, hidden=12288):
     print(f"# fused ops at N={n}, D={d} (one N x D bf16 pass = {unit * 1e6:.0f} us at 3 TB/s)")
     for name, (passes, ref_fn, fz_fn) in ops.items():
         t_ref, _ = cuda_time(ref_fn, 3, 10)
-        t_fz = cuda_time(fz_fn, 3, 10)[0] if fz_fn is not None else float("nan")
+        with knobs.override(QKV_KERNEL=getattr(fz_fn, "qkv_variant", None)):
+            t_fz = cuda_time(fz_fn, 3, 10)[0] if fz_fn is not None else float("nan")
         res[name] = {"torch_us": t_ref * 1e6, "fused_us": t_fz * 1e6, "predicted_us": passes * unit * 1e6}
-        os.environ.pop("SEEDVR2BW_QKV_KERNEL", None)
         print(f"#   {name:>24}: torch {t_ref * 1e6:8.0f} us   fused {t_fz * 1e6:8.0f} us   bytes floor {passes * unit * 1e6:6.0f} us",
               flush=True)
     return res

@@ -7,7 +7,7 @@
 Streams tensor by tensor (peak RAM ~ one tensor), writes a temp file and renames it into place (atomic), shows a
 tqdm progress bar and prints a summary of quantized / kept layers and sizes.
 Default keep rule (high precision): embeddings, norms, modulation/adaLN, patch-in/out and first/last layers,
-any layer whose K is not a multiple of 16 (see optimization/nvfp4/linear.py DEFAULT_KEEP_PATTERNS).
+any layer whose K is not a multiple of 16 (see optimization/nvfp4/surgery.py DEFAULT_KEEP_PATTERNS).
 """
 import argparse
 import json
@@ -17,7 +17,7 @@ import _pack  # noqa: F401
 import torch
 
 from seedvr2bw.optimization.nvfp4.convert import convert_file
-from seedvr2bw.optimization.nvfp4.linear import DEFAULT_KEEP_PATTERNS
+from seedvr2bw.optimization.nvfp4.surgery import DEFAULT_KEEP_PATTERNS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -3,7 +3,7 @@ import logging
 
 import torch
 
-from seedvr2bw.optimization.blockswap import FakeBackend, PinnedPool, platform_pinned_cap
+from seedvr2bw.optimization.blockswap import FakeBackend, PinnedPool
 
 GB = 1 << 30
 
@@ -31,12 +31,11 @@ def test_lru_evicts_other_owner_least_recent_first():
     be = FakeBackend()
     pool = PinnedPool(cap_bytes=300)
     x1, x2, x3 = arena(100), arena(100), arena(100)
+    synced = []
     pool.add(1, "x1", x1, be)
-    pool.add(1, "x2", x2, be)
+    pool.add(1, "x2", x2, be, sync=lambda: synced.append("x2"))
     pool.add(2, "y", arena(50), be)
     pool.touch(1, "x1")                              # x2 is now the least recently used of owner 1
-    synced = []
-    pool._entries[(1, "x2")].sync = lambda: synced.append("x2")
     new = arena(100)
     assert pool.add(3, "z", new, be)                 # needs 50 more bytes: evicts x2 (LRU), not x1
     assert not be.is_pinned(x2) and be.is_pinned(x1) and be.is_pinned(new)
@@ -97,27 +96,14 @@ def test_pin_failure_falls_back_and_logs(caplog):
     assert not pool.touch(1, "a")
 
 
-def test_platform_caps():
-    ram = 64 * GB
-    assert platform_pinned_cap(ram, "win32", False) == int(0.4 * ram)
-    assert platform_pinned_cap(ram, "linux", True) == 1 * GB
-    assert platform_pinned_cap(ram, "linux", False) == int(0.9 * ram)   # min(90 %, RAM - 4 GiB)
-    assert platform_pinned_cap(8 * GB, "linux", False) == 4 * GB          # max(40 %, RAM - 4 GiB)
-    assert platform_pinned_cap(ram, "darwin", False) == 0
-    assert platform_pinned_cap(ram, "win32", False) < platform_pinned_cap(ram, "linux", False)
-
-
 def test_global_pool_cap_from_hardware_policy(monkeypatch):
     from seedvr2bw.optimization.blockswap import pool as poolmod
+    from seedvr2bw.optimization.runtime import policy
 
     class P:
         pinned_pool_bytes = 123 * GB
 
-    import seedvr2bw.optimization.hardware as hw
-    monkeypatch.setattr(hw, "get_policy", lambda device=None, *a, **k: P())
-    monkeypatch.setattr(poolmod, "_global_pool", None)
+    monkeypatch.setattr(policy, "get_policy", lambda device=None, *a, **k: P())
+    poolmod.reset_pinned_pool()
     assert poolmod.get_pinned_pool().cap_bytes == 123 * GB
-    monkeypatch.setattr(hw, "get_policy", lambda device=None, *a, **k: (_ for _ in ()).throw(RuntimeError("x")))
-    monkeypatch.setattr(poolmod, "_global_pool", None)
-    assert poolmod.get_pinned_pool().cap_bytes == platform_pinned_cap()
-    monkeypatch.setattr(poolmod, "_global_pool", None)
+    poolmod.reset_pinned_pool()

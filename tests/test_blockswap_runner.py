@@ -375,25 +375,27 @@ def test_small_tensors_stay_resident():
 
 
 def test_derived_weight_caches_dropped_on_eviction():
-    """Modules caching tensors derived from their weights (NVFP4Linear._derived) must not keep them for a block
-    that left the ring, or each swapped block would leave a derived GPU copy behind."""
+    """Modules caching tensors derived from their weights (NVFP4Linear.derived_tensors, dropped by its
+    drop_derived()) must not keep them for a block that left the ring, or each swapped block would leave a derived
+    GPU copy behind."""
     m, ref = make(n=6)
     for b in m.blocks:
-        b.lin._derived = {}
+        b.lin.derived_tensors = {}
+        b.lin.drop_derived = b.lin.derived_tensors.clear
         orig = b.lin.forward
 
         def fwd(x, lin=b.lin, orig=orig):
-            lin._derived.setdefault("w", lin.weight.clone())
+            lin.derived_tensors.setdefault("w", lin.weight.clone())
             return orig(x)
         b.lin.forward = fwd
     runner, be, _ = attach(m, blocks_to_swap=6)
     with torch.no_grad():
         x = torch.randn(2, 32)
         assert torch.equal(m(x), ref(x))
-    alive = [i for i, b in enumerate(m.blocks) if b.lin._derived]
+    alive = [i for i, b in enumerate(m.blocks) if b.lin.derived_tensors]
     assert len(alive) <= 2                                  # only blocks still in the ring keep their cache
     detach(m)
-    assert not any(b.lin._derived for b in m.blocks)
+    assert not any(b.lin.derived_tensors for b in m.blocks)
 
 
 def test_pack_quantized_linears_travel_in_storage_format():

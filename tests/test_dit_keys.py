@@ -161,14 +161,15 @@ def test_fp8_everything(tmp_path):
 
 def test_nvfp4_checkpoint_loads(tmp_path):
     """A ComfyUI-format NVFP4 file (packed uint8 weights + block scales) is detected and loaded."""
-    from seedvr2bw.optimization.nvfp4 import linear
     from safetensors.torch import load_file, save_file
 
+    from seedvr2bw.optimization.nvfp4 import surgery
+
     model = load_dit(DATA / "golden" / "dit_7b_tiny_weights.safetensors", dtype=torch.bfloat16)
-    linear.quantize_model_linears(model, policy="reference")
+    surgery.quantize_model_linears(model, path="reference")
     path = tmp_path / "tiny_nvfp4.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
-    loaded = load_dit(path, policy="reference")
+    loaded = load_dit(path, nvfp4_path="reference")
     assert config_from_state_dict(load_file(str(path))).variant == "7b"
     assert type(loaded.blocks[0].attn.proj_qkv.vid).__name__ == "NVFP4Linear"
     inp = load_file(DATA / "golden" / "dit_case_image_inputs.safetensors")

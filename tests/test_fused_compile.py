@@ -34,7 +34,7 @@ def test_qkv_v2_v3_compile_with_16_byte_rows(split):
     sig = {"QKV": "*bf16", "SRC": "*i64", "DST": "*i64", "WQ": "*bf16", "WK": "*bf16", "COS": "*fp32", "SIN": "*fp32",
            "OUT": "*bf16", "N_ALL": "i32", "H": "i32", "R2": "i32", "eps": "fp32", "D": "constexpr",
            "HAS_ROPE": "constexpr", "HAS_SRC": "constexpr", "BLOCK_H": "constexpr", "SPLIT": "constexpr"}
-    ptx, ops = _compile(k._qkv_pack_kernel_v2, sig, {"D": 128, "HAS_ROPE": True, "HAS_SRC": True, "BLOCK_H": 32, "SPLIT": split})
+    ptx, ops = _compile(k.qkv_pack_kernel_v2, sig, {"D": 128, "HAS_ROPE": True, "HAS_SRC": True, "BLOCK_H": 32, "SPLIT": split})
     assert ".local" not in ptx
     assert ops["st.global.v4.b32"] > 0 and not ops["st.global.b16"], ops
     assert ops["ld.global.v4.b32"] > 0, ops
@@ -45,7 +45,7 @@ def test_norm_modulate_compiles_with_16_byte_rows():
 
     sig = {"X": "*bf16", "O": "*bf16", "G": "*fp32", "XOUT": "*bf16", "Y": "*bf16", "S": "*fp32", "B": "*fp32",
            "SID": "*i32", "D": "i32", "eps": "fp32", "HAS_RES": "constexpr", "HAS_SID": "constexpr", "BLOCK_D": "constexpr"}
-    ptx, ops = _compile(k._norm_mod_kernel, sig, {"HAS_RES": True, "HAS_SID": True, "BLOCK_D": 4096}, num_warps=8,
+    ptx, ops = _compile(k.norm_mod_kernel, sig, {"HAS_RES": True, "HAS_SID": True, "BLOCK_D": 4096}, num_warps=8,
                         div16=("D",))
     assert ".local" not in ptx
     assert set(ops) <= {"ld.global.v4.b32", "st.global.v4.b32", "ld.global.b32"}, ops

@@ -13,6 +13,7 @@ import torch
 
 from seedvr2bw.optimization import fused
 from seedvr2bw.optimization.fused import reference
+from seedvr2bw.optimization.runtime import knobs
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -165,9 +166,9 @@ def test_dispatch_off_on_cpu_and_fp32():
 
 def test_dispatch_env_switch(monkeypatch):
     monkeypatch.setenv("SEEDVR2BW_FUSED", "0")
-    assert not fused._env_enabled()
+    assert not knobs.get("FUSED")
     monkeypatch.setenv("SEEDVR2BW_FUSED", "1")
-    assert fused._env_enabled()
+    assert knobs.get("FUSED")
 
 
 def test_sample_ids():
@@ -207,7 +208,7 @@ def test_block_wrappers_fall_back_exactly():
 def test_selftest_passes_interpreted():
     out = _run("""
         from seedvr2bw.optimization import fused
-        ok, why = fused._run_selftest(k, torch.device("cpu"), 1e-2)
+        ok, why = fused.check_kernels(k, torch.device("cpu"), 1e-2)
         assert ok, why
         print("ok", why)
     """)

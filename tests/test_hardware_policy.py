@@ -3,15 +3,17 @@ import logging
 
 import pytest
 
-from seedvr2bw.optimization import hardware as hw
-from seedvr2bw.optimization import selftest
+from seedvr2bw.optimization.nvfp4 import selftest
+from seedvr2bw.optimization.nvfp4.dispatch import NVFP4_PATHS
+from seedvr2bw.optimization.runtime import device, selftests
+from seedvr2bw.optimization.runtime import policy as hw
 
-GiB = hw.GiB
+GiB = device.GiB
 
 
 def cuda(cap, name="GPU", arch=("sm_80", "sm_86", "sm_90", "sm_100", "sm_120"), os_name="linux", ram=64 * GiB,
          rocm=False):
-    return hw.DeviceInfo(type="cuda", index=0, name=name, capability=cap, arch_list=arch, host_memory=ram,
+    return device.DeviceInfo(type="cuda", index=0, name=name, capability=cap, arch_list=arch, host_memory=ram,
                          total_memory=32 * GiB, os_name=os_name, is_rocm=rocm, torch_version="2.13.0",
                          torch_cuda="13.0")
 
@@ -59,8 +61,8 @@ def test_profile_choices_with_passing_selftests(cap, profile, nvfp4, fp8, tf32):
 
 
 def test_cpu_profile():
-    info = hw.DeviceInfo(type="cpu", host_memory=24 * GiB)
-    p = hw.decide(info, selftests=failing(paths=hw.NVFP4_PATHS))
+    info = device.DeviceInfo(type="cpu", host_memory=24 * GiB)
+    p = hw.decide(info, selftests=failing(paths=NVFP4_PATHS))
     assert (p.profile, p.nvfp4_gemm, p.fp8_gemm, p.pinned_pool_bytes, p.copy_streams) == ("cpu", "reference", False, 0, 0)
     assert p.attention == "sdpa"
 
@@ -68,7 +70,7 @@ def test_cpu_profile():
 def test_non_nvidia_profiles():
     rocm = hw.decide(cuda((9, 4), name="MI300X", rocm=True, arch=("gfx942",)), selftests=passing())
     assert rocm.profile == "non_nvidia" and rocm.nvfp4_gemm == "fidelity" and not rocm.fp8_gemm
-    mps = hw.decide(hw.DeviceInfo(type="mps", host_memory=16 * GiB), selftests=passing())
+    mps = hw.decide(device.DeviceInfo(type="mps", host_memory=16 * GiB), selftests=passing())
     assert mps.profile == "non_nvidia" and mps.pinned_pool_bytes == 0
 
 
@@ -99,7 +101,7 @@ def test_selftests_run_only_from_the_profile_start():
 
 
 def test_crashing_selftest_is_a_failed_selftest():
-    @selftest._guard
+    @selftests.guard
     def boom(path, info):
         raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED\nmore")
     ok, why = boom("fp4_tensorcore", None)
@@ -107,8 +109,8 @@ def test_crashing_selftest_is_a_failed_selftest():
 
 
 def test_real_selftests_on_cpu_report_not_available():
-    info = hw.DeviceInfo(type="cpu")
-    ok, why = selftest.fp8_gemm_selftest("fp8", info)
+    info = device.DeviceInfo(type="cpu")
+    ok, why = selftest.fp8_gemm_selftest("", info.torch_device)
     assert not ok and "not a CUDA device" in why
 
 
@@ -185,7 +187,7 @@ def test_pinned_pool_cap_leaves_room_on_small_hosts():
     ((8, 9), ("sm_90a",), False),
 ])
 def test_arch_support(cap, arch, ok):
-    problem = hw.arch_problem(cuda(cap, arch=arch))
+    problem = device.arch_problem(cuda(cap, arch=arch))
     assert (problem is None) == ok
     if not ok:
         assert f"sm_{cap[0]}{cap[1]}" in problem and "pip install --upgrade torch" in problem

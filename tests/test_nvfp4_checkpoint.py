@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from seedvr2bw.optimization.nvfp4 import checkpoint as ckpt
 from seedvr2bw.optimization.nvfp4 import format as fmt
 from seedvr2bw.optimization.nvfp4.convert import convert_file
-from seedvr2bw.optimization.nvfp4.linear import FP8Linear, NVFP4Linear, replace_linears
+from seedvr2bw.optimization.nvfp4.linear import FP8Linear, NVFP4Linear
+from seedvr2bw.optimization.nvfp4.surgery import replace_linears
 from nvfp4_refs import NVFP4QTensor, QuantizedTensor, TensorCoreNVFP4Layout, comfy_kitchen, needs_ck, needs_mo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -285,7 +286,7 @@ def test_comfyui_quantized_file_loads_in_ours_identically(tmp_path):
     sd2, meta = ckpt.load_state_dict(str(p))
     model = torch.nn.Sequential()
     model.add_module("layer", torch.nn.Linear(200, 100))
-    rep = replace_linears(model, sd2, policy="reference", dtype=torch.float32, metadata=meta)
+    rep = replace_linears(model, sd2, path="reference", dtype=torch.float32, metadata=meta)
     assert rep["nvfp4"] == ["layer"]
     ours = model.layer.dequantize_weight(torch.float32)
     with comfy_kitchen.registry.use_backend("eager"):
@@ -310,7 +311,7 @@ def test_modelopt_export_loads_in_ours_identically(tmp_path, names):
     model = torch.nn.Module()
     model.blk = torch.nn.Module()
     model.blk.fc = torch.nn.Linear(160, 96, bias=False)
-    rep = replace_linears(model, sd2, policy="reference", dtype=torch.float32)
+    rep = replace_linears(model, sd2, path="reference", dtype=torch.float32)
     assert rep["nvfp4"] == ["blk.fc"]
     ours = model.blk.fc.dequantize_weight(torch.float32)
     theirs = qt.dequantize(dtype=torch.float32, scale=s, double_scale=g2, block_sizes={-1: 16})

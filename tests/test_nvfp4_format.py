@@ -191,7 +191,8 @@ def test_fp8_speed_path_costs_at_most_half_a_db():
     """Acceptance: the FP8 speed path (NVFP4 weight -> FP8 rows, per-token FP8 activations) adds <= 0.5 dB of
     error over the exact NVFP4 (W4A16) product, vs the fp32 product of the unquantized weights."""
     import math
-    from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear, expected_output
+    from seedvr2bw.optimization.nvfp4.emulation import expected_output
+    from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear
     g = torch.Generator().manual_seed(0)
     w = torch.randn(3072, 3072, generator=g) * 0.02
     x = torch.randn(512, 3072, generator=g)

@@ -1,13 +1,14 @@
 """NVFP4Linear launch plans (the low-host-overhead per-call path), on the CPU: the GPU is faked through the
-seams in kernels.py (``on_cuda``, ``device_is_cuda``, ``raw_stream``) and the Triton kernels by stand-ins that
+seams in launch.py (``on_cuda``, ``device_is_cuda``, ``raw_stream``) and the Triton kernels by stand-ins that
 record what their launcher receives. A plan must hand the launcher exactly what the full forward hands it
 (same kernel, grid, constexprs, integers, weight-side tensors), so the GPU computes the same bits."""
 import pytest
 import torch
 
 from seedvr2bw.optimization.nvfp4 import kernels as K
-from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear
+from seedvr2bw.optimization.nvfp4 import launch
 from seedvr2bw.optimization.nvfp4 import linear as L
+from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear
 
 pytestmark = pytest.mark.skipif(not K.HAS_TRITON, reason="the kernels module defines its kernels only with Triton")
 
@@ -40,19 +41,20 @@ class _Jit:
 @pytest.fixture
 def fake_gpu(monkeypatch):
     log = []
-    monkeypatch.setattr(K, "on_cuda", lambda t: True)
-    monkeypatch.setattr(K, "device_is_cuda", lambda d: True)
-    monkeypatch.setattr(K, "raw_stream", lambda index: 1234)
-    monkeypatch.setitem(K._SM_COUNT, "cpu", 132)
-    monkeypatch.setattr(K, "_hooks_set", lambda: False)
-    monkeypatch.setattr(K, "_FAST_LAUNCH", [True])
-    monkeypatch.setattr(K, "_FAST_CACHE", {})
+    monkeypatch.setattr(launch, "on_cuda", lambda t: True)
+    monkeypatch.setattr(launch, "device_is_cuda", lambda d: True)
+    monkeypatch.setattr(launch, "raw_stream", lambda index: 1234)
+    monkeypatch.setitem(launch.SM_COUNT, "cpu", 132)
+    monkeypatch.setattr(launch, "hooks_set", lambda: False)
+    monkeypatch.setattr(launch, "FAST_LAUNCH", [True])
+    monkeypatch.setattr(launch, "FAST_CACHE", {})
     jits = {}
-    for name in ("_w4a16_swab_kernel", "_splitk_reduce_kernel", "_act_fp8_row_kernel", "_dequant_kernel"):
+    for module, name in ((K, "w4a16_swab_kernel"), (launch, "splitk_reduce_kernel"), (K, "act_fp8_row_kernel"),
+                         (K, "dequant_kernel")):
         jits[name] = _Jit(name, log)
-        monkeypatch.setattr(K, name, jits[name])
+        monkeypatch.setattr(module, name, jits[name])
     # the dequantize kernel is autotuned: the cached relaunch keys on the config the autotuner chose
-    jits["_dequant_kernel"].best_config = type("Cfg", (), {"kwargs": {"BLOCK_R": 32, "BLOCK_C": 64}})()
+    jits["dequant_kernel"].best_config = type("Cfg", (), {"kwargs": {"BLOCK_R": 32, "BLOCK_C": 64}})()
 
     def fake_scaled_mm(a, b, scale_a=None, scale_b=None, out_dtype=torch.bfloat16, bias=None, use_fast_accum=False):
         log.append(("scaled_mm", (a, b, scale_a, scale_b, out_dtype, bias, use_fast_accum)))
@@ -95,9 +97,9 @@ def test_fused_plan_launches_what_the_full_forward_launches(fake_gpu, m, n, k, s
     x = torch.randn(2, m, k).to(dtype)
     y0 = layer(x)                                   # full forward: compiles (binder), makes the plan
     assert y0.shape == (2, m, n) and y0.dtype == dtype
-    assert callable(layer._plans[(x.shape, x.dtype, x.get_device())])
+    assert callable(layer.plans.for_input(x))
     mark = len(log)
-    ref = layer._forward_full(x)                    # full forward again: cached relaunch
+    ref = layer.forward_full(x)                    # full forward again: cached relaunch
     full = _runs(log, mark)
     mark = len(log)
     y = layer(x)                                    # the plan
@@ -121,9 +123,9 @@ def test_fp8_plan_launches_and_calls_scaled_mm_like_the_full_forward(fake_gpu):
     layer = _layer(64, 128, path="fp8_speed")
     x = torch.randn(3, 5, 128).to(torch.bfloat16)
     layer(x)
-    assert callable(layer._plans[(x.shape, x.dtype, x.get_device())])
+    assert callable(layer.plans.for_input(x))
     mark = len(log)
-    ref = layer._forward_full(x)
+    ref = layer.forward_full(x)
     full = log[mark:]
     mark = len(log)
     y = layer(x)
@@ -149,7 +151,7 @@ def test_fp8_shape_without_a_fast_accum_kernel_falls_back_and_plans_that(fake_gp
     other errors, and other shapes, are not affected."""
     from seedvr2bw.optimization.nvfp4 import linear as L
     log, _ = fake_gpu
-    monkeypatch.setattr(L, "_FP8_NO_FAST_ACCUM", set())
+    monkeypatch.setattr(L, "FP8_NO_FAST_ACCUM", set())
     real = torch._scaled_mm
 
     def picky_scaled_mm(a, b, scale_a=None, scale_b=None, out_dtype=torch.bfloat16, bias=None, use_fast_accum=False):
@@ -162,10 +164,10 @@ def test_fp8_shape_without_a_fast_accum_kernel_falls_back_and_plans_that(fake_gp
     x = torch.randn(16, 128).to(torch.bfloat16)
     y0 = layer(x)
     assert [e[1][6] for e in log if e[0] == "scaled_mm"] == [False]      # retried without fast accumulation
-    assert L._FP8_NO_FAST_ACCUM == {(16, 128, 64, "cpu")}
+    assert L.FP8_NO_FAST_ACCUM == {(16, 128, 64, "cpu")}
     mark = len(log)
     y = layer(x)                                       # the plan
-    assert callable(layer._plans[(x.shape, x.dtype, x.get_device())])
+    assert callable(layer.plans.for_input(x))
     assert [e[1][6] for e in log[mark:] if e[0] == "scaled_mm"] == [False]
     assert y.shape == y0.shape == (16, 64)
     big = torch.randn(64, 128).to(torch.bfloat16)
@@ -183,21 +185,21 @@ def test_fp8_shape_without_a_fast_accum_kernel_falls_back_and_plans_that(fake_gp
 def test_no_plan_where_the_call_is_not_a_single_fused_launch(fake_gpu):
     layer = _layer(256, 512)
     x = torch.randn(300, 512).to(torch.bfloat16)
-    layer._plans[(x.shape, x.dtype, x.get_device())] = None
+    layer.plans.record(x, None)
     layer.pre_quant_scale = torch.ones(512)
-    assert not layer._plans                           # assigning a buffer clears the plans
+    assert not layer.plans                           # assigning a buffer clears the plans
     x = torch.randn(4, 512).to(torch.bfloat16)
     layer(x)
-    assert layer._plans[(x.shape, x.dtype, x.get_device())] is None
+    assert layer.plans.for_input(x) is None
     odd = _layer(64, 72)                               # K padded to 80: the full forward pads every call
     xo = torch.randn(4, 72).to(torch.bfloat16)
     odd(xo)
-    assert odd._plans[(xo.shape, xo.dtype, xo.get_device())] is None
+    assert odd.plans.for_input(xo) is None
 
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_dequant_plan_launches_and_multiplies_like_the_full_forward(fake_gpu, monkeypatch, bias):
-    """M > FUSED_MAX_M: dequantize + cuBLAS. The plan launches the dequantize kernel as the full forward does
+    """M > dispatch.W4A16_MAX_M: dequantize + cuBLAS. The plan launches the dequantize kernel as the full forward does
     (same grid, integers, constexprs, weight-side tensors; the device's shared scratch weight as the output,
     with the stores kept in L2) and multiplies by what it wrote."""
     log, _ = fake_gpu
@@ -213,12 +215,12 @@ def test_dequant_plan_launches_and_multiplies_like_the_full_forward(fake_gpu, mo
     x = torch.randn(2, 300, 512).to(torch.bfloat16)
     mark = len(log)
     y0 = layer(x)                                     # full forward: binds (autotunes) the kernel, makes the plan
-    assert callable(layer._plans[(x.shape, x.dtype, x.get_device())])
+    assert callable(layer.plans.for_input(x))
     full = [e for e in log[mark:] if e[0] == "bind"]
     mark = len(log)
     y = layer(x)
     (run,) = _runs(log, mark)
-    assert run[1] == "_dequant_kernel" and not [e for e in log[mark:] if e[0] == "bind"]
+    assert run[1] == "dequant_kernel" and not [e for e in log[mark:] if e[0] == "bind"]
     grid = full[0][2]({"BLOCK_R": 32, "BLOCK_C": 64})
     assert tuple(run[2][:3]) == tuple(grid) + (1,) * (3 - len(grid))
     assert _norm(full[0][3], layer) == _norm(run[2][9:9 + len(full[0][3])], layer)
@@ -237,16 +239,16 @@ def test_plans_are_dropped_when_their_inputs_change(fake_gpu):
     layer = _layer(256, 512)
     x = torch.randn(4, 512).to(torch.bfloat16)
     layer(x)
-    assert layer._plans
+    assert layer.plans
     layer.fidelity_kernel = "dequant"
-    assert not layer._plans
+    assert not layer.plans
     layer.fidelity_kernel = "auto"
     layer(x)
     layer.load_state_dict(layer.state_dict())
-    assert not layer._plans
+    assert not layer.plans
     layer(x)
     layer.to(torch.device("cpu"))
-    assert not layer._plans
+    assert not layer.plans
     layer(x)
     # block swap re-points the storage (t.data = ...): the plan hands the launcher the new pointer
     layer.weight.data = layer.weight.data.clone()
@@ -262,7 +264,7 @@ def test_misaligned_input_takes_the_full_forward(fake_gpu):
     buf = torch.randn(4 * 512 + 1).to(torch.bfloat16)
     x = buf[1:].view(4, 512)                           # contiguous, 2 bytes past a 16-byte boundary
     layer(x)
-    plan = layer._plans[(x.shape, x.dtype, x.get_device())]
+    plan = layer.plans.for_input(x)
     assert plan is None or plan(x) is None
     y = layer(x)
     assert y.shape == (4, 256)
@@ -273,11 +275,11 @@ def test_launcher_error_turns_fast_launch_off_and_falls_back(fake_gpu):
     layer = _layer(256, 512)
     x = torch.randn(4, 512).to(torch.bfloat16)
     layer(x)
-    jits["_w4a16_swab_kernel"].compiled.fail = True
+    jits["w4a16_swab_kernel"].compiled.fail = True
     mark = len(log)
     y = layer(x)
     assert y.shape == (4, 256)
-    assert K._FAST_LAUNCH[0] is False and not any(callable(p) for p in layer._plans.values())
+    assert launch.FAST_LAUNCH[0] is False and not any(callable(p) for p in layer.plans.values())
     assert [e for e in log[mark:] if e[0] == "bind"]  # the normal Triton launch ran it
 
 
@@ -286,10 +288,10 @@ def test_hook_detection_understands_hook_chains():
         def __init__(self, calls):
             self.calls = calls
 
-    assert not K._hook_active(None)
-    assert not K._hook_active(Chain([]))
-    assert K._hook_active(Chain([print]))
-    assert K._hook_active(print)
+    assert not launch.hook_active(None)
+    assert not launch.hook_active(Chain([]))
+    assert launch.hook_active(Chain([print]))
+    assert launch.hook_active(print)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bit equality of plan and full forward)")
@@ -306,10 +308,10 @@ def test_plan_gives_the_same_bits_as_the_full_forward_on_cuda(path, m, n, k):
     x = torch.randn(1, m, k, generator=g).to(torch.bfloat16).to("cuda")
     first = layer(x)
     planned = [layer(x) for _ in range(3)]
-    full = layer._forward_full(x)
+    full = layer.forward_full(x)
     torch.cuda.synchronize()
-    if K._FAST_LAUNCH[0]:
-        assert callable(layer._plans[(x.shape, x.dtype, x.get_device())])
+    if launch.FAST_LAUNCH[0]:
+        assert callable(layer.plans.for_input(x))
     for y in planned:
         assert y.shape == full.shape == first.shape and torch.equal(y, full) and torch.equal(y, first)
 
@@ -322,13 +324,13 @@ def test_a_deep_copy_launches_with_its_own_tensors(fake_gpu):
     layer(x)
     layer(x)
     twin = copy.deepcopy(layer)
-    assert not twin._plans and layer._plans
+    assert not twin.plans and layer.plans
     for _ in range(2):
         mark = len(log)
         twin(x)
     (run,) = _runs(log, mark)
     assert run[2][9 + 1].data_ptr() == twin.weight.data_ptr() != layer.weight.data_ptr()
-    assert callable(twin._plans[(x.shape, x.dtype, x.get_device())])
+    assert callable(twin.plans.for_input(x))
 
 
 def test_scratch_weight_is_not_used_when_autograd_keeps_the_weight(fake_gpu):
@@ -336,21 +338,8 @@ def test_scratch_weight_is_not_used_when_autograd_keeps_the_weight(fake_gpu):
     (grad enabled, input requiring grad) gets a weight of its own."""
     layer = _layer(256, 512)
     x = torch.randn(300, 512).to(torch.bfloat16)
-    w = layer._scratch_weight(x, torch.bfloat16)
+    w = layer.scratch_weight(x, torch.bfloat16)
     assert w is not None and w.shape == (256, 512)
-    assert layer._scratch_weight(x.requires_grad_(), torch.bfloat16) is None
+    assert layer.scratch_weight(x.requires_grad_(), torch.bfloat16) is None
     with torch.no_grad():
-        assert layer._scratch_weight(x, torch.bfloat16) is not None
-
-
-def test_l2_keep_can_be_switched_off(fake_gpu, monkeypatch):
-    """SEEDVR2BW_NVFP4_L2_KEEP=0 (L.L2_KEEP False): no shared scratch, plain stores, as before session 14."""
-    monkeypatch.setattr(L, "L2_KEEP", False)
-    log, _ = fake_gpu
-    layer = _layer(256, 512)
-    x = torch.randn(300, 512).to(torch.bfloat16)
-    assert layer._scratch_weight(x, torch.bfloat16) is None
-    mark = len(log)
-    layer(x)
-    binds = [e for e in log[mark:] if e[0] == "bind" and e[1] == "_dequant_kernel"]
-    assert binds and binds[0][4]["L2_KEEP"] is False
+        assert layer.scratch_weight(x, torch.bfloat16) is not None

@@ -30,8 +30,8 @@ _PRELUDE = textwrap.dedent("""
     from pack_import import import_pack
     import_pack()
     import torch
-    from seedvr2bw.optimization.nvfp4 import format as fmt, kernels as K
-    assert K._INTERPRET
+    from seedvr2bw.optimization.nvfp4 import format as fmt, kernels as K, launch
+    assert launch.INTERPRET
     gen = torch.Generator().manual_seed(0)
     def rnd(*s, scale=1.0):
         return torch.randn(*s, generator=gen) * scale

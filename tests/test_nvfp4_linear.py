@@ -5,9 +5,12 @@ import torch
 import torch.nn.functional as F
 
 from seedvr2bw.optimization.nvfp4 import checkpoint as ckpt
+from seedvr2bw.optimization.nvfp4 import dispatch
 from seedvr2bw.optimization.nvfp4 import format as fmt
-from seedvr2bw.optimization.nvfp4 import linear as L
-from seedvr2bw.optimization.nvfp4.linear import FP8Linear, NVFP4Linear, expected_output
+from seedvr2bw.optimization.nvfp4 import surgery
+from seedvr2bw.optimization.nvfp4.emulation import expected_output
+from seedvr2bw.optimization.nvfp4.fp4_gemm import fp4_gemm_operands
+from seedvr2bw.optimization.nvfp4.linear import FP8Linear, NVFP4Linear
 
 
 def _layer(n, k, bias=True, seed=0, path="reference", input_scale=None):
@@ -27,7 +30,7 @@ def _u8(t):
 def test_fp4_gemm_operands_bit_exact(m, n, k, static):
     layer, _ = _layer(n, k, input_scale=torch.tensor(0.01) if static else None)
     x = torch.randn(m, k).to(torch.bfloat16)
-    ops = L.fp4_gemm_operands(layer._padded_input(x.reshape(-1, k)), layer.nvfp4, layer.input_scale)
+    ops = fp4_gemm_operands(layer.padded_input(x.reshape(-1, k)), layer.nvfp4, layer.input_scale)
     kp = fmt.roundup(k, 16)
     # dtypes / shapes / numel the FP4 GEMM checks
     assert ops["a"].dtype == torch.uint8 and ops["a"].shape == (m, kp // 2)
@@ -66,8 +69,8 @@ def test_fp4_forward_hands_scaled_mm_the_documented_arguments(monkeypatch):
         b = fmt.dequantize_nvfp4(mat_b.t().view(torch.uint8), scale_b[0], scale_b[1], torch.float64)
         return (a @ b.t()).to(output_dtype)
 
-    monkeypatch.setattr(L.F, "scaled_mm", fake_scaled_mm, raising=False)
-    y = layer._forward_fp4_tensorcore(x.reshape(-1, 96))
+    monkeypatch.setattr(F, "scaled_mm", fake_scaled_mm, raising=False)
+    y = layer.run_kernel("fp4_gemm", x.reshape(-1, 96))
     assert seen["a"].dtype == torch.float4_e2m1fn_x2 and seen["b"].dtype == torch.float4_e2m1fn_x2
     assert seen["b"].shape == (48, 80) and seen["b"].stride() == (1, 48)        # TN: B = W^T of a K-major [N,K/2]
     ST, SW = F.ScalingType, F.SwizzleType
@@ -89,8 +92,8 @@ def test_fp8_forward_hands_scaled_mm_rowwise_arguments(monkeypatch):
         y = (a.double() * scale_a.double()) @ (b.double() * scale_b.double())
         return (y + bias.double()).to(out_dtype)
 
-    monkeypatch.setattr(L.torch, "_scaled_mm", fake)
-    y = layer._forward_fp8_speed(x)
+    monkeypatch.setattr(torch, "_scaled_mm", fake)
+    y = layer.run_kernel("fp8_rowwise", x)
     assert seen["a"].dtype == torch.float8_e4m3fn and seen["a"].shape == (10, 128)
     assert seen["b"].dtype == torch.float8_e4m3fn and seen["b"].shape == (128, 64) and seen["b"].stride() == (1, 128)
     assert seen["sa"].shape == (10, 1) and seen["sb"].shape == (1, 64) and seen["sa"].dtype == torch.float32
@@ -110,12 +113,13 @@ def test_reference_path_and_shapes():
 
 
 def test_path_resolution_and_overrides(monkeypatch):
-    assert L.resolve_path("auto", "cpu") == "reference"
-    assert L.resolve_path("fidelity", "cpu") == "reference"
+    cpu = dispatch.Site(cuda=False)
+    assert dispatch.decide("nvfp4", "auto", 1, cpu).path == "reference"
+    assert dispatch.decide("nvfp4", "fidelity", 1, cpu).path == "reference"
     with pytest.raises(ValueError):
-        L.resolve_path("nope", "cpu")
+        dispatch.decide("nvfp4", "nope", 1, cpu)
     layer, _ = _layer(32, 64, path="fidelity")
-    assert layer.effective_path(torch.device("cpu")) == "reference"
+    assert layer.decision(torch.zeros(3, 64)).path == "reference"
 
 
 def test_state_dict_is_comfyui_format_and_roundtrips():
@@ -163,7 +167,7 @@ class Toy(torch.nn.Module):
 
 
 def test_default_keep_rule_names():
-    rule = L.make_keep_rule()
+    rule = surgery.make_keep_rule()
     lin = torch.nn.Linear(64, 64)
     kept = ["vid_in.proj", "vid_out.proj", "txt_in", "emb_in.proj_hid", "blocks.3.ada.vid", "x_embedder",
             "double_blocks.0.img_mod.lin", "single_blocks.2.modulation.lin", "final_layer.linear",
@@ -177,7 +181,7 @@ def test_default_keep_rule_names():
     for n in quant:
         assert not rule(n, lin), n
     assert rule("blocks.0.mlp.x", torch.nn.Linear(40, 64))           # K % 16
-    custom = L.make_keep_rule([r"mlp_out"])
+    custom = surgery.make_keep_rule([r"mlp_out"])
     assert custom("blocks.0.mlp_out", lin) and not custom("vid_in", lin)
 
 
@@ -186,7 +190,7 @@ def test_quantize_model_linears_and_state_dict_roundtrip():
     model = Toy()
     x = torch.randn(4, 32)
     ref = model(x)
-    report = L.quantize_model_linears(model)
+    report = surgery.quantize_model_linears(model)
     assert set(report["kept"]) == {"vid_in", "emb_in", "vid_out", "blocks.0.ada", "blocks.1.ada",
                                    "blocks.0.odd", "blocks.1.odd"}
     assert "blocks.0.mlp_in" in report["quantized"] and isinstance(model.blocks[0].mlp_in, NVFP4Linear)
@@ -196,7 +200,7 @@ def test_quantize_model_linears_and_state_dict_roundtrip():
     assert ckpt.detect_layer_format(sd, "blocks.0.mlp_in") == "nvfp4"
     # a fresh bf16 model gets the same layers back from the state dict
     fresh = Toy()
-    rep = L.replace_linears(fresh, sd, policy="reference", load_rest=True, dtype=torch.float32)
+    rep = surgery.replace_linears(fresh, sd, path="reference", load_rest=True, dtype=torch.float32)
     assert set(rep["nvfp4"]) == set(report["quantized"])
     assert torch.equal(fresh.blocks[1].mlp_out.weight, model.blocks[1].mlp_out.weight)
     assert torch.allclose(fresh(x), y, atol=1e-5)
@@ -214,7 +218,7 @@ def test_replace_linears_mixed_formats_and_keep():
     ta = fmt.quantize_nvfp4(sd.pop("blocks.0.ada.weight"), return_tensor=True)
     sd.update(ckpt.nvfp4_layer_entries("blocks.0.ada", ta, bias=sd.pop("blocks.0.ada.bias")))
     model = Toy()
-    rep = L.replace_linears(model, sd, policy=None, dtype=torch.float32, load_rest=True,
+    rep = surgery.replace_linears(model, sd, dtype=torch.float32, load_rest=True,
                             keep_high_precision="default")
     assert rep["nvfp4"] == ["blocks.0.mlp_in"] and rep["fp8"] == ["blocks.0.mlp_out"]
     assert rep["kept"] == ["blocks.0.ada"] and not rep["missing"]

@@ -8,7 +8,8 @@ import json
 import torch
 
 from seedvr2bw.optimization.nvfp4 import format as fmt
-from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear, make_keep_rule
+from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear
+from seedvr2bw.optimization.nvfp4.surgery import make_keep_rule
 from conftest import DATA
 
 

@@ -107,7 +107,7 @@ def test_stream_k_only_where_it_beats_a_round():
 def test_configs_fit_the_sm(m, k, n):
     tn, stages = R.config_for(m, n, k)
     assert tn in R.TILE_TOKENS and stages >= 3
-    R._check_config(tn, stages)
+    R.check_config(tn, stages)
     assert R.smem_bytes(tn, stages) + 1024 <= 227 * 1024  # + the barriers' static block
 
 
@@ -119,7 +119,7 @@ def test_224_tokens_where_256_leave_the_last_round_mostly_idle():
 def test_launch_arguments_outlive_their_builder():
     t = [torch.empty(64, dtype=torch.uint8) for _ in range(5)]
     maps = [(ctypes.c_uint64 * 16)(*range(i, i + 16)) for i in range(3)]
-    arr = R._args(*maps, *t, (300, 1024, 320, 5, 264, 56, 132))
+    arr = R.launch_args(*maps, *t, (300, 1024, 320, 5, 264, 56, 132))
     del maps
     churn = [ctypes.c_int(-1) for _ in range(20000)]
     ints = [ctypes.cast(arr[i], ctypes.POINTER(ctypes.c_int)).contents.value for i in range(8, 15)]

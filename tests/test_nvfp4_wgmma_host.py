@@ -168,7 +168,7 @@ def test_launch_arguments_outlive_their_builder():
     must stay alive with it (they were once freed, and the kernel then read garbage M / N / K)."""
     t = [torch.empty(64, dtype=torch.uint8) for _ in range(7)]
     x = torch.empty(3, 320, dtype=torch.bfloat16)
-    vals, arr = W._Kernel.args(None, x, *t[1:], 300, 1024, 320, 5, 2)
+    vals, arr = W.Kernel.args(None, x, *t[1:], 300, 1024, 320, 5, 2)
     del vals
     churn = [ctypes.c_int(-1) for _ in range(20000)]              # would reuse freed value memory
     ints = [ctypes.cast(arr[i], ctypes.POINTER(ctypes.c_int)).contents.value for i in range(7, 13)]

@@ -7,7 +7,7 @@ never a weight gradient. Only that is training-specific; the formats come from t
 * ``fp8``: weight e4m3 with one per-tensor scale, ``optimization.nvfp4.format.quantize_fp8_per_tensor``
   (per-tensor, not per-row, because the input gradient ``g @ W`` contracts over the rows of ``W``: a row scale
   would sit inside the sum, where ``torch._scaled_mm`` cannot apply it). Whether FP8 tensor cores are used is
-  ``optimization.hardware.get_policy(device).fp8_gemm`` (self-tested on the device, overridable with
+  ``optimization.runtime.policy.get_policy(device).fp8_gemm`` (self-tested on the device, overridable with
   ``SEEDVR2BW_FP8_GEMM``). With it, the forward (x quantized to e4m3 per token) and the input gradient (grad
   quantized to e4m3 per token, both by ``fp8_ops.quantize_rows``, the pack's one per-token quantizer) run through
   ``torch._scaled_mm`` with row-wise scales; without it the weight is dequantized to the compute dtype.
@@ -26,7 +26,7 @@ import logging
 
 import torch
 
-from ..optimization.hardware import get_policy
+from ..optimization.runtime.policy import get_policy
 from ..optimization.nvfp4 import format as fmt
 from ..optimization.nvfp4 import kernels as nvfp4_kernels
 from ..optimization.nvfp4.format import NVFP4Tensor

@@ -12,6 +12,7 @@ import torch
 from ..optimization.attention.sdpa_priority import preferred_backends, sdpa_priority
 from ..optimization.blockswap import (BlockSwapConfig, BlockSwapRunner, get_pinned_pool, make_backend,
                                       spread_indices)
+from ..optimization.runtime import knobs
 from .cuda_graph import GraphedLossAndGrads
 from .flux_forward import FluxTrainForward
 from .frozen_base import FrozenBase, outside_inference_mode
@@ -20,6 +21,8 @@ from .objective import TIMESTEP_SAMPLINGS, flow_loss, flux_mu, noisy_input, samp
 from .optim import OPTIMIZERS, SCHEDULERS, build_optimizer, build_scheduler
 from .quant import QuantizedBase
 from .save import atomic_save_safetensors, atomic_torch_save, kohya_metadata, prune_checkpoints
+from .selective_checkpoint import ENV as SELECTIVE_ENV
+from .selective_checkpoint import MODES as SELECTIVE_MODES
 
 log = logging.getLogger(__name__)
 BASE_PRECISIONS = ("auto", "bf16", "fp8", "nvfp4")
@@ -189,7 +192,7 @@ class FluxLoraTrainer:
     # ---------------- one optimizer step ----------------
     def gpu_feature(self, name: str, env: str, label: str) -> bool:
         """A CUDA-only speed feature: the env variable, else the config field (auto = on); one log line."""
-        raw = os.environ.get(env, "").strip().lower()
+        raw = knobs.get(env.removeprefix(knobs.PREFIX)) or ""
         mode, src = (raw, env) if raw else (str(getattr(self.cfg, name)).lower(), name)
         why = None
         if mode in ("0", "off", "false"):
@@ -203,13 +206,12 @@ class FluxLoraTrainer:
 
     def _selective_mode(self) -> str:
         """selective_checkpointing as set (the env variable wins); the per-shape decision is logged by the forward."""
-        from .selective_checkpoint import ENV, MODES
-        raw = os.environ.get(ENV, "").strip().lower()
+        raw = knobs.get(SELECTIVE_ENV.removeprefix(knobs.PREFIX)) or ""
         mode = {"0": "off", "false": "off", "1": "on", "true": "on"}.get(raw, raw) or \
             str(self.cfg.selective_checkpointing).lower()
-        if mode not in MODES:
-            raise ValueError(f"{ENV}={raw!r} is not a selective checkpointing mode. Fix: use one of "
-                             f"{', '.join(MODES)} (or unset it).")
+        if mode not in SELECTIVE_MODES:
+            raise ValueError(f"{SELECTIVE_ENV}={raw!r} is not a selective checkpointing mode. Fix: use one of "
+                             f"{', '.join(SELECTIVE_MODES)} (or unset it).")
         return mode
 
     def _make_graphed(self):

@@ -46,6 +46,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ...optimization.runtime.policy import get_policy, torch_settings
 from .color import COLOR_CORRECTION_MODES, color_correct
 from .vae.tiling import plan_tiles
 
@@ -301,12 +302,15 @@ class SeedVR2Runner:
         if text_embedding is None:
             raise SeedVR2InputError("SeedVR2 needs the positive text embedding (pos_emb); none was given.")
         self.txt = text_embedding
+        self.policy = get_policy(self.device)
 
-    # -- autocast on CUDA for reduced precision, as the official script (bf16 autocast)
-    def _autocast(self, dtype):
-        if self.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-            return torch.autocast("cuda", dtype=dtype)
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _model_call(self, dtype):
+        """One model call: autocast on CUDA for reduced precision, as the official script (bf16 autocast), and the
+        hardware policy's TF32 / cuDNN settings, restored afterwards."""
+        cast = self.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+        with torch_settings(self.policy), (torch.autocast("cuda", dtype=dtype) if cast else contextlib.nullcontext()):
+            yield
 
     def free_bytes(self) -> Optional[int]:
         """Free device memory now (the caller's ``free_memory`` if given), None where unknown (CPU)."""
@@ -321,7 +325,7 @@ class SeedVR2Runner:
         pixels overlapping by ``overlap`` when ``tile`` > 0."""
         x = x.to(self.device, self.vae_dtype)
         self.should_stop()
-        with torch.no_grad(), self._autocast(self.vae_dtype):
+        with torch.no_grad(), self._model_call(self.vae_dtype):
             if tile:
                 post = self.vae.encode_tiled(x, tile, overlap, should_stop=self.should_stop)
             else:
@@ -333,7 +337,7 @@ class SeedVR2Runner:
         ``tile`` latents overlapping by ``overlap`` when ``tile`` > 0."""
         z = z.to(self.device, self.vae_dtype)
         self.should_stop()
-        with torch.no_grad(), self._autocast(self.vae_dtype):
+        with torch.no_grad(), self._model_call(self.vae_dtype):
             if tile:
                 return self.vae.decode_tiled(z, tile, overlap, should_stop=self.should_stop)
             return self.vae.decode(z, should_stop=self.should_stop)
@@ -350,7 +354,7 @@ class SeedVR2Runner:
         vid_shape = torch.tensor([[t, h, w]], dtype=torch.long, device=dev)
         txt_shape = torch.tensor([[txt.shape[0]]], dtype=torch.long, device=dev)
         timestep = torch.tensor([TIMESTEP], device=dev, dtype=dt)
-        with torch.no_grad(), self._autocast(dt):
+        with torch.no_grad(), self._model_call(dt):
             v = self.dit(vid=vid, txt=txt, vid_shape=vid_shape, txt_shape=txt_shape, timestep=timestep,
                          should_stop=self.should_stop)
         v = v.float().reshape(t, h, w, c)

@@ -4,6 +4,7 @@ The models call :func:`varlen_attention` only; they never import flash-attn or S
 """
 from .varlen import (  # noqa: F401
     BACKENDS,
+    CHOICES,
     VarlenPlan,
     available_backends,
     backend_unavailable_reason,

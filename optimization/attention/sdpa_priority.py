@@ -10,22 +10,24 @@ torch's own order stays. ``SEEDVR2BW_SDPA`` = ``auto`` (default) | ``cudnn`` | `
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import os
 
 import torch
 
+from ..runtime import knobs, selftests
+
 log = logging.getLogger(__name__)
-ENV = "SEEDVR2BW_SDPA"
-CHOICES = ("auto", "cudnn", "flash", "default")
+ENV = knobs.KNOB["SDPA"].var
 
 
-@functools.lru_cache(maxsize=None)
 def cudnn_selftest(device_index: int) -> tuple[bool, str]:
-    """cuDNN SDPA forward + input gradients on a small causal-free case against the math kernel in fp32."""
+    """cuDNN SDPA forward + input gradients on a small causal-free case against the math kernel in fp32 (once per
+    device)."""
+    return selftests.run("cudnn_sdpa", torch.device("cuda", device_index), check=_check_cudnn)
+
+
+def _check_cudnn(_variant, dev) -> tuple[bool, str]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    dev = torch.device("cuda", device_index)
     if torch.cuda.get_device_capability(dev) < (8, 0):
         return False, "cuDNN fused attention needs sm_80+"
     try:
@@ -53,9 +55,7 @@ def preferred_backends(device) -> tuple[list | None, str]:
     """(SDPA backends in priority order, or None for torch's own order; the reason, for the log line)."""
     from torch.nn.attention import SDPBackend
     device = torch.device(device)
-    choice = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if choice not in CHOICES:
-        raise ValueError(f"{ENV}={choice!r} is not one of {', '.join(CHOICES)}. Fix: set it to one of those or unset it.")
+    choice = knobs.get("SDPA")
     if device.type != "cuda" or choice == "default":
         return None, f"torch's order ({'CPU' if device.type != 'cuda' else ENV + '=default'})"
     rest = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

@@ -30,6 +30,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..runtime import selftests
+
 __all__ = [
     "VarlenPlan",
     "make_varlen_plan",
@@ -38,6 +40,7 @@ __all__ = [
     "backend_unavailable_reason",
     "resolve_backend",
     "BACKENDS",
+    "CHOICES",
 ]
 
 
@@ -243,13 +246,15 @@ def _torch_varlen(q, k, v, plan: VarlenPlan) -> torch.Tensor:
     return out.to(q.dtype)
 
 
+# every backend, fastest first: the one list of names (nodes, knobs, the policy, "auto" all use it)
 BACKENDS: Dict[str, Callable] = {
-    "reference": _reference,
-    "sdpa": _sdpa,
     "flash_attn": _flash_attn,
-    "sage": _sage,
     "torch_varlen": _torch_varlen,
+    "sage": _sage,
+    "sdpa": _sdpa,
+    "reference": _reference,
 }
+CHOICES: Tuple[str, ...] = ("auto", *BACKENDS)
 
 _MODULE_OF = {"flash_attn": "flash_attn", "sage": "sageattention", "torch_varlen": "torch.nn.attention.varlen"}
 _IMPORT_ERRORS: Dict[str, Optional[str]] = {}
@@ -293,30 +298,28 @@ def backend_unavailable_reason(name: str, device=None) -> Optional[str]:
 
 def available_backends(device=None) -> List[str]:
     """Backends that can run on ``device``, fastest first."""
-    order = ["flash_attn", "torch_varlen", "sage", "sdpa", "reference"]
-    return [n for n in order if backend_unavailable_reason(n, device) is None]
-
-
-_SELFTEST: Dict[Tuple[str, str], Optional[str]] = {}
+    return [n for n in BACKENDS if backend_unavailable_reason(n, device) is None]
 
 
 def backend_selftest(name: str, device) -> Optional[str]:
     """Run ``name`` once on a small packed problem against ``reference``; None when it agrees (bf16
-    tolerance), else the reason. Cached per (backend, device)."""
-    key = (name, str(device))
-    if key not in _SELFTEST:
-        try:
-            g = torch.Generator().manual_seed(0)
-            lens = [37, 37, 5, 64]
-            q, k, v = (torch.randn(sum(lens), 2, 64, generator=g).to(device, torch.bfloat16) for _ in range(3))
-            cu = torch.tensor([0, 37, 74, 79, 143], dtype=torch.int32, device=device)
-            ref = _reference(q.float(), k.float(), v.float(), make_varlen_plan(cu, cu, device=device))
-            out = BACKENDS[name](q, k, v, make_varlen_plan(cu, cu, device=device)).float()
-            err = float((out - ref).norm() / ref.norm())
-            _SELFTEST[key] = None if err < 2e-2 else f"self-test rel-L2 {err:.2e} vs reference"
-        except Exception as exc:  # noqa: BLE001 - a kernel that fails is simply not used by "auto"
-            _SELFTEST[key] = f"self-test failed: {type(exc).__name__}: {exc}"
-    return _SELFTEST[key]
+    tolerance), else the reason. Once per (backend, device)."""
+    ok, why = selftests.run("attention", device, name, _check_backend)
+    return None if ok else why
+
+
+def _check_backend(name: str, device) -> Tuple[bool, str]:
+    try:
+        g = torch.Generator().manual_seed(0)
+        lens = [37, 37, 5, 64]
+        q, k, v = (torch.randn(sum(lens), 2, 64, generator=g).to(device, torch.bfloat16) for _ in range(3))
+        cu = torch.tensor([0, 37, 74, 79, 143], dtype=torch.int32, device=device)
+        ref = _reference(q.float(), k.float(), v.float(), make_varlen_plan(cu, cu, device=device))
+        out = BACKENDS[name](q, k, v, make_varlen_plan(cu, cu, device=device)).float()
+        err = float((out - ref).norm() / ref.norm())
+        return (True, f"rel-L2 {err:.2e}") if err < 2e-2 else (False, f"self-test rel-L2 {err:.2e} vs reference")
+    except Exception as exc:  # noqa: BLE001 - a kernel that fails is simply not used by "auto"
+        return False, f"self-test failed: {type(exc).__name__}: {exc}"
 
 
 def resolve_backend(name: str = "auto", device=None) -> str:

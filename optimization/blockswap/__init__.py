@@ -23,7 +23,7 @@ instead of silently using another block's weights.
 """
 from .config import BlockSwapConfig, BlockSwapPlan, plan_blockswap, spread_indices, default_reserve_bytes
 from .resident import ResidentRunner
-from .pool import PinnedPool, get_pinned_pool, platform_pinned_cap
+from .pool import PinnedPool, get_pinned_pool
 from .backend import CudaBackend, FakeBackend, make_backend
 from .arena import HostArena, module_bytes
 from .runner import BlockSwapRunner, attach_blockswap, detach
@@ -31,6 +31,6 @@ from .runner import BlockSwapRunner, attach_blockswap, detach
 __all__ = [
     "BlockSwapConfig", "BlockSwapPlan", "plan_blockswap", "spread_indices", "default_reserve_bytes",
     "ResidentRunner", "BlockSwapRunner", "attach_blockswap", "detach",
-    "PinnedPool", "get_pinned_pool", "platform_pinned_cap",
+    "PinnedPool", "get_pinned_pool",
     "CudaBackend", "FakeBackend", "make_backend", "HostArena", "module_bytes",
 ]

@@ -7,7 +7,6 @@ views of the arena (`t.data = view`): the arena *is* the host copy, there is nev
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -140,7 +139,3 @@ class HostArena:
 
     def __len__(self):
         return len(self.records)
-
-
-def nbytes_of(shape, dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()

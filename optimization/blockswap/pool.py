@@ -12,8 +12,6 @@ the set pinned at attach (or later when room appears) stays pinned, and the rest
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -21,67 +19,11 @@ from typing import Callable, Optional
 
 import torch
 
+from ..runtime import policy
+
 _log = logging.getLogger(__name__)
 
 GiB = 1 << 30
-
-
-def total_ram_bytes() -> Optional[int]:
-    try:
-        import psutil
-        return int(psutil.virtual_memory().total)
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def is_wsl() -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        with open("/proc/version") as f:
-            return "microsoft" in f.read().lower()
-    except OSError:
-        return False
-
-
-def platform_pinned_cap(total_ram: Optional[int] = None, platform: Optional[str] = None,
-                        wsl: Optional[bool] = None) -> int:
-    """Default cap on pinned bytes for this platform.
-
-    Windows (WDDM): page-locked memory is limited to about half of RAM and charged against the card: 40 %.
-    WSL2: pins above ~0.5-1 GB fail: 1 GiB (failures beyond fall back to pageable copies).
-    Linux: max(40 %, min(90 %, RAM - 4 GiB)). macOS / unknown: 0 (no CUDA pinning).
-    """
-    platform = platform or sys.platform
-    ram = total_ram if total_ram is not None else total_ram_bytes()
-    if ram is None:
-        ram = 16 * GiB
-    wsl = is_wsl() if wsl is None else wsl
-    if platform == "win32":
-        return int(0.40 * ram)
-    if platform.startswith("linux"):
-        if wsl:
-            return min(int(0.40 * ram), 1 * GiB)
-        return int(max(0.40 * ram, min(0.90 * ram, ram - 4 * GiB)))
-    return 0
-
-
-def policy_pinned_cap(device=None) -> Optional[int]:
-    """`optimization.hardware.get_policy(device).pinned_pool_bytes`, when the hardware policy exists."""
-    try:
-        from .. import hardware  # noqa: WPS433 (lazy: written in parallel)
-    except Exception:  # noqa: BLE001
-        return None
-    try:
-        cap = getattr(hardware.get_policy(device), "pinned_pool_bytes", None)
-        return None if cap is None else int(cap)
-    except Exception as exc:  # noqa: BLE001
-        _log.debug("hardware policy unavailable for the pinned cap: %s", exc)
-        return None
 
 
 @dataclass
@@ -247,13 +189,18 @@ _global_lock = threading.Lock()
 
 
 def get_pinned_pool(device=None) -> PinnedPool:
-    """The process-wide pool; cap = hardware policy's `pinned_pool_bytes`, else the platform default."""
+    """The process-wide pool; cap = the hardware policy's `pinned_pool_bytes` (runtime/device.py has the rule)."""
     global _global_pool
     with _global_lock:
         if _global_pool is None:
-            cap = policy_pinned_cap(device)
-            if cap is None:
-                cap = platform_pinned_cap()
+            cap = policy.get_policy(device).pinned_pool_bytes
             _global_pool = PinnedPool(cap)
             _log.info("[SeedVR2-BW] pinned pool cap %.2f GiB", cap / GiB)
         return _global_pool
+
+
+def reset_pinned_pool() -> None:
+    """Forget the process-wide pool (tests); the next ``get_pinned_pool`` makes a new one."""
+    global _global_pool
+    with _global_lock:
+        _global_pool = None

@@ -63,13 +63,13 @@ class _Unit:
         self.uses = 0
         self.views: dict[int, list] = {}
         self.used_bytes = max((r.offset + r.nbytes for r in arena.records), default=0)
-        # modules caching tensors derived from their weights (NVFP4Linear._derived: e.g. an fp8 copy on the GPU):
-        # a swapped block must not keep them, or every swapped block would leave a GPU copy behind
-        self.derived = [m for m in module.modules() if isinstance(getattr(m, "_derived", None), dict)]
+        # modules caching tensors derived from their weights (NVFP4Linear: e.g. an fp8 copy on the GPU) say so with
+        # a drop_derived() method: a swapped block must not keep them, or it would leave a GPU copy behind
+        self.derived = [m for m in module.modules() if callable(getattr(m, "drop_derived", None))]
 
     def drop_derived(self):
         for m in self.derived:
-            m._derived.clear()
+            m.drop_derived()
 
     def __repr__(self):
         return f"_Unit({self.name})"
@@ -218,17 +218,6 @@ class BlockSwapRunner:
             finally:
                 self.pool.release_owner(self.owner)
                 self._finalizer.detach()
-
-    def invalidate(self) -> None:
-        """Forget what the ring slots hold (call after changing the host weights in place)."""
-        self.backend.synchronize()
-        for s in self.slots:
-            if s.unit is not None and s.unit.uses == 0:
-                if s.unit.bound:
-                    s.unit.arena.unbind()
-                    s.unit.bound = False
-                s.unit.slot = None
-                s.unit = None
 
     def stats(self) -> dict:
         c = self.c

@@ -6,6 +6,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..attention import (BACKENDS, available_backends, backend_unavailable_reason, make_varlen_plan,
+                         varlen_attention)
 from .result import FAIL, PASS, SKIP, WARN, CheckResult
 from .timing import GEMM_INNER, cuda_ms, rel_err, rotating, sustained_ms, tflops
 
@@ -147,16 +149,6 @@ def _layouts(ctx):
 
 
 def check_attention(ctx) -> list[CheckResult]:
-    try:
-        from ..attention import available_backends, make_varlen_plan, varlen_attention
-    except Exception as exc:  # noqa: BLE001
-        return [CheckResult("attention backends", FAIL, None, "", f"optimization.attention failed to import: "
-                            f"{type(exc).__name__}: {exc}")]
-    try:
-        from ..attention import BACKENDS, backend_unavailable_reason
-        known = [n for n in BACKENDS]
-    except Exception:  # noqa: BLE001
-        backend_unavailable_reason, known = None, []
     dev = ctx.device
     backends = available_backends(dev)
     policy = ctx.measured.get("policy")
@@ -174,11 +166,10 @@ def check_attention(ctx) -> list[CheckResult]:
         problems.append((lens, cu, maxlen, q, k, v, plan, want))
     flops = sum(4 * sum(L * L for L in lens) * heads * hd for lens in layouts)
     unavailable = []
-    if backend_unavailable_reason is not None:
-        for nm in known:
-            why = backend_unavailable_reason(nm, dev)
-            if why:
-                unavailable.append(f"{nm}: {why}")
+    for nm in BACKENDS:
+        why = backend_unavailable_reason(nm, dev)
+        if why:
+            unavailable.append(f"{nm}: {why}")
     out = [CheckResult("attention backends", PASS if backends else FAIL, ", ".join(backends), "",
                        f"available on {dev}: {', '.join(backends) or 'none'}; policy picks {chosen}"
                        + (f"; unavailable: {'; '.join(unavailable)}" if unavailable else ""),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..blockswap.config import default_reserve_bytes, plan_blockswap
 from .result import FAIL, PASS, SKIP, WARN, CheckResult
 
 SECTION = "IO vs compute"
@@ -102,10 +103,6 @@ def block_flops(g: BlockGroup, dim: int, tokens: int, latent_frames: int) -> flo
 
 
 def _plan(shape: DiTShape, storage: str, free_vram: int, total_vram: int):
-    try:
-        from ..blockswap import plan_blockswap, default_reserve_bytes  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - the package __init__ may pull in CUDA-only parts; the planner is pure
-        from ..blockswap.config import plan_blockswap, default_reserve_bytes
     sizes = []
     for g in shape.groups:
         sizes += [block_bytes(g, storage)] * g.count

@@ -6,6 +6,11 @@ import contextlib
 
 import torch
 
+from ..nvfp4 import format as fmt
+from ..nvfp4.dispatch import NVFP4_PATHS
+from ..nvfp4.fp4_gemm import fp4_gemm_supported
+from ..nvfp4.selftest import run_gemm_selftest
+from ..runtime import policy as hw_policy
 from .nvfp4_reference import reference_roundtrip, sqnr_db
 from .result import FAIL, PASS, SKIP, WARN, CheckResult
 from .timing import rel_err, tflops
@@ -21,11 +26,6 @@ PATH_TOLERANCE = {"reference": 1e-2, "fidelity": 1e-2, "fp8_speed": 0.08, "fp4_t
 CPU_REFERENCE_TOLERANCE = 1e-4   # fp32 on CPU: only summation order differs from the independent reference
 PATH_LABEL = {"fp4_tensorcore": "FP4 tensor cores (W4A4)", "fp8_speed": "FP8 speed path (W8A8)",
               "fidelity": "fidelity path (W4A16)", "reference": "reference (dequantize + matmul)"}
-
-
-def _import_nvfp4():
-    from ..nvfp4 import format as fmt
-    return fmt
 
 
 def check_nvfp4_library(ctx) -> CheckResult:
@@ -52,11 +52,6 @@ def _corrupt_packed(fmt, packed):
 
 def check_nvfp4_quantize(ctx) -> CheckResult:
     name = "NVFP4 quantize/dequantize"
-    try:
-        fmt = _import_nvfp4()
-    except Exception as exc:  # noqa: BLE001
-        return CheckResult(name, FAIL, None, "% mismatch", f"optimization.nvfp4.format failed to import: "
-                           f"{type(exc).__name__}: {exc}")
     dev = ctx.device
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(128 if ctx.quick else 256, 3072, generator=gen)
@@ -80,8 +75,7 @@ def check_nvfp4_quantize(ctx) -> CheckResult:
         extra.append(f"device bytes {'==' if same else '!='} CPU bytes")
         try:
             from ..nvfp4 import kernels
-            from .. import hardware
-            policy = ctx.measured.get("policy") or hardware.get_policy(dev)
+            policy = ctx.measured.get("policy") or hw_policy.get_policy(dev)
             if ctx.quick and policy.nvfp4_gemm != "fp4_tensorcore":
                 # the Triton NVFP4 quantizer feeds only the FP4 tensor-core path: --quick does not compile it here
                 extra.append(f"Triton quantizer not compared in --quick (only the FP4 path uses it; this GPU runs "
@@ -133,7 +127,6 @@ def _no_tf32():
 def build_linear(w: torch.Tensor, bias, path: str, dtype=torch.bfloat16):
     """An NVFP4Linear holding ``w`` quantized (on w's device), pinned to ``path``; returns (module, fp32 weight as
     stored, i.e. dequantized)."""
-    from ..nvfp4 import format as fmt
     from ..nvfp4.linear import NVFP4Linear
     mod = NVFP4Linear.from_nvfp4(fmt.quantize_nvfp4(w, return_tensor=True), bias=bias, path=path, dtype=dtype)
     return mod, mod.dequantize_weight(torch.float32)
@@ -141,16 +134,13 @@ def build_linear(w: torch.Tensor, bias, path: str, dtype=torch.bfloat16):
 
 def _expected_paths(policy) -> set:
     """Paths this GPU's profile should support (the chain from the profile's starting path down)."""
-    from .. import hardware
-    starts = getattr(hardware, "_PROFILE_NVFP4_START", {})
-    start = starts.get(getattr(policy, "profile", ""), "reference")
-    return set(hardware.NVFP4_PATHS[hardware.NVFP4_PATHS.index(start):])
+    start = hw_policy.PROFILE_NVFP4_START.get(getattr(policy, "profile", ""), "reference")
+    return set(NVFP4_PATHS[NVFP4_PATHS.index(start):])
 
 
 def _quick_support(path: str, device) -> tuple[bool, str]:
     """--quick: the library's support gates without its tiny self-test GEMMs (which compile extra Triton kernels);
     the run on the SeedVR2 shape below still checks the values."""
-    from ..nvfp4.linear import fp4_gemm_supported
     if path == "fp4_tensorcore":
         return fp4_gemm_supported(device)
     if path == "fp8_speed" and torch.cuda.get_device_capability(device) < (8, 9):
@@ -159,15 +149,9 @@ def _quick_support(path: str, device) -> tuple[bool, str]:
 
 
 def check_nvfp4_gemm(ctx) -> list[CheckResult]:
-    try:
-        from .. import hardware
-        from ..nvfp4.selftest import run_gemm_selftest
-    except Exception as exc:  # noqa: BLE001
-        return [CheckResult("NVFP4 GEMM paths", FAIL, None, "", f"optimization.nvfp4 failed to import: "
-                            f"{type(exc).__name__}: {exc}")]
-    policy = ctx.measured.get("policy") or hardware.get_policy(ctx.device)
+    policy = ctx.measured.get("policy") or hw_policy.get_policy(ctx.device)
     expected = _expected_paths(policy)
-    paths = [p for p in hardware.NVFP4_PATHS if p != "reference"] if ctx.is_cuda else ["reference"]
+    paths = [p for p in NVFP4_PATHS if p != "reference"] if ctx.is_cuda else ["reference"]
     out = []
     if not ctx.is_cuda:
         out.append(CheckResult("NVFP4 GEMM paths", SKIP, None, "", "no CUDA device: the FP4 tensor-core, FP8 speed and "
@@ -205,7 +189,7 @@ def check_nvfp4_gemm(ctx) -> list[CheckResult]:
         xx = x
         try:
             mod, w_deq = build_linear(w_dev, bias, path, dtype)
-            ran = mod.effective_path(dev)
+            ran = mod.decision(xx.reshape(-1, xx.shape[-1])).path
             if ran != path:
                 out.append(CheckResult(row, FAIL, None, unit, f"NVFP4Linear runs {ran!r} "
                                        f"instead of {path!r} on {m}x{k}x{n}", data={"effective_path": ran}))

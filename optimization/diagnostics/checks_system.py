@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from ..runtime import device as devinfo
+from ..runtime import knobs, policy as hw_policy
 from .result import FAIL, PASS, SKIP, WARN, CheckResult
 
 SECTION = "System"
@@ -132,9 +134,8 @@ def check_arch_support(ctx) -> CheckResult:
     name = "torch kernels for this GPU"
     if not ctx.is_cuda:
         return CheckResult(name, SKIP, None, "", "no CUDA device")
-    from .. import hardware
-    info = hardware.detect_device(ctx.device)
-    problem = hardware.arch_problem(info)
+    info = devinfo.detect_device(ctx.device)
+    problem = devinfo.arch_problem(info)
     data = {"arch_list": list(info.arch_list), "capability": list(info.capability or ())}
     if problem:
         ctx.measured["arch_problem"] = problem
@@ -144,13 +145,13 @@ def check_arch_support(ctx) -> CheckResult:
 
 
 def check_policy(ctx) -> CheckResult:
-    from .. import hardware
-    policy = hardware.get_policy(ctx.device)
+    policy = hw_policy.get_policy(ctx.device)
     ctx.measured["policy"] = policy
     data = {"profile": policy.profile, "nvfp4_gemm": policy.nvfp4_gemm, "fp8_gemm": policy.fp8_gemm,
             "attention": policy.attention, "pinned_pool_bytes": policy.pinned_pool_bytes,
             "copy_streams": policy.copy_streams, "tf32": policy.tf32, "cudnn_benchmark": policy.cudnn_benchmark,
-            "reasons": dict(policy.reasons), "summary": policy.summary(), "arch_problem": policy.arch_problem}
+            "reasons": dict(policy.reasons), "summary": policy.summary(), "arch_problem": policy.arch_problem,
+            "kernel_table": policy.kernel_table()}
     detail = policy.summary()
     status = PASS
     if policy.arch_problem:
@@ -208,7 +209,7 @@ def find_comfyui_version(pack_root) -> tuple[str | None, str | None]:
     """(version, path) of the ComfyUI tree this pack sits in (ComfyUI/custom_nodes/<pack>/), if any."""
     roots = [pack_root, Path(os.path.abspath(__file__)).parents[2]]  # resolved, and as reached (symlinked packs)
     # the shell's logical working directory keeps a symlinked pack's path (os.getcwd() resolves links)
-    pwd = os.environ.get("PWD")
+    pwd = knobs.external("PWD")
     try:
         logical = Path(pwd) if pwd and os.path.samefile(pwd, os.getcwd()) else Path(os.getcwd())
     except OSError:

@@ -74,6 +74,9 @@ def _verdict(report) -> list:
                 line += f" ({r.data['speedup_vs_bf16']:.2f}x bf16 on the SeedVR2 shape)"
         line += f"; FP8 GEMM {'on' if d.get('fp8_gemm') else 'off'}; attention {d.get('attention')}"
         out.append(line)
+        if d.get("kernel_table"):
+            out.append("quantized linears, kernel by rows M (bf16 activations):")
+            out.extend("  " + row.strip() for row in d["kernel_table"])
     h2d, ov = by.get("H2D pinned vs pageable"), by.get("copy/compute overlap")
     if h2d is not None and h2d.status != "SKIP" and h2d.data:
         text = f"host->GPU copies: {h2d.data['pinned_gbps']:.1f} GB/s pinned ({h2d.data['ratio']:.1f}x pageable)"

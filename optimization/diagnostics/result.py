@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..runtime import knobs
+
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 STATUSES = (PASS, WARN, FAIL, SKIP)
 
-FAULT_ENV = "SEEDVR2BW_DIAG_FAULT"
+FAULT_ENV = knobs.KNOB["DIAG_FAULT"].var
 # Faults a test (or a curious user) can force; each one must turn the matching check into FAIL.
 KNOWN_FAULTS = {
     "nvfp4_wrong": "NVFP4 quantize/dequantize and every NVFP4 GEMM path return corrupted values",
@@ -54,7 +55,7 @@ def _json_safe(obj):
 
 def parse_faults(spec: str | None = None, extra=()) -> frozenset[str]:
     """Faults from ``SEEDVR2BW_DIAG_FAULT`` (``a|b`` or ``a,b``) plus ``extra``; an unknown name raises."""
-    spec = os.environ.get(FAULT_ENV, "") if spec is None else spec
+    spec = (knobs.get("DIAG_FAULT") or "") if spec is None else spec
     names = {n.strip().lower() for n in spec.replace("|", ",").split(",") if n.strip()}
     names |= {n.strip().lower() for n in extra if n and n.strip()}
     unknown = names - set(KNOWN_FAULTS)

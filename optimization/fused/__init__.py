@@ -26,17 +26,16 @@ one N x D pass = 133 MB = 44 us at 3 TB/s):
 from __future__ import annotations
 
 import logging
-import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..runtime import knobs, selftests
 from . import reference
 
 log = logging.getLogger(__name__)
 
 _HALF = (torch.bfloat16, torch.float16)
-_selftest: Dict[str, Tuple[bool, str]] = {}
 _sid_cache: Dict[tuple, torch.Tensor] = {}
 _kernels = None
 _import_error: Optional[str] = None
@@ -57,14 +56,10 @@ def triton_available() -> bool:
     return _load() is not None
 
 
-def _env_enabled() -> bool:
-    return os.environ.get("SEEDVR2BW_FUSED", "1").strip().lower() not in ("0", "false", "off", "no")
-
-
 def enabled(*tensors: torch.Tensor) -> bool:
     """True when the fused kernels may run on these tensors (see module doc)."""
     x = tensors[0]
-    if not x.is_cuda or x.dtype not in _HALF or not _env_enabled():
+    if not x.is_cuda or x.dtype not in _HALF or not knobs.get("FUSED"):
         return False
     if any(t.device != x.device for t in tensors[1:]):
         return False
@@ -73,35 +68,29 @@ def enabled(*tensors: torch.Tensor) -> bool:
     return selftest(x.device)[0]
 
 
-def selftest_status(device) -> Optional[Tuple[bool, str]]:
-    return _selftest.get(str(torch.device(device)))
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double().cpu(), b.double().cpu()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def selftest(device, tol: float = 1e-2) -> Tuple[bool, str]:
-    """Run each kernel once on small random inputs against the torch reference (cached per device)."""
-    key = str(torch.device(device))
-    if key in _selftest:
-        return _selftest[key]
+    """Run each kernel once on small random inputs against the torch reference (once per device)."""
+    return selftests.run("fused", device, check=lambda _variant, dev: _check(dev, tol))
+
+
+def _check(device, tol) -> Tuple[bool, str]:
     k = _load()
     if k is None:
         res = (False, f"triton unavailable: {_import_error}")
     else:
-        try:
-            res = _run_selftest(k, torch.device(device), tol)
-        except Exception as exc:  # noqa: BLE001 - a crashing self-test is a failed one
-            res = (False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        res = selftests.guard(check_kernels)(k, device, tol)
     if not res[0]:
-        log.warning("seedvr2 fused kernels disabled on %s: %s", key, res[1])
-    _selftest[key] = res
+        log.warning("seedvr2 fused kernels disabled on %s: %s", device, res[1])
     return res
 
 
-def _run_selftest(k, device, tol) -> Tuple[bool, str]:
+def check_kernels(k, device, tol) -> Tuple[bool, str]:
+    """Each kernel of the module ``k`` on small random inputs against the torch reference (the self-test)."""
     g = torch.Generator(device="cpu").manual_seed(1234)
     dt = torch.bfloat16
 
@@ -177,7 +166,7 @@ def _qkv_call(k, variant, qkv, heads, head_dim, wq, wk, eps, cos, sin, dst, out,
 def _pick_qkv_variant(k, passing: List[str], device) -> str:
     """The faster of the passing qkv kernels, timed once on this device at a 7B-like shape (4096 tokens,
     24 heads x 128, 30 rotated pairs; a few ms in all). ``SEEDVR2BW_QKV_KERNEL`` forces one."""
-    forced = os.environ.get("SEEDVR2BW_QKV_KERNEL")
+    forced = knobs.get("QKV_KERNEL")
     if forced in passing:
         return forced
     if len(passing) == 1 or device.type != "cuda":
@@ -249,7 +238,7 @@ def qkv_norm_rope_pack(qkv: torch.Tensor, heads: int, head_dim: int, wq: torch.T
     head (weights wq/wk) and rotated by cos/sin[src] ((N, R/2) fp32 per pair; None: no RoPE); v copied.
     ``src`` (default: row i) picks the input row of output row i (the text copies)."""
     dev = str(out.device)
-    variant = os.environ.get("SEEDVR2BW_QKV_KERNEL") or _qkv_variant.get(dev, QKV_VARIANTS[0])
+    variant = knobs.get("QKV_KERNEL") or _qkv_variant.get(dev, QKV_VARIANTS[0])
     _qkv_call(_load(), variant, qkv.contiguous(), heads, head_dim, wq.contiguous(), wk.contiguous(), eps,
               cos, sin, dst, out, src)
 
@@ -266,8 +255,8 @@ def group_norm_frames(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool) -> 
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(x @ W^T + b) with the GELU in the cuBLASLt epilogue on CUDA (cuBLASLt's GELU is the tanh
     form; should torch take its non-Lt path it applies GELU after the GEMM; either is within bf16 rounding
-    of gelu_tanh, the self-test checks it). Elsewhere, or with SEEDVR2BW_FUSED_GELU=0: linear + gelu_tanh."""
-    if not x.is_cuda or os.environ.get("SEEDVR2BW_FUSED_GELU", "1") == "0":
+    of gelu_tanh, the self-test checks it). Elsewhere, or with SEEDVR2BW_FUSED_GELU=off: linear + gelu_tanh."""
+    if not x.is_cuda or not knobs.get("FUSED_GELU"):
         return torch.nn.functional.gelu(torch.nn.functional.linear(x, weight, bias), approximate="tanh")
     shp = x.shape
     out = torch._addmm_activation(bias, x.reshape(-1, shp[-1]), weight.t(), use_gelu=True)

@@ -13,7 +13,7 @@ import triton.language as tl
 # (a) [gated residual +] RMSNorm (fp32 statistics, no weight) + modulation, one row per program
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _norm_mod_kernel(X, O, G, XOUT, Y, S, B, SID, D, eps,
+def norm_mod_kernel(X, O, G, XOUT, Y, S, B, SID, D, eps,
                      HAS_RES: tl.constexpr, HAS_SID: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
@@ -41,7 +41,7 @@ def norm_modulate(x, s, b, eps, sid=None, res_o=None, res_g=None):
     has_res = res_o is not None
     xout = torch.empty_like(x) if has_res else x
     if n:
-        _norm_mod_kernel[(n,)](
+        norm_mod_kernel[(n,)](
             x, res_o if has_res else x, res_g if has_res else s, xout, y, s, b,
             sid if sid is not None else s, d, float(eps),
             HAS_RES=has_res, HAS_SID=sid is not None, BLOCK_D=triton.next_power_of_2(d),
@@ -150,7 +150,7 @@ def qkv_norm_rope_pack(qkv, heads, head_dim, wq, wk, eps, cos, sin, dst, q, k, v
 
 
 @triton.jit
-def _qkv_pack_kernel_v2(QKV, SRC, DST, WQ, WK, COS, SIN, OUT, N_ALL, H, R2, eps,
+def qkv_pack_kernel_v2(QKV, SRC, DST, WQ, WK, COS, SIN, OUT, N_ALL, H, R2, eps,
                         D: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_SRC: tl.constexpr,
                         BLOCK_H: tl.constexpr, SPLIT: tl.constexpr):
     """Grid (rows, 3): slot 0/1 = q/k (norm + RoPE), slot 2 = v (copy). Contiguous (16-byte) loads and
@@ -216,7 +216,7 @@ def qkv_norm_rope_pack_v2(qkv, heads, head_dim, wq, wk, eps, cos, sin, dst, out,
     if n == 0:
         return
     has_rope = cos is not None
-    _qkv_pack_kernel_v2[(n, 3)](
+    qkv_pack_kernel_v2[(n, 3)](
         qkv, src if src is not None else dst, dst, wq, wk,
         cos if has_rope else wq, sin if has_rope else wq, out, out.shape[1],
         heads, cos.shape[1] if has_rope else 0, float(eps),

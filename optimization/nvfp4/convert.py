@@ -19,7 +19,7 @@ import torch
 from . import format as fmt
 from .checkpoint import (FP8_FORMAT, NVFP4_FORMAT, PACK_METADATA_KEY, StreamingSafetensorsWriter,
                          comfy_quant_tensor, quantization_metadata, read_comfy_quant)
-from .linear import make_keep_rule
+from .surgery import make_keep_rule
 
 _AUX = ("weight_scale", "weight_scale_2", "input_scale", "scale_weight", "scale_input", "comfy_quant",
         "weights_scaling_factor", "weights_scaling_factor_2", "activation_scaling_factor")

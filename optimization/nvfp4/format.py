@@ -191,10 +191,6 @@ class NVFP4Tensor:
     global_scale: torch.Tensor  # float32, 0-d
     shape: tuple[int, int]      # logical (R, K)
 
-    @property
-    def padded_shape(self) -> tuple[int, int]:
-        return self.packed.shape[0], self.packed.shape[1] * 2
-
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.block_scale, self.global_scale))
 

@@ -1,4 +1,4 @@
-"""Triton kernels for the NVFP4 / FP8 linear paths (optional: ``HAS_TRITON`` says whether they exist).
+"""Triton kernels of the NVFP4 / FP8 linears, as free functions (``HAS_TRITON`` says whether they exist).
 
 * ``quantize_act_nvfp4``: activations -> NVFP4 (packed hi_first + E4M3 block scales written directly in the
   swizzled 128x4 layout) in one pass, given a global scale on the device. Bit-exact with
@@ -6,68 +6,25 @@
 * ``quantize_act_fp8_rowwise``: per-token FP8 E4M3 quantization (amax, scale, cast) in one kernel.
   Bit-exact with ``format.quantize_act_fp8_rowwise_reference``. Used by the sm_89/sm_90 speed path.
 * ``dequantize_nvfp4_triton``: NVFP4 -> bf16/fp16/fp32 weight, bit-exact with ``format.dequantize_nvfp4``.
-* ``w4a16_linear``: fused NVFP4-weight x bf16-activation GEMM (on Hopper with bf16, M > 64: the CUDA wgmma
-  kernel of ``wgmma_w4a16.py``; otherwise this Triton kernel), "swap AB" (the decoded weight tile is the wide
+* ``w4a16_linear``: fused NVFP4-weight x bf16-activation GEMM, "swap AB" (the decoded weight tile is the wide
   MMA operand, so BLOCK_M can be 16), tiles from ``W4A16_CONFIGS`` by M, split-K into fp32 partials + one
   reduce kernel (no atomics, no zero fill); global scale and bias in the epilogue. Fidelity path, small M.
-* ``_launch``: relaunches a compiled kernel through its launcher (skips Triton's binder / autotuner per call).
-* ``w4a16_plan`` / ``cached_kernel``: per-shape launch plans for ``NVFP4Linear`` (everything but the
-  allocation and the launch decided once).
-* ``on_cuda`` / ``device_is_cuda`` / ``raw_stream``: seams that ``scripts/bench_nvfp4_host.py`` replaces to time
-  the host side on a CPU.
+* ``transpose_2d``: 1-byte tensors transposed near copy bandwidth (FP8 training).
 
-All divisions use ``div_rn`` (IEEE round-to-nearest) so results match the CPU reference bit for bit.
-None of these kernels uses FP4 instructions, so they run (and are tested) on any GPU Triton supports.
+Launching (the cached relaunch, the seams, split-K) is ``launch.py``'s; the per-shape launch plans are
+``plans.py``'s. All divisions use ``div_rn`` (IEEE round-to-nearest) so results match the CPU reference bit for
+bit. None of these kernels uses FP4 instructions, so they run (and are tested) on any GPU Triton supports.
 """
 
 
 import torch
 
-from . import wgmma_w4a16 as W
-from .format import F8_E4M3_MAX, roundup
-
-try:  # pragma: no cover - exercised on GPU machines
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except Exception:  # noqa: BLE001
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from ..runtime import knobs
+from . import launch
+from .format import E2M1_VALUES, roundup
+from .launch import HAS_TRITON, tl, triton, triton_usable  # noqa: F401 - triton_usable: asked here by callers
 
 MAX_ELEMENTS_PER_CALL = 2 ** 31 - 2 ** 20   # stay clear of 32-bit index overflow inside one launch
-
-
-import os
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # lets the CPU run the kernels (tests only)
-
-# Triton >= 3.2 can keep an autotuner's choice in its on-disk cache: the dequantize kernel's 7-config sweep
-# (~1 s per weight shape and process) then runs once per machine instead of at every ComfyUI start
-_AUTOTUNE_DISK_CACHE = {}
-if HAS_TRITON:
-    import inspect as _inspect
-    if "cache_results" in _inspect.signature(triton.autotune).parameters:
-        _AUTOTUNE_DISK_CACHE = {"cache_results": True}
-
-
-def on_cuda(t: torch.Tensor) -> bool:
-    """``t.is_cuda``. A seam: ``scripts/bench_nvfp4_host.py`` replaces it to time the host side on a CPU."""
-    return t.is_cuda
-
-
-def device_is_cuda(device: torch.device) -> bool:
-    """``device.type == "cuda"`` (same seam as ``on_cuda``)."""
-    return device.type == "cuda"
-
-
-def raw_stream(index):
-    """The current CUDA stream's handle for device ``index`` (same seam as ``on_cuda``)."""
-    return torch._C._cuda_getCurrentRawStream(index)
-
-
-def triton_usable(t: torch.Tensor) -> bool:
-    return HAS_TRITON and (on_cuda(t) or _INTERPRET)
 
 
 if HAS_TRITON:
@@ -105,7 +62,7 @@ if HAS_TRITON:
         lo = ((v >> 16) << 16).to(tl.float32, bitcast=True)
         return hi, lo
 
-    # Byte tables for ``_e2m1_pairs_scaled``: the bf16 / fp16 bit pattern of each E2M1 magnitude 0..7
+    # Byte tables for ``e2m1_pairs_scaled``: the bf16 / fp16 bit pattern of each E2M1 magnitude 0..7
     # (0, .5, 1, 1.5, 2, 3, 4, 6), split into a high-byte and a low-byte table of 8 bytes each (two 32-bit
     # registers, the operand pair of one PRMT). fp16's low bytes are all zero.
     _E2M1_BF16_HI = (0x3F3F3F00, 0x40404040)
@@ -156,7 +113,7 @@ if HAS_TRITON:
     _E2M1_ASM_F16 = tl.constexpr(_e2m1_asm(_E2M1_F16_HI, _E2M1_F16_LO, True))
 
     @triton.jit
-    def _e2m1_pairs_scaled(p, s, F16: tl.constexpr):
+    def e2m1_pairs_scaled(p, s, F16: tl.constexpr):
         """packed bytes p (uint8) and per-byte scales s (bf16 or fp16, p's shape) -> (value of the high nibble,
         value of the low nibble) * s in s's dtype, exact. CUDA only (inline PTX; sm_80+)."""
         if F16:
@@ -216,7 +173,7 @@ if HAS_TRITON:
                  mask=(c[:, None] < C) & (r[None, :] < R))
 
     @triton.jit
-    def _act_fp8_row_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constexpr):
+    def act_fp8_row_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_K)
         mask = cols < K
@@ -234,9 +191,9 @@ if HAS_TRITON:
     @triton.autotune(configs=[triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
                               for r, c, w in ((16, 128, 4), (8, 256, 4), (16, 256, 8), (4, 512, 4), (32, 64, 4),
                                               (32, 128, 8))],
-                     key=["R", "HALF", "HALF_C", "ASM_DECODE", "L2_KEEP"], **_AUTOTUNE_DISK_CACHE)
+                     key=["R", "HALF", "HALF_C", "ASM_DECODE", "L2_KEEP"], **launch.AUTOTUNE_DISK_CACHE)
     @triton.jit
-    def _dequant_kernel(p_ptr, s_ptr, lut_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4, C0, HALF_C,
+    def dequant_kernel(p_ptr, s_ptr, lut_ptr, g_ptr, o_ptr, R, HALF, N_OUT, K_OUT, NCB4, C0, HALF_C,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ASM_DECODE: tl.constexpr,
                         L2_KEEP: tl.constexpr):
         """Packed columns [C0, C0 + HALF_C) of every row (C0 a multiple of 8: whole 16-blocks) ->
@@ -260,7 +217,7 @@ if HAS_TRITON:
         s = tl.load(s_ptr + soff, mask=rmask[:, None] & (blk[None, :] * 8 < HALF_C), other=0.0).to(tl.float32)
         total = (g * s)[:, :, None]
         if ASM_DECODE:
-            hb, lb = _e2m1_pairs_scaled(p, tl.full(p.shape, 1.0, tl.bfloat16), False)
+            hb, lb = e2m1_pairs_scaled(p, tl.full(p.shape, 1.0, tl.bfloat16), False)
             hv = hb.to(tl.float32)
             lv = lb.to(tl.float32)
         else:
@@ -275,7 +232,7 @@ if HAS_TRITON:
             tl.store(o_ptrs, vals.to(o_ptr.dtype.element_ty), mask=omask)
 
     @triton.jit
-    def _w4a16_swab_kernel(x_ptr, p_ptr, s_ptr, g_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, NCB4, TILES_PER,
+    def w4a16_swab_kernel(x_ptr, p_ptr, s_ptr, g_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, NCB4, TILES_PER,
                            HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                            ASM_DECODE: tl.constexpr, TRANS_STORE: tl.constexpr):
@@ -319,7 +276,7 @@ if HAS_TRITON:
                 sv = tl.load(s_ptr + soff, mask=kb[None, :] < K // 16, other=0.0)
             if ASM_DECODE:
                 sb = tl.broadcast_to(sv.to(x_ptr.dtype.element_ty)[:, :, None], (BLOCK_N, BLOCK_K // 16, 8))
-                hv, lv = _e2m1_pairs_scaled(p, tl.reshape(sb, (BLOCK_N, BLOCK_K // 2)),
+                hv, lv = e2m1_pairs_scaled(p, tl.reshape(sb, (BLOCK_N, BLOCK_K // 2)),
                                             x_ptr.dtype.element_ty == tl.float16)
                 w = tl.reshape(tl.join(hv, lv), (BLOCK_N, BLOCK_K))
             else:
@@ -344,99 +301,6 @@ if HAS_TRITON:
         else:
             tl.store(ws_ptr + (pid_k * M + rm[None, :]).to(tl.int64) * N + rn[:, None], acc, mask=omask)
 
-    @triton.jit
-    def _splitk_reduce_kernel(ws_ptr, g_ptr, b_ptr, y_ptr, MN, N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                              BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < MN
-        acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
-        for i in tl.static_range(1, SPLIT_K):
-            acc += tl.load(ws_ptr + i * MN + offs, mask=mask, other=0.0)
-        acc = acc * tl.load(g_ptr)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# low-overhead relaunch. Measured on the H100 lease (Triton 3.6, torch 2.11): a plain ``kernel[grid](...)``
-# costs ~40 us of host time and an autotuned one ~60-70 us, more than the GPU time of these kernels at small M
-# (bench_nvfp4 --inner 8: every path with one Triton launch sat at ~0.08 ms whatever the shape). The first call
-# per specialization goes through Triton (compile / autotune) and returns the CompiledKernel; later calls with
-# the same specialization key (dtypes, 16-byte pointer alignment, int == 1 / % 16 / int32 range, constexprs)
-# call its launcher directly. SEEDVR2BW_NVFP4_FAST_LAUNCH=0 turns it off; any launcher error turns it off too.
-# ----------------------------------------------------------------------------------------------------------
-_FAST_LAUNCH = [os.environ.get("SEEDVR2BW_NVFP4_FAST_LAUNCH", "1") == "1" and not _INTERPRET]
-_FAST_CACHE: dict = {}
-
-
-def _spec_key(args) -> tuple:
-    key = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif isinstance(a, bool):
-            key.append(("b", a))
-        elif isinstance(a, int):
-            key.append((a == 1, a % 16 == 0, -2 ** 31 <= a < 2 ** 31))
-        else:
-            key.append(type(a))
-    return tuple(key)
-
-
-def _hook_active(h) -> bool:
-    """A launch hook is installed: not None, and (newer Triton: a ``HookChain``) with at least one call."""
-    if h is None:
-        return False
-    calls = getattr(h, "calls", None)
-    return bool(calls) if isinstance(calls, list) else True
-
-
-def _hooks_set() -> bool:
-    try:
-        from triton import knobs
-        return _hook_active(knobs.runtime.launch_enter_hook) or _hook_active(knobs.runtime.launch_exit_hook)
-    except Exception:  # noqa: BLE001 - older Triton: no knobs module, never use the fast path
-        return True
-
-
-def _relaunch(entry, grid, args, consts, device) -> bool:
-    k = entry
-    try:
-        k.run(grid[0], grid[1], grid[2], raw_stream(device.index), k.function,
-              k.packed_metadata, None, None, None, *args, *consts)
-        return True
-    except Exception:  # noqa: BLE001 - launcher API differs in this Triton: use the normal launch from now on
-        _FAST_LAUNCH[0] = False
-        _FAST_CACHE.clear()
-        return False
-
-
-def cached_kernel(fn, args, consts: dict, num_warps: int, num_stages: int):
-    """The compiled kernel ``_launch`` cached for exactly these arguments' specialization (None if it has not
-    launched them yet, or fast launch is off). Used to build per-layer launch plans."""
-    if not _FAST_LAUNCH[0]:
-        return None
-    return _FAST_CACHE.get((id(fn), args[0].device.index, _spec_key(args), tuple(consts.values()), num_warps,
-                            num_stages))
-
-
-def _launch(fn, grid, args, consts: dict, num_warps: int, num_stages: int):
-    """``fn[grid](*args, **consts, num_warps=, num_stages=)`` with the compiled kernel cached per
-    specialization. ``consts`` must be the kernel's trailing constexpr parameters, in declaration order."""
-    dev = args[0].device
-    key = None
-    if _FAST_LAUNCH[0]:
-        key = (id(fn), dev.index, _spec_key(args), tuple(consts.values()), num_warps, num_stages)
-        k = _FAST_CACHE.get(key)
-        if k is not None and _relaunch(k, grid, args, tuple(consts.values()), dev):
-            return
-    k = fn[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
-    if hasattr(k, "result"):
-        k = k.result()
-    if key is not None and _FAST_LAUNCH[0] and k is not None and hasattr(k, "packed_metadata") and not _hooks_set():
-        _FAST_CACHE[key] = k
-
 
 _LUT_DEV: dict = {}
 
@@ -446,7 +310,6 @@ def byte_lut(device) -> torch.Tensor:
     key = str(device)
     t = _LUT_DEV.get(key)
     if t is None:
-        from .format import E2M1_VALUES
         vals = torch.tensor(E2M1_VALUES, dtype=torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
         b = torch.arange(256)
         t = (vals[b >> 4] | (vals[b & 15] << 16)).to(torch.int32).to(device)
@@ -454,18 +317,11 @@ def byte_lut(device) -> torch.Tensor:
     return t
 
 
-def _check_triton(t: torch.Tensor):
-    if not HAS_TRITON:
-        raise RuntimeError("Triton is not installed")
-    if not (on_cuda(t) or _INTERPRET):
-        raise RuntimeError("Triton kernels need a CUDA tensor")
-
-
 def quantize_act_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, chunk_rows: int | None = None):
     """x [M, K] (K % 16 == 0) -> (packed uint8 [M, K/2] hi_first, swizzled e4m3 scales
     [roundup(M,128), roundup(K/16,4)]). Large inputs are processed in row chunks (multiples of 128) so no
     launch indexes more than ``MAX_ELEMENTS_PER_CALL`` elements; the global scale is the whole tensor's."""
-    _check_triton(x)
+    launch.check_triton(x)
     M, K = x.shape
     if K % 16:
         raise ValueError(f"K={K} is not a multiple of 16")
@@ -490,7 +346,7 @@ def quantize_act_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, chunk_rows: 
 
 def quantize_act_fp8_rowwise(x: torch.Tensor):
     """x [M, K] -> (fp8 e4m3 [M, K], scale fp32 [M]) with scale = amax_row / 448."""
-    _check_triton(x)
+    launch.check_triton(x)
     M, K = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -499,10 +355,10 @@ def quantize_act_fp8_rowwise(x: torch.Tensor):
     if M == 0:
         return q, s
     BLOCK_K, warps = act_fp8_config(K)
-    if _INTERPRET:
-        _act_fp8_row_kernel[(M,)](x, q, s, K, x.stride(0), BLOCK_K=BLOCK_K, num_warps=warps)
+    if launch.INTERPRET:
+        act_fp8_row_kernel[(M,)](x, q, s, K, x.stride(0), BLOCK_K=BLOCK_K, num_warps=warps)
     else:
-        _launch(_act_fp8_row_kernel, (M, 1, 1), (x, q, s, K, x.stride(0)), dict(BLOCK_K=BLOCK_K), warps,
+        launch.launch(act_fp8_row_kernel, (M, 1, 1), (x, q, s, K, x.stride(0)), dict(BLOCK_K=BLOCK_K), warps,
                 ACT_FP8_STAGES)
     return q, s
 
@@ -515,7 +371,7 @@ def transpose_2d(x: torch.Tensor) -> torch.Tensor:
     gradient ``g @ W`` needs W with N contiguous (cuBLAS FP8 takes K-major operands only). torch's generic strided
     copy moves such a weight at ~0.3 TB/s on an H100 (58 ms of a FLUX.1 1024² training step); this tile kernel
     runs near copy bandwidth."""
-    _check_triton(x)
+    launch.check_triton(x)
     if x.dim() != 2 or x.element_size() != 1 or not x.is_contiguous():
         raise ValueError(f"transpose_2d takes a contiguous 2-D tensor of 1-byte elements, got {x.dtype} "
                          f"{tuple(x.shape)} strides {x.stride()}")
@@ -525,10 +381,10 @@ def transpose_2d(x: torch.Tensor) -> torch.Tensor:
         return y
     xv, yv = x.view(torch.uint8), y.view(torch.uint8)
     grid = (triton.cdiv(R, TRANSPOSE_BLOCK), triton.cdiv(C, TRANSPOSE_BLOCK))
-    if _INTERPRET:
+    if launch.INTERPRET:
         _transpose_kernel[grid](xv, yv, R, C, BLOCK=TRANSPOSE_BLOCK, num_warps=4)
     else:
-        _launch(_transpose_kernel, grid + (1,), (xv, yv, R, C), dict(BLOCK=TRANSPOSE_BLOCK), 4, 3)
+        launch.launch(_transpose_kernel, grid + (1,), (xv, yv, R, C), dict(BLOCK=TRANSPOSE_BLOCK), 4, 3)
     return y
 
 
@@ -541,15 +397,16 @@ def act_fp8_config(K: int) -> tuple[int, int]:
     return block_k, max(4, min(16, block_k // 512))
 
 
-def _dequant_args(packed, block_scale, g, out, n: int, k: int, col0: int, l2_keep: bool = False):
-    """(arguments of ``_dequant_kernel``, its cached-relaunch key, half_c) for one dequantize call; shared by
-    ``dequantize_nvfp4_triton`` and ``dequant_plan`` so the plan finds what the full call cached."""
+def dequant_args(packed, block_scale, g, out, n: int, k: int, col0: int, l2_keep: bool = False):
+    """(arguments of ``dequant_kernel``, its cached-relaunch key, half_c) for one dequantize call; shared by
+    ``dequantize_nvfp4_triton`` and ``plans.dequant_plan`` so the plan finds what the full call cached."""
     R, HALF = packed.shape
     c0 = col0 // 2
     half_c = min(HALF - c0, (k + 1) // 2)
     args = (packed, block_scale, byte_lut(packed.device), g, out, R, HALF, n, k, block_scale.shape[1] // 4, c0,
             half_c)
-    key = ("dq", packed.device.index, R, HALF, half_c, out.dtype, W4A16_ASM_DECODE, bool(l2_keep), _spec_key(args))
+    key = ("dq", packed.device.index, R, HALF, half_c, out.dtype, W4A16_ASM_DECODE, bool(l2_keep),
+           launch.spec_key(args))
     return args, key, half_c
 
 
@@ -563,7 +420,7 @@ def dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype=torc
     (device probe l2_persist_probe.py, docs/PERFORMANCE.md §8): without the hint, dequantize + cuBLAS ran at 0.79-0.82x
     bf16 whenever other work had gone through the L2 since the last call (the dequantize alone ~50 us for a
     34 MiB weight instead of ~20); with it, 0.87-1.02x in every order (the most for weights that fit in L2)."""
-    _check_triton(packed)
+    launch.check_triton(packed)
     n, k = shape
     if col0 % 16:
         raise ValueError(f"col0={col0} is not a multiple of 16")
@@ -571,75 +428,33 @@ def dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype=torc
         out = torch.empty((n, k), dtype=dtype, device=packed.device)
     g = global_scale.to(device=packed.device, dtype=torch.float32).reshape(1)
     l2_keep = bool(l2_keep)
-    args, key, kh = _dequant_args(packed, block_scale, g, out, n, k, col0, l2_keep)
-    if _INTERPRET:
-        _dequant_kernel.fn[(triton.cdiv(n, 32), triton.cdiv(kh, 64))](*args, BLOCK_R=32, BLOCK_C=64,
+    args, key, kh = dequant_args(packed, block_scale, g, out, n, k, col0, l2_keep)
+    if launch.INTERPRET:
+        dequant_kernel.fn[(triton.cdiv(n, 32), triton.cdiv(kh, 64))](*args, BLOCK_R=32, BLOCK_C=64,
                                                                         ASM_DECODE=False, L2_KEEP=False)
     else:
-        if not _FAST_LAUNCH[0]:
+        if not launch.FAST_LAUNCH[0]:
             key = None
         else:
-            ent = _FAST_CACHE.get(key)
+            ent = launch.FAST_CACHE.get(key)
             if ent is not None:
                 kern, br, bc = ent
-                if _relaunch(kern, (-(-n // br), -(-kh // bc), 1), args, (br, bc, W4A16_ASM_DECODE, l2_keep),
-                             packed.device):
+                if launch.relaunch(kern, (-(-n // br), -(-kh // bc), 1), args, (br, bc, W4A16_ASM_DECODE, l2_keep),
+                                   packed.device):
                     return out
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_R"]), triton.cdiv(kh, meta["BLOCK_C"]))  # noqa: E731
-        kern = _dequant_kernel[grid](*args, ASM_DECODE=W4A16_ASM_DECODE, L2_KEEP=l2_keep)
+        kern = dequant_kernel[grid](*args, ASM_DECODE=W4A16_ASM_DECODE, L2_KEEP=l2_keep)
         if hasattr(kern, "result"):
             kern = kern.result()
-        cfg = getattr(_dequant_kernel, "best_config", None)
-        if (key is not None and _FAST_LAUNCH[0] and cfg is not None and hasattr(kern, "packed_metadata")
-                and not _hooks_set() and set(cfg.kwargs) == {"BLOCK_R", "BLOCK_C"}):
-            _FAST_CACHE[key] = (kern, cfg.kwargs["BLOCK_R"], cfg.kwargs["BLOCK_C"])
+        cfg = getattr(dequant_kernel, "best_config", None)
+        if (key is not None and launch.FAST_LAUNCH[0] and cfg is not None and hasattr(kern, "packed_metadata")
+                and not launch.hooks_set() and set(cfg.kwargs) == {"BLOCK_R", "BLOCK_C"}):
+            launch.FAST_CACHE[key] = (kern, cfg.kwargs["BLOCK_R"], cfg.kwargs["BLOCK_C"])
     return out
 
 
-def dequant_plan(packed, block_scale, global_scale, shape, dtype, l2_keep: bool = False):
-    """A launcher for later ``dequantize_nvfp4_triton(packed, block_scale, global_scale, shape, dtype,
-    l2_keep=l2_keep)`` calls, after that exact call has run once (its autotuned config and compiled kernel are
-    cached). Per call it only checks alignment, allocates the output (or takes ``out``: ``plan(out)``) and
-    launches (~10 us of host time instead of ~50-150 us: at M = 4096 the 3072 x 3072 GEMM takes 0.12 ms, so the
-    full call's host time showed in the GPU time). Holds the tensor objects, not their storage (``t.data = ...``
-    is seen). None when no plan can be made."""
-    if (not _FAST_LAUNCH[0] or _INTERPRET or global_scale.dtype != torch.float32 or global_scale.numel() != 1
-            or global_scale.device != packed.device):
-        return None
-    n, k = shape
-    dev = packed.device
-    l2_keep = bool(l2_keep)
-    args, key, half_c = _dequant_args(packed, block_scale, global_scale.reshape(1),
-                                      torch.empty((n, k), dtype=dtype, device=dev), n, k, 0, l2_keep)
-    ent = _FAST_CACHE.get(key)
-    if ent is None:
-        return None
-    kern, br, bc = ent
-    run, fn, md = kern.run, kern.function, kern.packed_metadata
-    grid = (-(-n // br), -(-half_c // bc), 1)
-    lut, tail = args[2], tuple(args[5:]) + (br, bc, W4A16_ASM_DECODE, l2_keep)
-    index = dev.index
-    del args
-
-    def plan(out=None):
-        if (packed.data_ptr() | block_scale.data_ptr() | global_scale.data_ptr()) & 15:
-            return None
-        w = torch.empty((n, k), dtype=dtype, device=dev) if out is None else out
-        run(grid[0], grid[1], grid[2], raw_stream(index), fn, md, None, None, None, packed, block_scale, lut,
-            global_scale, w, *tail)
-        return w
-    return plan
-
-
-def _m_bucket(m: int) -> int:
-    for b in (16, 32, 64, 128, 256, 512, 1024):
-        if m <= b:
-            return b
-    return 2048
-
-
 # (max M, BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages) for the swap-AB W4A16 kernel; first row whose max M
-# covers M is used. SPLIT_K then comes from ``splitk_for`` (a wave / partial-sum cost model).
+# covers M is used. SPLIT_K then comes from ``launch.splitk_for`` (a wave / partial-sum cost model).
 W4A16_CONFIGS = [
     # H100, bench_nvfp4 --sweep (do_bench median, one launch per sample), K=3072:
     #   M=16:  (64,16,256)  0.023 ms N=3072 / 0.040 ms N=12288 (0.75x / 0.99x bf16) vs (128,16,128) 0.153 / 0.048
@@ -654,35 +469,10 @@ W4A16_CONFIGS = [
     # (64,128,64) row 0.029-0.077 ms at its best SPLIT_K; 128-row and 256-token tiles 10-40 % slower
     (1 << 30, 64, 128, 128, 4, 3),
 ]
-_SM_COUNT: dict = {}
-# decode NVFP4 codes with the PTX byte-table routine (``_e2m1_pairs_scaled``) in the fused W4A16 kernel and the
+# decode NVFP4 codes with the PTX byte-table routine (``e2m1_pairs_scaled``) in the fused W4A16 kernel and the
 # dequantize kernel; off = the arithmetic decode / the table gather (the only ones the Triton interpreter can
-# run). SEEDVR2BW_W4A16_ASM=0 turns it off on a GPU.
-W4A16_ASM_DECODE = os.environ.get("SEEDVR2BW_W4A16_ASM", "1") != "0"
-
-
-def _sm_count(device) -> int:
-    key = str(device)
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return _SM_COUNT[key]
-
-
-def splitk_for(tiles: int, k_tiles: int, m: int, n: int, sms: int) -> int:
-    """SPLIT_K for ``tiles`` output tiles of ``k_tiles`` K tiles each on ``sms`` SMs: the smallest estimated
-    time, in K-tile steps (~0.9 us each on the H100 at the M=256 tile): waves x K tiles per split, plus for a split
-    ~3 steps (the reduce launch) and its fp32 partials (written and read: 8 B per output per split, ~4 TB/s).
-    Fits the M=256 sweep of commit fa97e0e on all six SeedVR2 shapes (chooses 1, 3, 1, 4, 1, 1; measured best)."""
-    best, best_est = 1, None
-    for sk in (1, 2, 3, 4, 6, 8, 12):
-        if k_tiles % sk or (sk > 1 and k_tiles // sk < 4):
-            continue
-        est = -(-tiles * sk // sms) * (k_tiles // sk)
-        if sk > 1:
-            est += 3 + sk * m * n * 8 / 4e6
-        if best_est is None or est < best_est:
-            best, best_est = sk, est
-    return best
+# run). SEEDVR2BW_W4A16_ASM=off turns it off on a GPU.
+W4A16_ASM_DECODE = knobs.get("W4A16_ASM")
 
 
 def w4a16_config(m: int, n: int, k: int, device, configs=None):
@@ -692,14 +482,14 @@ def w4a16_config(m: int, n: int, k: int, device, configs=None):
             _, bn, bm, bk, w, st = row
             break
     tiles = -(-n // bn) * -(-m // bm)
-    sk = splitk_for(tiles, -(-k // bk), m, n, _sm_count(torch.device(device)))
+    sk = launch.splitk_for(tiles, -(-k // bk), m, n, launch.sm_count(torch.device(device)))
     return bn, bm, bk, sk, w, st
 
 
 def w4a16_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=None, config=None):
     """y[M, n] = x[M, Kp] @ dequant(W)^T (+ bias), fp32 accumulation, output in x's dtype (bf16 / fp16).
     x must already be padded to the weight's padded K. One launch (two with split-K: partials + reduce)."""
-    _check_triton(x)
+    launch.check_triton(x)
     M, K = x.shape
     if packed.shape[1] * 2 != K:
         raise ValueError(f"activation K={K} does not match the packed weight's K={packed.shape[1] * 2}")
@@ -707,10 +497,6 @@ def w4a16_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bia
         x = x.to(torch.bfloat16)
     if x.stride(1) != 1:
         x = x.contiguous()
-    if config is None and W.usable(x, n, K):      # Hopper: the CUDA wgmma kernel (see wgmma_w4a16.py)
-        y = W.wgmma_linear(x, packed, block_scale, global_scale, n, bias)
-        if y is not None:
-            return y
     y = torch.empty((M, n), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
@@ -718,13 +504,13 @@ def w4a16_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bia
     config = tuple(config or w4a16_config(M, n, K, x.device))
     sk = config[3]
     ws = torch.empty((sk, M, n), dtype=torch.float32, device=x.device) if sk > 1 else y
-    for fn, grid, args, consts, nw, ns in _w4a16_launches(x, packed, block_scale, g, bias, y, ws, M, n, K,
+    for fn, grid, args, consts, nw, ns in w4a16_launches(x, packed, block_scale, g, bias, y, ws, M, n, K,
                                                           config):
-        _launch(fn, grid, args, consts, nw, ns)
+        launch.launch(fn, grid, args, consts, nw, ns)
     return y
 
 
-def _w4a16_launches(x, packed, block_scale, g, bias, y, ws, M, n, K, config):
+def w4a16_launches(x, packed, block_scale, g, bias, y, ws, M, n, K, config):
     """The (kernel, grid, args, constexprs, num_warps, num_stages) launches of one ``w4a16_linear`` call."""
     bn, bm, bk, sk, w, st = config[:6]
     # optional 7th / 8th entries (the benchmark's sweep): PTX decode, transposed store
@@ -738,82 +524,10 @@ def _w4a16_launches(x, packed, block_scale, g, bias, y, ws, M, n, K, config):
     if k_tiles % sk:
         raise ValueError(f"SPLIT_K={sk} does not divide the {k_tiles} K tiles")
     grid = (-(-n // bn), -(-M // bm), sk)
-    out = [(_w4a16_swab_kernel, grid, (x, packed, block_scale, g, b, y, ws, M, n, K, x.stride(0),
+    out = [(w4a16_swab_kernel, grid, (x, packed, block_scale, g, b, y, ws, M, n, K, x.stride(0),
                                        block_scale.shape[1] // 4, k_tiles // sk),
             dict(HAS_BIAS=has_bias, EVEN_K=(K % bk == 0), BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, SPLIT_K=sk,
-                 ASM_DECODE=asm and not _INTERPRET, TRANS_STORE=trans and sk == 1), w, st)]
+                 ASM_DECODE=asm and not launch.INTERPRET, TRANS_STORE=trans and sk == 1), w, st)]
     if sk > 1:
-        mn = M * n
-        out.append((_splitk_reduce_kernel, (-(-mn // 1024), 1, 1), (ws, g, b, y, mn, n),
-                    dict(HAS_BIAS=has_bias, SPLIT_K=sk, BLOCK=1024), 4, 3))
+        out.append(launch.reduce_launch(ws, g, bias, y, M, n, sk))
     return out
-
-
-def w4a16_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
-    """A launcher for later ``w4a16_linear(x', packed, block_scale, global_scale, n, bias)`` calls with x' of
-    x's shape, dtype and device (contiguous), after this exact call has run once through ``w4a16_linear`` (so
-    the compiled kernels are cached). Everything that does not depend on x' is decided here, once: config,
-    grids, the kernels' argument tuples, the compiled kernels' handles. ``plan(x')`` allocates the output
-    (``out_shape``, same memory layout as [M, n]) and the split-K partials, launches, returns the output;
-    it returns None when a pointer is not 16-byte aligned (the caller then takes the normal path).
-    The plan holds the layer's tensor objects, not their storage: ``t.data = ...`` (block swap) is seen.
-    Returns None when no plan can be made (fast launch off, global scale not fp32 on x's device, ...)."""
-    if not _FAST_LAUNCH[0] or _INTERPRET or not x.is_contiguous():
-        return None
-    M, K = x.shape
-    dev = x.device
-    if M and packed.shape[1] * 2 == K and W.usable(x, n, K):
-        return W.wgmma_plan(x, packed, block_scale, global_scale, n, bias, out_shape)
-    if (M == 0 or packed.shape[1] * 2 != K or x.dtype not in (torch.bfloat16, torch.float16)
-            or global_scale.dtype != torch.float32 or global_scale.numel() != 1 or global_scale.device != dev
-            or (bias is not None and bias.dtype != x.dtype)):
-        return None
-    cfg = w4a16_config(M, n, K, dev)
-    sk = cfg[3]
-    y = torch.empty((M, n), dtype=x.dtype, device=dev)
-    ws = torch.empty((sk, M, n), dtype=torch.float32, device=dev) if sk > 1 else y
-    g = global_scale.reshape(1)
-    launches = _w4a16_launches(x, packed, block_scale, g, bias, y, ws, M, n, K, cfg)
-    kerns = [cached_kernel(fn, args, consts, nw, ns) for fn, grid, args, consts, nw, ns in launches]
-    if any(k is None for k in kerns):
-        return None
-    b = bias if bias is not None else global_scale
-    k1 = kerns[0]
-    _, (ga, gb, gc), args1, consts1, _, _ = launches[0]
-    run1, f1, md1 = k1.run, k1.function, k1.packed_metadata
-    tail1 = tuple(args1[7:]) + tuple(consts1.values())     # M, n, K, stride, NCB4, TILES_PER, constexprs
-    out_shape = tuple(out_shape)
-    index = dev.index
-    if sk == 1:
-        del y, ws, launches, args1
-
-        def plan(xc):
-            if (xc.data_ptr() | packed.data_ptr() | block_scale.data_ptr() | global_scale.data_ptr()
-                    | b.data_ptr()) & 15:
-                return None
-            out = xc.new_empty(out_shape)          # x's dtype and device (cheaper than torch.empty(...))
-            run1(ga, gb, gc, raw_stream(index), f1, md1, None, None, None, xc, packed, block_scale, global_scale,
-                 b, out, out, *tail1)
-            return out
-        return plan
-
-    k2 = kerns[1]
-    _, (ha, hb, hc), args2, consts2, _, _ = launches[1]
-    run2, f2, md2 = k2.run, k2.function, k2.packed_metadata
-    tail2 = tuple(args2[4:]) + tuple(consts2.values())     # MN, N, constexprs
-    ws_shape = (sk, M, n)
-    f32 = torch.float32
-    del y, ws, launches, args1, args2
-
-    def plan_split(xc):
-        if (xc.data_ptr() | packed.data_ptr() | block_scale.data_ptr() | global_scale.data_ptr()
-                | b.data_ptr()) & 15:
-            return None
-        out = xc.new_empty(out_shape)
-        part = xc.new_empty(ws_shape, dtype=f32)
-        stream = raw_stream(index)
-        run1(ga, gb, gc, stream, f1, md1, None, None, None, xc, packed, block_scale, global_scale, b, out, part,
-             *tail1)
-        run2(ha, hb, hc, stream, f2, md2, None, None, None, part, global_scale, b, out, *tail2)
-        return out
-    return plan_split

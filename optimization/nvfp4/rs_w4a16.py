@@ -6,35 +6,33 @@ groups are queued, stream-K for the tiles of a last partial round). Compiled at 
 
 Scope: bf16 activations with contiguous rows (16-byte aligned), K % 64 == 0, N % 128 == 0 (every SeedVR2 / FLUX
 linear), sm_90. Anything else, or any compile / launch failure, returns None and the caller keeps its other path.
+Which M it gets: ``dispatch.py``.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 
 import torch
 
+from ..runtime import knobs, selftests
+from . import launch
 from . import wgmma_w4a16 as W
 
 log = logging.getLogger(__name__)
 
 _SOURCE_PATH = Path(__file__).with_name("w4a16_rs.cu")
-ENABLED = [os.environ.get("SEEDVR2BW_RS_KERNEL", "1") != "0"]
-STREAM_K = [os.environ.get("SEEDVR2BW_RS_STREAM_K", "1") != "0"]   # 0: whole tiles only (see split)
 MAX_SMEM = 232448            # sm_90 opt-in shared memory per block
 BN = 128                     # weight rows per tile
-DIAG = [0]                   # probe-only kernel knobs (see the .cu's DIAG); 0 in production
-_KERNELS: dict = {}          # config key -> _Kernel, or None after a failure
-_DISABLED_REASON: list = []
+_KERNELS: dict = {}          # config key -> Kernel, or None after a failure
+DISABLED_REASONS: list = []  # why a configuration did not compile, or the self-test failed
 
 
-def kernel_source(tn: int, stages: int, has_bias: bool, diag: int = 0) -> tuple[str, str]:
+def kernel_source(tn: int, stages: int, has_bias: bool) -> tuple[str, str]:
     """(kernel name, CUDA source) for one configuration."""
-    name = f"w4a16_rs_{tn}_{stages}_{int(has_bias)}_{diag}"
-    head = (f"#define TN {tn}\n#define STAGES {stages}\n#define DIAG {diag}\n#define HAS_BIAS {int(has_bias)}\n"
-            f"#define KERNEL_NAME {name}\n")
+    name = f"w4a16_rs_{tn}_{stages}_{int(has_bias)}"
+    head = f"#define TN {tn}\n#define STAGES {stages}\n#define HAS_BIAS {int(has_bias)}\n#define KERNEL_NAME {name}\n"
     body = _SOURCE_PATH.read_text().replace("//%%WGMMA%%", W.wgmma_call(tn, acc_arg=True), 1)
     return name, head + W.COMMON_PATH.read_text() + body
 
@@ -53,7 +51,7 @@ def max_stages(tn: int) -> int:
     return (MAX_SMEM - 2 * tn * 128 - 1024) // slot_bytes(tn)
 
 
-def _check_config(tn, stages):
+def check_config(tn, stages):
     # >= 3 stages: the consumers wait for k tile t + 1 before they release k tile t - 1
     if tn % 16 or not 64 <= tn <= 256 or stages < 3:
         raise ValueError(f"config {(tn, stages)} does not tile")
@@ -95,14 +93,14 @@ def w_map(packed: torch.Tensor):
                        packed.stride(0), 32, BN, _CU_TENSOR_MAP["no_swizzle"])
 
 
-class _Kernel:
+class Kernel:
     """A compiled configuration and its launcher (one cuLaunchKernel through ctypes)."""
     threads = 384
 
-    def __init__(self, tn, stages, has_bias, diag):
+    def __init__(self, tn, stages, has_bias):
         from torch.cuda import _utils as cu
-        _check_config(tn, stages)
-        name, src = kernel_source(tn, stages, has_bias, diag)
+        check_config(tn, stages)
+        name, src = kernel_source(tn, stages, has_bias)
         self.smem = smem_bytes(tn, stages)
         self.kernel = torch.cuda._compile_kernel(src, name, compute_capability="90a")
         self.kernel.set_shared_memory_config(self.smem)
@@ -115,7 +113,7 @@ class _Kernel:
 
 
 def get_kernel(tn, stages, has_bias):
-    return W.compiled(_KERNELS, _DISABLED_REASON, (tn, stages, has_bias, DIAG[0]), _Kernel, "RS W4A16 kernel")
+    return launch.compiled(_KERNELS, DISABLED_REASONS, (tn, stages, has_bias), Kernel, "RS W4A16 kernel")
 
 
 def supported(x: torch.Tensor, n: int, k: int) -> bool:
@@ -154,7 +152,7 @@ def split(n_tiles: int, kt: int, sms: int) -> tuple[int, int, int]:
     kt x sk_tiles / g_sk + the partial sums' cost). H100, bench_nvfp4 5c5f014: 120 tiles of 48 k tiles split over
     132 CTAs (a 0.4 k-tile gain, every tile through the workspace) ran at 0.50x bf16, dequantize + cuBLAS 0.76x."""
     rem = n_tiles % sms
-    if rem == 0 or kt < 2 * MIN_SK_UNITS or not STREAM_K[0]:
+    if rem == 0 or kt < 2 * MIN_SK_UNITS:
         return n_tiles, 0, 1
     g_sk = min(sms, rem * kt // MIN_SK_UNITS)
     if g_sk <= rem or -(-rem * kt // g_sk) + 3 * SK_FIXUP > kt:
@@ -176,7 +174,7 @@ def _sk_buffers(device, stream: int, tn: int, ctas: int):
     return ws, flags
 
 
-def _args(xmap, wmap, ymap, block_scale, g, bias, ws, flags, ints):
+def launch_args(xmap, wmap, ymap, block_scale, g, bias, ws, flags, ints):
     vals = [xmap, wmap, ymap]
     vals += [ctypes.c_void_p(t.data_ptr()) for t in (block_scale, g, bias, ws, flags)]
     vals += [ctypes.c_int(v) for v in ints]
@@ -202,12 +200,11 @@ def rs_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=N
     """y[M, n] = x[M, K] @ dequant(W)^T (+ bias) with this kernel, or None when it cannot run here.
     config = (tn, stages), default ``config_for``; grid: CTAs (default: the SM count); out: a contiguous [M, n]
     bf16 tensor to write (tests poison it first); stream_k=False: whole tiles only."""
-    from . import kernels as K
     M, Kd = x.shape
     if (not supported(x, n, Kd) or packed.shape[1] * 2 != Kd or packed.shape[0] < n
             or (x.data_ptr() | packed.data_ptr() | block_scale.data_ptr()) % 16):
         return None
-    sms = grid or K._sm_count(x.device)
+    sms = grid or launch.sm_count(x.device)
     y = out if out is not None else torch.empty((M, n), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
@@ -215,25 +212,21 @@ def rs_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=N
     if setup is None:
         return None
     kern, tn, ctas, work = setup
-    stream = K.raw_stream(x.device.index)
+    stream = launch.raw_stream(x.device.index)
     ws, flags = _sk_buffers(x.device, stream, tn, sms)
     g = global_scale.to(device=x.device, dtype=torch.float32).reshape(1)
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    arr = _args(x_map(x, tn), w_map(packed), x_map(y, tn), block_scale, g, bias if bias is not None else g, ws, flags,
-                (M, n, Kd, block_scale.shape[1] // 4, *work))
+    arr = launch_args(x_map(x, tn), w_map(packed), x_map(y, tn), block_scale, g, bias if bias is not None else g, ws,
+                      flags, (M, n, Kd, block_scale.shape[1] // 4, *work))
     kern.launch(ctas, arr, stream)
     return y
 
 
-MIN_M = 1024                 # fewer tokens: dequantize + cuBLAS; up to AUTO_M the layer times both (linear.py)
-AUTO_M = 4096
-
-
 def usable(x: torch.Tensor, n: int, k: int) -> bool:
-    """Whether the product of x [M, k] with an [n, k] NVFP4 weight runs on this kernel here: switch, M, shape,
-    device and the per-device self-test."""
-    return ENABLED[0] and x.shape[0] >= MIN_M and supported(x, n, k) and selftest(x.device)
+    """Whether the product of x [M, k] with an [n, k] NVFP4 weight can run on this kernel here: switch, shape,
+    device and the per-device self-test (``dispatch.py`` decides for which M)."""
+    return knobs.get("RS_KERNEL") and supported(x, n, k) and selftest(x.device)
 
 
 def rs_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
@@ -241,13 +234,12 @@ def rs_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
     ``rs_linear`` ran this exact call once. Per call: an alignment check, the output allocation, the tensor maps of
     x and the output (and of the weight, if block swap moved it), one cuLaunchKernel. None when no plan can be
     made."""
-    from . import kernels as K
     M, Kd = x.shape
     if (not usable(x, n, Kd) or not x.is_contiguous() or global_scale.dtype != torch.float32
             or global_scale.numel() != 1 or global_scale.device != x.device
             or (bias is not None and bias.dtype != x.dtype)):
         return None
-    sms = K._sm_count(x.device)
+    sms = launch.sm_count(x.device)
     setup = _launch_setup(M, n, Kd, bias is not None, sms)
     if setup is None:
         return None
@@ -260,9 +252,10 @@ def rs_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
     # the tensor maps are encoded once; a call only points them at its tensors (cuTensorMapReplaceAddress: host
     # only, a few us less than encoding them again)
     xm, ym, wm = x_map(x, tn), x_map(y0, tn), w_map(packed)
-    stream0 = K.raw_stream(index)
+    stream0 = launch.raw_stream(index)
     ws, flags = _sk_buffers(x.device, stream0, tn, sms)
-    arr = _args(xm, wm, ym, block_scale, global_scale, b, ws, flags, (M, n, Kd, block_scale.shape[1] // 4, *work))
+    arr = launch_args(xm, wm, ym, block_scale, global_scale, b, ws, flags,
+                      (M, n, Kd, block_scale.shape[1] // 4, *work))
     p_s, p_g, p_b, p_ws, p_fl = arr._values[3:8]
     out_shape, flat = tuple(out_shape), len(out_shape) == 2
     wptr = [packed.data_ptr()]
@@ -278,7 +271,7 @@ def rs_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
             wptr[0] = packed.data_ptr()
             check(replace(wm, ctypes.c_void_p(wptr[0])))
         p_s.value, p_g.value, p_b.value = block_scale.data_ptr(), global_scale.data_ptr(), b.data_ptr()
-        stream = K.raw_stream(index)
+        stream = launch.raw_stream(index)
         if stream != stream0:                            # stream-K workspace and flags are per stream
             ws2, fl2 = _sk_buffers(xc.device, stream, tn, sms)
             p_ws.value, p_fl.value = ws2.data_ptr(), fl2.data_ptr()
@@ -289,18 +282,15 @@ def rs_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
     return plan
 
 
-_SELFTEST: dict = {}
-
-
 def selftest(device) -> bool:
     """Once per device: the kernel against the fp32 product of the dequantized weight on a small problem with an M
     tail, bias, zero and subnormal block scales, 6 tiles on 5 and 4 CTAs (stream-K: one tile over 4 CTAs, two over
-    2 each) and on the whole GPU. Logs one
-    line either way; a failure turns the kernel off for this device (dequantize + cuBLAS takes its place)."""
-    key = str(device)
-    if key in _SELFTEST:
-        return _SELFTEST[key]
-    _SELFTEST[key] = False
+    2 each) and on the whole GPU. Logs one line either way; a failure turns the kernel off for this device
+    (dequantize + cuBLAS takes its place)."""
+    return selftests.run("rs_w4a16", device, check=_check)[0]
+
+
+def _check(_variant, device) -> tuple[bool, str]:
     try:
         t, x, bias, ref = W.selftest_problem(256, 2048, 520, device)
         worst = 0.0
@@ -309,15 +299,15 @@ def selftest(device) -> bool:
                 y = rs_linear(x, t.packed, t.block_scale, t.global_scale, 256, bias, (256, 4), grid,
                               out=torch.full_like(ref, float("nan"), dtype=torch.bfloat16))
                 if y is None:
-                    raise RuntimeError(_DISABLED_REASON[-1] if _DISABLED_REASON else "kernel unavailable")
+                    raise RuntimeError(DISABLED_REASONS[-1] if DISABLED_REASONS else "kernel unavailable")
                 worst = max(worst, ((y.float() - ref).norm() / ref.norm()).item())
         if not worst < 1e-2:
             raise RuntimeError(f"self-test relative error {worst:.3g} (expected ~2e-3)")
-        _SELFTEST[key] = True
-        log.info("[SeedVR2-BW] NVFP4 fidelity: sm_90a RS W4A16 kernel on for %s, M >= %d (self-test rel err %.2e; "
-                 "SEEDVR2BW_RS_KERNEL=0 turns it off)", key, MIN_M, worst)
     except Exception as exc:  # noqa: BLE001
-        _DISABLED_REASON.append(f"self-test: {type(exc).__name__}: {str(exc)[:300]}")
+        DISABLED_REASONS.append(f"self-test: {type(exc).__name__}: {str(exc)[:300]}")
         log.warning("[SeedVR2-BW] NVFP4 fidelity: sm_90a RS W4A16 kernel off for %s, dequantize + cuBLAS is used (%s)",
-                    key, _DISABLED_REASON[-1])
-    return _SELFTEST[key]
+                    device, DISABLED_REASONS[-1])
+        return False, DISABLED_REASONS[-1]
+    log.info("[SeedVR2-BW] NVFP4 fidelity: sm_90a RS W4A16 kernel on for %s (self-test rel err %.2e; "
+             "SEEDVR2BW_RS_KERNEL=off turns it off)", device, worst)
+    return True, f"rel err {worst:.2e}"

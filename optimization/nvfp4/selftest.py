@@ -1,10 +1,17 @@
-"""On-device self-test of one NVFP4 GEMM path (called by ``optimization/selftest.py``)."""
+"""The on-device self-tests of the linear formats, registered with ``runtime.selftests`` for the hardware policy:
+``nvfp4`` (one tiny GEMM on an NVFP4 path against its CPU emulation) and ``fp8`` (one e4m3 GEMM through
+``torch._scaled_mm``). The package root imports this module, so the policy finds them whatever is imported first.
+"""
 from __future__ import annotations
 
 import torch
 
+from ..runtime import selftests
 from . import format as fmt
-from .linear import NVFP4Linear, PATHS, expected_output, fp4_gemm_supported
+from .dispatch import NVFP4_PATHS
+from .emulation import expected_output
+from .fp4_gemm import fp4_gemm_supported
+from .linear import NVFP4Linear
 
 TOLERANCE = {"reference": 5e-3, "fidelity": 1e-2, "fp8_speed": 2e-2, "fp4_tensorcore": 2e-2}
 
@@ -13,7 +20,7 @@ def run_gemm_selftest(path: str, device) -> tuple[bool, str]:
     """One tiny GEMM (M=64 or 96, K=128, N=64, bias) on ``path`` and ``device``, compared with the CPU emulation
     of that path (same quantizers, exact arithmetic). Returns (ok, reason); never raises."""
     try:
-        if path not in PATHS:
+        if path not in NVFP4_PATHS:
             return False, f"unknown path {path!r}"
         device = torch.device(device)
         if path != "reference" and device.type != "cuda":
@@ -41,5 +48,27 @@ def run_gemm_selftest(path: str, device) -> tuple[bool, str]:
             return False, f"{path}: rel err {err:.2e} vs its CPU emulation (limit {TOLERANCE[path]:.0e})"
         return True, f"{path}: rel err {err:.1e} vs CPU emulation"
     except Exception as exc:  # noqa: BLE001
-        msg = str(exc).splitlines()[0] if str(exc) else ""
-        return False, f"{type(exc).__name__}: {msg}"
+        return False, selftests.first_line(exc)
+
+
+@selftests.guard
+def fp8_gemm_selftest(_variant: str, device) -> tuple[bool, str]:
+    """A 32x64 @ 64x32 e4m3 GEMM through torch._scaled_mm against the same product computed in fp32."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, "not a CUDA device"
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(32, 64, generator=gen)
+    b = torch.randn(32, 64, generator=gen)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    want = a8.float() @ b8.float().t()
+    one = torch.ones((), device=device)
+    got = torch._scaled_mm(a8.to(device), b8.to(device).t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    err = ((got.cpu() - want).norm() / want.norm()).item()
+    if err > 1e-3:
+        return False, f"result differs from the reference (rel err {err:.2e})"
+    return True, f"rel err {err:.1e}"
+
+
+selftests.register("nvfp4", lambda path, device: run_gemm_selftest(path, device))
+selftests.register("fp8", fp8_gemm_selftest)

@@ -16,9 +16,6 @@
 // wgmma.fence per step, and warpgroups taking turns on the tensor cores need named barriers: both measured slower
 // (docs/PERFORMANCE.md §8).
 
-#ifndef DIAG
-#define DIAG 0                       // probe-only (wgmma_probe.py --part bound, in git history), wrong results:
-#endif                               // 2 = constant A instead of the decode, 4 = no output stores
 #define BN (64 * WG)                 // weight rows per CTA
 #define NT (128 * WG)                // threads per CTA
 #define B_BYTES (BM * 128)           // activation tile: BM tokens x 64 k (bf16), 128B-swizzled
@@ -155,12 +152,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
         const int slot = t % STAGES;
         mbar_wait(full0 + 8 * slot, (t / STAGES) & 1);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // cp.async data -> wgmma's proxy
-        if (DIAG & 2) {
-#pragma unroll
-            for (int i = 0; i < 16; ++i) a[i] = 0x3F803F80u ^ (u32)t;
-        } else {
-            decode(slot, a);
-        }
+        decode(slot, a);
         const u32 b0 = smem_addr(smem + slot * STAGE_BYTES);
         wgmma_fence();
 #pragma unroll
@@ -186,7 +178,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KERNEL_NAME(
     for (int i = 0; i < BM / 2; ++i) {
         const int n = gr0 + 8 * ((i >> 1) & 1);
         const int m = m0 + 8 * (i >> 2) + 2 * c + (i & 1);
-        if (m < M && n < N && (!(DIAG & 4) || d[i] == 12345.f)) {   // DIAG 4: a store the compiler keeps
+        if (m < M && n < N) {
             float v = d[i] * mult;
             if (SPLIT) {
                 part[((size_t)blockIdx.z * M + m) * N + n] = v;

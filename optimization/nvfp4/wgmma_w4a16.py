@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 
 import torch
 
+from ..runtime import knobs, selftests
+from . import format as fmt
+from . import launch
+
 log = logging.getLogger(__name__)
 
 _SOURCE_PATH = Path(__file__).with_name("w4a16_wgmma.cu")
-ENABLED = [os.environ.get("SEEDVR2BW_WGMMA", "1") != "0"]
-# M <= 64: the Triton kernel's 16/32/64-token tiles fit better than this kernel's 128-token tile
-MIN_M = 65
-DIAG = [0]                   # probe-only kernel knobs (see the .cu's DIAG); 0 in production
-_KERNELS: dict = {}          # config key -> _Kernel, or None after a failure
-_DISABLED_REASON: list = []
+_KERNELS: dict = {}          # config key -> Kernel, or None after a failure
+DISABLED_REASONS: list = []  # why a configuration did not compile, or the self-test failed
 
 
 def wgmma_call(bm: int, acc_arg: bool = False) -> str:
@@ -49,11 +48,10 @@ def wgmma_call(bm: int, acc_arg: bool = False) -> str:
 COMMON_PATH = Path(__file__).with_name("sm90_common.cuh")
 
 
-def kernel_source(wg: int, bm: int, stages: int, min_blocks: int, split: bool, has_bias: bool,
-                  diag: int = 0) -> tuple[str, str]:
+def kernel_source(wg: int, bm: int, stages: int, min_blocks: int, split: bool, has_bias: bool) -> tuple[str, str]:
     """(kernel name, CUDA source) for one configuration."""
-    name = f"w4a16_wgmma_{wg}_{bm}_{stages}_{min_blocks}_{int(split)}_{int(has_bias)}_{diag}"
-    head = (f"#define WG {wg}\n#define BM {bm}\n#define STAGES {stages}\n#define MINB {min_blocks}\n#define DIAG {diag}\n"
+    name = f"w4a16_wgmma_{wg}_{bm}_{stages}_{min_blocks}_{int(split)}_{int(has_bias)}"
+    head = (f"#define WG {wg}\n#define BM {bm}\n#define STAGES {stages}\n#define MINB {min_blocks}\n"
             f"#define SPLIT {int(split)}\n#define HAS_BIAS {int(has_bias)}\n#define KERNEL_NAME {name}\n")
     body = _SOURCE_PATH.read_text().replace("//%%WGMMA%%", wgmma_call(bm), 1)
     return name, head + COMMON_PATH.read_text() + body
@@ -64,12 +62,12 @@ def smem_bytes(wg: int, bm: int, stages: int) -> int:
     return stages * stage + 1024          # + alignment slack (the kernel rounds its base up to 1024)
 
 
-class _Kernel:
+class Kernel:
     """A compiled configuration and a cheap launcher (one cuLaunchKernel through ctypes)."""
 
-    def __init__(self, wg, bm, stages, min_blocks, split, has_bias, diag):
+    def __init__(self, wg, bm, stages, min_blocks, split, has_bias):
         from torch.cuda import _utils as cu
-        name, src = kernel_source(wg, bm, stages, min_blocks, split, has_bias, diag)
+        name, src = kernel_source(wg, bm, stages, min_blocks, split, has_bias)
         self.kernel = torch.cuda._compile_kernel(src, name, compute_capability="90a")
         self.smem = smem_bytes(wg, bm, stages)
         self.kernel.set_shared_memory_config(self.smem)
@@ -89,26 +87,13 @@ class _Kernel:
                                  ctypes.c_void_p(stream), arr, None))
 
 
-def compiled(cache: dict, reasons: list, key: tuple, make, what: str):
-    """cache[key], made by make(*key) the first time; a failure (no NVRTC, old driver, compile error) is kept as None
-    with its reason, logged once, and the caller keeps its other path."""
-    if key not in cache:
-        try:
-            cache[key] = make(*key)
-        except Exception as e:  # noqa: BLE001
-            cache[key] = None
-            reasons.append(f"{key}: {type(e).__name__}: {str(e)[:400]}")
-            log.warning("NVFP4 %s %s unavailable (%s)", what, key, e)
-    return cache[key]
-
-
 def get_kernel(wg, bm, stages, min_blocks, split, has_bias):
-    return compiled(_KERNELS, _DISABLED_REASON, (wg, bm, stages, min_blocks, split, has_bias, DIAG[0]), _Kernel,
-                    "wgmma kernel (the Triton kernel is used)")
+    return launch.compiled(_KERNELS, DISABLED_REASONS, (wg, bm, stages, min_blocks, split, has_bias), Kernel,
+                           "wgmma kernel (the Triton kernel is used)")
 
 
 def supported(x: torch.Tensor, n: int, k: int, rows: int = 64) -> bool:
-    """Shapes, dtype and device this kernel takes (``usable`` adds the switch, M and the self-test); ``rows``: the
+    """Shapes, dtype and device this kernel takes (``usable`` adds the switch and the self-test); ``rows``: the
     weight rows N must be a multiple of (the RS kernel's tile: 128)."""
     if not x.is_cuda or x.dtype != torch.bfloat16 or x.dim() != 2:
         return False
@@ -118,8 +103,9 @@ def supported(x: torch.Tensor, n: int, k: int, rows: int = 64) -> bool:
 
 
 def usable(x: torch.Tensor, n: int, k: int) -> bool:
-    """Whether the fused W4A16 product of x [M, k] with an [n, k] NVFP4 weight runs on this kernel."""
-    return (ENABLED[0] and x.shape[0] >= MIN_M and supported(x, n, k) and selftest(x.device))
+    """Whether the fused W4A16 product of x [M, k] with an [n, k] NVFP4 weight can run on this kernel here:
+    switch, shape, device, self-test (``dispatch.py`` decides for which M)."""
+    return knobs.get("WGMMA") and supported(x, n, k) and selftest(x.device)
 
 
 def default_min_blocks(wg: int, bm: int) -> int:
@@ -133,10 +119,9 @@ def config_for(m: int, n: int, k: int, device) -> tuple:
     (commit e8b3e3a): one warpgroup x 128 tokens x 3 stages (3 CTAs per SM) was the fastest or within 5 % of it
     on every shape; SPLIT_K from the wave model of the Triton kernel with 3 CTA slots per SM picks the measured
     best split on 5 of 6 (1 / 3-4 / 1 / 4 / 1 / 4)."""
-    from . import kernels as K
     wg, bm, stages = 1, 128, 3
     tiles = (n // (64 * wg)) * -(-m // bm)
-    sk = K.splitk_for(tiles, k // 64, m, n, 3 * K._sm_count(torch.device(device)))
+    sk = launch.splitk_for(tiles, k // 64, m, n, 3 * launch.sm_count(torch.device(device)))
     return wg, bm, stages, sk
 
 
@@ -160,18 +145,10 @@ def _prepare(x, packed, block_scale, global_scale, n, bias, config, y, ws):
     return kern, grid, vals, arr
 
 
-def _reduce_launch(ws, g, bias, y, M, n, sk):
-    from . import kernels as K
-    b = bias if bias is not None else g
-    return (K._splitk_reduce_kernel, (-(-(M * n) // 1024), 1, 1), (ws, g, b, y, M * n, n),
-            dict(HAS_BIAS=bias is not None, SPLIT_K=sk, BLOCK=1024), 4, 3)
-
-
 def wgmma_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bias=None, config=None):
     """y[M, n] = x[M, K] @ dequant(W)^T (+ bias, x's dtype) with this kernel; config = (wg, bm, stages, split_k),
     default ``config_for``. x: bf16, contiguous rows, K = the packed weight's K. None when it cannot run here
     (``supported`` is false, or the kernel did not compile)."""
-    from . import kernels as K
     M, Kd = x.shape
     if not supported(x, n, Kd) or packed.shape[1] * 2 != Kd:
         return None
@@ -188,9 +165,9 @@ def wgmma_linear(x: torch.Tensor, packed, block_scale, global_scale, n: int, bia
     if got is None:
         return None
     kern, grid, _keep, arr = got
-    kern.launch(grid, arr, K.raw_stream(x.device.index))
+    kern.launch(grid, arr, launch.raw_stream(x.device.index))
     if sk > 1:
-        K._launch(*_reduce_launch(ws, g, bias, y, M, n, sk))
+        launch.launch(*launch.reduce_launch(ws, g, bias, y, M, n, sk))
     return y
 
 
@@ -199,7 +176,6 @@ def wgmma_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
     dtype, device, contiguous), made after ``wgmma_linear`` ran this exact call once. Per call: an alignment
     check, the output (and split-K partials) allocation, the weight-side pointers re-read from the tensor objects
     (block swap replaces their storage), one cuLaunchKernel (+ the reduce). None when no plan can be made."""
-    from . import kernels as K
     M, Kd = x.shape
     if (not usable(x, n, Kd) or not x.is_contiguous() or global_scale.dtype != torch.float32
             or global_scale.numel() != 1 or global_scale.device != x.device
@@ -216,8 +192,8 @@ def wgmma_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
     b = bias if bias is not None else global_scale
     reduce = None
     if sk > 1:
-        fn, rgrid, rargs, consts, nw, ns = _reduce_launch(ws, global_scale.reshape(1), bias, y, M, n, sk)
-        rk = K.cached_kernel(fn, rargs, consts, nw, ns)
+        fn, rgrid, rargs, consts, nw, ns = launch.reduce_launch(ws, global_scale.reshape(1), bias, y, M, n, sk)
+        rk = launch.cached_kernel(fn, rargs, consts, nw, ns)
         if rk is None:
             return None
         reduce = (rk.run, rk.function, rk.packed_metadata, rgrid, tuple(rargs[4:]) + tuple(consts.values()))
@@ -234,7 +210,7 @@ def wgmma_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
         p_x.value, p_w.value, p_s.value = xc.data_ptr(), packed.data_ptr(), block_scale.data_ptr()
         p_g.value, p_b.value, p_y.value, p_ws.value = (global_scale.data_ptr(), b.data_ptr(), out.data_ptr(),
                                                        part.data_ptr())
-        stream = K.raw_stream(index)
+        stream = launch.raw_stream(index)
         kern.launch(grid, arr, stream)
         if reduce is not None:
             run, f, md, (ga, gb, gc), tail = reduce
@@ -243,13 +219,9 @@ def wgmma_plan(x, packed, block_scale, global_scale, n: int, bias, out_shape):
     return plan
 
 
-_SELFTEST: dict = {}
-
-
 def selftest_problem(n: int, k: int, m: int, device):
     """(weight, x, bias, fp32 reference) of a self-test: an [n, k] NVFP4 weight with a zero block and subnormal
     block scales, m bf16 tokens, a bf16 bias."""
-    from . import format as fmt
     gen = torch.Generator(device="cpu").manual_seed(7)
     w = torch.randn(n, k, generator=gen) * 0.02
     w[0, :16] = 0.0
@@ -264,25 +236,25 @@ def selftest(device) -> bool:
     """Once per device: the kernel (plain and split-K, with bias) against the fp32 product of the dequantized
     weight on a small problem with edge rows and subnormal / zero block scales. Logs one line either way; a
     failure turns the kernel off for this device (the Triton kernel takes its place)."""
-    key = str(device)
-    if key in _SELFTEST:
-        return _SELFTEST[key]
-    _SELFTEST[key] = False                       # re-entrancy: the check itself calls wgmma_linear directly
+    return selftests.run("wgmma_w4a16", device, check=_check)[0]
+
+
+def _check(_variant, device) -> tuple[bool, str]:
     try:
         t, x, bias, ref = selftest_problem(128, 256, 130, device)
         worst = 0.0
         for cfg in ((1, 128, 3, 1), (1, 128, 3, 2)):
             y = wgmma_linear(x, t.packed, t.block_scale, t.global_scale, 128, bias, cfg)
             if y is None:
-                raise RuntimeError(_DISABLED_REASON[-1] if _DISABLED_REASON else "kernel unavailable")
+                raise RuntimeError(DISABLED_REASONS[-1] if DISABLED_REASONS else "kernel unavailable")
             worst = max(worst, ((y.float() - ref).norm() / ref.norm()).item())
         if not worst < 1e-2:
             raise RuntimeError(f"self-test relative error {worst:.3g} (expected ~2e-3)")
-        _SELFTEST[key] = True
-        log.info("[SeedVR2-BW] NVFP4 fidelity: sm_90a wgmma W4A16 kernel on for %s (self-test rel err %.2e; "
-                 "SEEDVR2BW_WGMMA=0 turns it off)", key, worst)
     except Exception as exc:  # noqa: BLE001
-        _DISABLED_REASON.append(f"self-test: {type(exc).__name__}: {str(exc)[:300]}")
+        DISABLED_REASONS.append(f"self-test: {type(exc).__name__}: {str(exc)[:300]}")
         log.warning("[SeedVR2-BW] NVFP4 fidelity: sm_90a wgmma W4A16 kernel off for %s, the Triton kernel is "
-                    "used (%s)", key, _DISABLED_REASON[-1])
-    return _SELFTEST[key]
+                    "used (%s)", device, DISABLED_REASONS[-1])
+        return False, DISABLED_REASONS[-1]
+    log.info("[SeedVR2-BW] NVFP4 fidelity: sm_90a wgmma W4A16 kernel on for %s (self-test rel err %.2e; "
+             "SEEDVR2BW_WGMMA=off turns it off)", device, worst)
+    return True, f"rel err {worst:.2e}"

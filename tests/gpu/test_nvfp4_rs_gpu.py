@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from nvfp4_codes import weight_of_every_code
+from seedvr2bw.optimization.nvfp4 import dispatch
 from seedvr2bw.optimization.nvfp4 import format as fmt
 from seedvr2bw.optimization.nvfp4 import rs_w4a16 as R
 from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
 def _run(x, t, n, bias=None, config=None, grid=None, stream_k=True):
     out = torch.full((x.shape[0], n), float("nan"), dtype=torch.bfloat16, device=DEV)     # every element written
     y = R.rs_linear(x, t.packed, t.block_scale, t.global_scale, n, bias, config, grid, out=out, stream_k=stream_k)
-    assert y is not None, R._DISABLED_REASON
+    assert y is not None, R.DISABLED_REASONS
     return y
 
 
@@ -82,15 +83,15 @@ def test_stream_k_equals_whole_tiles():
 
 def test_layer_dispatch_plan_and_swapped_weights():
     gen = torch.Generator().manual_seed(5)
-    n, k, m = 1024, 2048, R.AUTO_M + 37
+    n, k, m = 1024, 2048, dispatch.RS_AUTO_M + 37
     t = fmt.quantize_nvfp4(torch.randn(n, k, generator=gen) * 0.05, return_tensor=True)
     bias = torch.randn(n, generator=gen) * 0.1
     lin = NVFP4Linear.from_nvfp4(t, bias=bias, path="fidelity", dtype=torch.bfloat16).to(DEV)
     x = torch.randn(m, k, generator=gen).to(DEV, torch.bfloat16)
-    assert lin._fidelity_kernel_for(x) == "rs"
+    assert lin.decision(x).kernel == "rs_w4a16"
     with torch.no_grad():
         y1 = lin(x)                                         # full forward, then a plan for this shape
-        assert lin._plans, "no launch plan was made"
+        assert lin.plans, "no launch plan was made"
         y2 = lin(x)                                         # the plan
     assert torch.equal(y1, y2)
     want = torch.nn.functional.linear(x.float(), t.dequantize(torch.float32).to(DEV), bias.to(DEV).float())
@@ -112,28 +113,27 @@ def test_autograd_takes_the_dequantize_path():
     gen = torch.Generator().manual_seed(6)
     t = fmt.quantize_nvfp4(torch.randn(256, 512, generator=gen) * 0.05, return_tensor=True)
     lin = NVFP4Linear.from_nvfp4(t, path="fidelity", dtype=torch.bfloat16).to(DEV)
-    x = torch.randn(max(R.MIN_M, 1024), 512, generator=gen).to(DEV, torch.bfloat16).requires_grad_()
-    assert lin._fidelity_kernel_for(x) == "dequant"
+    x = torch.randn(dispatch.RS_MIN_M, 512, generator=gen).to(DEV, torch.bfloat16).requires_grad_()
+    assert lin.decision(x).kernel == "dequant_cublas"
     lin(x).float().sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
 def test_selftest_passes_here():
-    assert R.selftest(torch.device(DEV)), R._DISABLED_REASON
+    assert R.selftest(torch.device(DEV)), R.DISABLED_REASONS
 
 
 def test_mid_m_is_timed_against_dequant_once():
-    """1024 <= M < AUTO_M: the layer times the RS kernel against dequantize + cuBLAS once per shape and keeps the
+    """RS_MIN_M <= M < RS_AUTO_M: the layer times the RS kernel against dequantize + cuBLAS once per shape, keeps the
     faster; either gives the right product."""
     from seedvr2bw.optimization.nvfp4 import linear as L
     gen = torch.Generator().manual_seed(8)
     t = fmt.quantize_nvfp4(torch.randn(512, 1024, generator=gen) * 0.05, return_tensor=True)
     lin = NVFP4Linear.from_nvfp4(t, path="fidelity", dtype=torch.bfloat16).to(DEV)
-    x = torch.randn(R.MIN_M + 100, 1024, generator=gen).to(DEV, torch.bfloat16)
+    x = torch.randn(dispatch.RS_MIN_M + 100, 1024, generator=gen).to(DEV, torch.bfloat16)
     with torch.no_grad():
-        kern = lin._fidelity_kernel_for(x)
-        assert kern in ("rs", "dequant")
-        assert L._FIDELITY_CHOICE[("rs", x.shape[0], 512, 1024, str(x.device))] == kern
+        assert lin.decision(x).kernel == "rs_or_dequant"
         y = lin(x)
+        assert L.TIMED[(x.shape[0], 512, 1024, str(x.device))] in ("rs_w4a16", "dequant_cublas")
     want = torch.nn.functional.linear(x.float(), t.dequantize(torch.float32).to(DEV))
     assert ((y.float() - want).norm() / want.norm()).item() < 4e-3

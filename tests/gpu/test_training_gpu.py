@@ -15,7 +15,7 @@ def _rel(a, b):
 
 
 def test_fp8_linear_forward_and_input_grad():
-    from seedvr2bw.optimization.hardware import get_policy
+    from seedvr2bw.optimization.runtime.policy import get_policy
     from seedvr2bw.optimization.nvfp4.format import quantize_fp8_per_tensor
     from seedvr2bw.training.quant import FP8LinearFn
     dev = torch.device("cuda")

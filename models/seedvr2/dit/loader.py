@@ -7,7 +7,7 @@
 * Anything else (the SeedVR2 VAE, FLUX, ...) is rejected with an error naming the file, what was expected
   and what was found.
 * fp16/bf16/fp32 weights load as they are (``dtype=`` casts on request). fp8 e4m3 weights and NVFP4
-  (``weight_scale`` keys) go through ``optimization.nvfp4.linear.replace_linears``.
+  (``weight_scale`` keys) go through ``optimization.nvfp4.surgery.replace_linears``.
 """
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from typing import Dict, Mapping, Optional, Union
 
 import torch
 
-from ....optimization.hardware import get_policy
-from ....optimization.nvfp4.linear import replace_linears
+from ....optimization.nvfp4.surgery import replace_linears
 from .config import DiTConfig
 from .nadit import NaDiT
 from .rope import lang_freqs, pixel_freqs
@@ -214,14 +213,15 @@ def load_dit(
     dtype: Optional[torch.dtype] = None,
     attention_backend: str = "auto",
     block_runner=None,
-    policy=None,
+    nvfp4_path: str = "auto",
     keep_high_precision=None,
 ) -> NaDiT:
     """Build the right DiT for ``checkpoint`` (path or state dict) and load it strictly.
 
     ``dtype``: cast floating weights (fp32/fp16/bf16) to this dtype; None keeps the file's dtype.
     Quantized files (fp8 weights, NVFP4 ``weight_scale`` keys) are handed to
-    ``optimization.nvfp4.linear.replace_linears(model, state_dict, policy, ...)``.
+    ``optimization.nvfp4.surgery.replace_linears(model, state_dict, nvfp4_path, ...)``; ``nvfp4_path="auto"``: each
+    NVFP4 linear runs the hardware policy's path of the device it runs on (not of ``device``).
     """
     source = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else "state dict"
     sd = read_state_dict(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else unwrap_state_dict(dict(checkpoint), source)
@@ -234,9 +234,7 @@ def load_dit(
 
     linear_names = set()
     if is_quantized(sd):
-        if policy is None:
-            policy = get_policy(torch.device(device))
-        report = replace_linears(model, sd, policy, keep_high_precision=keep_high_precision,
+        report = replace_linears(model, sd, nvfp4_path, keep_high_precision=keep_high_precision,
                                  dtype=dtype or torch.bfloat16)
         if report.get("missing"):
             raise DiTCheckpointError(f"{source}: no weights for linear layers {report['missing'][:8]}")

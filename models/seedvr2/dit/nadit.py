@@ -33,6 +33,8 @@ from .norm import RMSNorm
 from .rope import lang_freqs, make_rope_table, pixel_freqs, text_angles, video_angles
 from .window import build_joint_layout
 
+
+
 class DiTInterrupted(RuntimeError):
     """Raised between blocks when ``should_stop()`` returns True."""
 

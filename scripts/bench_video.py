@@ -1,0 +1,226 @@
+#!/usr/bin/env python
+"""Benchmark the streaming long-video upscale (models/seedvr2/video) on GPUs, with random weights of the real shapes.
+
+Single GPU (``--gpus 1``): a synthetic clip (``--frames`` at ``--in-res``, with audio) streamed file to file at a
+VRAM budget (the GPU filled until ``--budget`` GiB stay free; the DiT under BlockSwap "auto", the VAE resident),
+against the same chunks run back to back through the in-memory pipeline in the same process (the frames decoded
+into memory first, the models staged the same way): frames/s of both, their ratio, and the streaming run's peak
+host RSS.
+
+Several GPUs (``--gpus 1,2,4``): the chunk-parallel upscale (models/seedvr2/video/parallel.py), one process per GPU
+with its own model copy, timed from the moment every model is built; throughput against 1 GPU of the same machine.
+
+    python scripts/bench_video.py --model 7b --linears nvfp4 --frames 1440 --budget 12 --json out.json
+    python scripts/bench_video.py --model 7b --frames 504 --gpus 1,2,4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+
+import _pack  # noqa: F401  (registers the checkout as `seedvr2bw`)
+import numpy as np
+import torch
+
+from bench_seedvr2 import random_dit, set_linears
+from bench_vae import make_random_vae
+from seedvr2bw.models.seedvr2 import pipeline as P
+from seedvr2bw.models.seedvr2.dit import SEEDVR2_3B, SEEDVR2_7B
+from seedvr2bw.models.seedvr2.video import container as C
+from seedvr2bw.models.seedvr2.video.stream import FrameCursor, StreamSettings, plan, upscale_video
+from seedvr2bw.optimization.blockswap import BlockSwapConfig, attach_blockswap
+
+RES = {"360p": (360, 640), "480p": (480, 854), "720p": (720, 1280)}
+GIB = 1 << 30
+
+
+def make_clip(path: str, frames: int, h: int, w: int, fps: int = 24) -> str:
+    """Moving gradients, a scene cut every ~10 s, an AAC tone; H.264 (what users have)."""
+    import av
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    with av.open(path, "w") as c:
+        vs = c.add_stream("libx264", rate=fps)
+        vs.height, vs.width, vs.pix_fmt = h, w, "yuv420p"
+        a = c.add_stream("aac", rate=48000)
+        a.layout = "mono"
+        shot_len = fps * 10
+        for i in range(frames):
+            shot, t = divmod(i, shot_len)
+            base = np.array([(0.15, 0.25, 0.8), (0.85, 0.3, 0.1), (0.2, 0.8, 0.3)][shot % 3], np.float32)
+            img = base * (0.6 + 0.4 * np.sin(0.02 * xx[..., None] + 0.03 * yy[..., None] + 0.05 * t
+                                             + np.arange(3, dtype=np.float32)))
+            vf = av.VideoFrame.from_ndarray((img * 255).astype(np.uint8), format="rgb24").reformat(format="yuv420p")
+            vf.pts = i
+            for p in vs.encode(vf):
+                c.mux(p)
+        for p in vs.encode():
+            c.mux(p)
+        n = frames * 48000 // fps
+        fmt = a.codec_context.format.name
+        for k in range(0, n, 1024):
+            t = np.arange(k, min(k + 1024, n)) / 48000.0
+            af = av.AudioFrame.from_ndarray((0.2 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)[None],
+                                            format=fmt, layout="mono")
+            af.sample_rate, af.pts = 48000, k
+            for p in a.encode(af):
+                c.mux(p)
+        for p in a.encode():
+            c.mux(p)
+    return path
+
+
+def fill_gpu_to(budget_gib: float, device) -> torch.Tensor | None:
+    """Allocates what the GPU has free beyond ``budget_gib`` (the pack then sees only the budget)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    extra = free - int(budget_gib * GIB)
+    if extra <= 0:
+        return None
+    return torch.empty(extra, dtype=torch.uint8, device=device)
+
+
+def build_models(model: str, linears: str, device, seed: int = 0):
+    cfg = SEEDVR2_7B if model == "7b" else SEEDVR2_3B
+    torch.manual_seed(seed)
+    dit = random_dit(cfg, "auto")
+    if linears != "bf16":
+        set_linears(dit, linears)
+    vae = make_random_vae(device, torch.bfloat16)
+    emb = torch.randn(58, 5120, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    return dit, vae, emb
+
+
+def chunk_upscaler(dit, vae, emb, settings, device):
+    def run(frames: np.ndarray) -> np.ndarray:
+        return P.upscale(torch.from_numpy(frames), dit, vae, emb, settings, device=device,
+                         dit_dtype=torch.bfloat16, vae_dtype=torch.bfloat16, output_device="cpu").numpy()
+    return run
+
+
+def rss_peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def single(args, src, tmp):
+    dev = torch.device("cuda")
+    dit, vae, emb = build_models(args.model, args.linears, dev)
+    dit.to("cpu")
+    torch.cuda.empty_cache()
+    hold = fill_gpu_to(args.budget, dev) if args.budget else None
+    runner = attach_blockswap(dit, BlockSwapConfig(blocks_to_swap="auto"), dev)
+    swapped = len(getattr(runner, "swapped_indices", []) or [])
+    settings = P.UpscaleSettings(resolution=args.resolution, batch_size=args.batch, temporal_overlap=0,
+                                 color_correction="wavelet", seed=42)
+    up = chunk_upscaler(dit, vae, emb, settings, dev)
+    s = StreamSettings(batch_size=args.batch, overlap=args.overlap, codec=args.codec, resume=False)
+
+    def size(h, w):
+        return P.compute_target_size(h, w, settings.resolution)
+    # warm-up: one chunk (kernels, autotuning, BlockSwap's first pass)
+    up(np.stack([f for f, _ in zip(C.read_frames(src), range(args.batch))]))
+    torch.cuda.synchronize()
+    rss0 = rss_peak_gib()
+    t0 = time.perf_counter()
+    res = upscale_video(src, os.path.join(tmp, "out.mp4"), up, size, s)
+    t_stream = time.perf_counter() - t0
+    rss_stream = rss_peak_gib()
+    # the same chunks back to back, frames in memory
+    chunks = plan(C.read_frames(src), args.batch, args.overlap, s.scene_threshold)
+    cursor = FrameCursor(src, args.overlap)
+    frames = [cursor.take(c.start, c.end) for c in chunks]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for f in frames:
+        up(f)
+    torch.cuda.synchronize()
+    t_mem = time.perf_counter() - t0
+    n = res.frames
+    out = {"mode": "single", "model": args.model, "linears": args.linears, "budget_gib": args.budget,
+           "swapped_blocks": swapped, "frames": n, "chunks": len(chunks), "stream_s": t_stream,
+           "stream_fps": n / t_stream, "inmem_s": t_mem, "inmem_fps": n / t_mem,
+           "ratio": (n / t_stream) / (n / t_mem), "rss_peak_gib_before": rss0, "rss_peak_gib_stream": rss_stream}
+    del hold
+    return out
+
+
+def _worker(rank, world, store_path, args, src, out_path, result_path):
+    import torch.distributed as dist
+    from seedvr2bw.models.seedvr2.video.parallel import upscale_video_distributed
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world)
+    dit, vae, emb = build_models(args.model, args.linears, dev)
+    settings = P.UpscaleSettings(resolution=args.resolution, batch_size=args.batch, temporal_overlap=0, seed=42)
+    up = chunk_upscaler(dit, vae, emb, settings, dev)
+    up(np.stack([f for f, _ in zip(C.read_frames(src), range(args.batch))]))   # warm-up
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    res = upscale_video_distributed(dist.PrefixStore("job", store), src, out_path, up,
+                                    lambda h, w: P.compute_target_size(h, w, settings.resolution),
+                                    StreamSettings(batch_size=args.batch, overlap=args.overlap, codec=args.codec,
+                                                   resume=False))
+    dist.barrier()
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump({"world": world, "seconds": time.perf_counter() - t0, "frames": res.frames,
+                       "peak_gib": torch.cuda.max_memory_allocated(dev) / GIB}, f)
+    dist.destroy_process_group()
+
+
+def multi(args, src, tmp):
+    import torch.multiprocessing as mp
+    rows = []
+    for world in [int(x) for x in args.gpus.split(",")]:
+        if world > torch.cuda.device_count():
+            continue
+        store = os.path.join(tmp, f"store{world}")
+        result = os.path.join(tmp, f"res{world}.json")
+        mp.spawn(_worker, args=(world, store, args, src, os.path.join(tmp, f"out{world}.mp4"), result),
+                 nprocs=world, join=True)
+        r = json.load(open(result))
+        r["fps"] = r["frames"] / r["seconds"]
+        rows.append(r)
+        print(f"  {world} GPU(s): {r['seconds']:.1f} s, {r['fps']:.2f} frames/s, peak {r['peak_gib']:.1f} GiB/GPU",
+              flush=True)
+    base = next((r["fps"] for r in rows if r["world"] == 1), None)
+    for r in rows:
+        r["speedup"] = r["fps"] / base if base else None
+    return {"mode": "multi", "model": args.model, "linears": args.linears, "rows": rows}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="7b", choices=["3b", "7b"])
+    ap.add_argument("--linears", default="bf16", choices=["bf16", "nvfp4"])
+    ap.add_argument("--frames", type=int, default=1440)
+    ap.add_argument("--in-res", default="360p", choices=list(RES))
+    ap.add_argument("--resolution", type=int, default=720)
+    ap.add_argument("--batch", type=int, default=21)
+    ap.add_argument("--overlap", type=int, default=4)
+    ap.add_argument("--codec", default="h264")
+    ap.add_argument("--budget", type=float, default=0.0, help="GiB left free for the pack (0: the whole GPU)")
+    ap.add_argument("--gpus", default="1", help="1 (the single-GPU comparison) or a list like 1,2,4 (scaling)")
+    ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", ""))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="bench_video_")
+    h, w = RES[args.in_res]
+    t0 = time.perf_counter()
+    src = make_clip(os.path.join(tmp, "in.mp4"), args.frames, h, w)
+    print(f"clip: {args.frames} frames {w}x{h} in {time.perf_counter() - t0:.1f} s", flush=True)
+    out = multi(args, src, tmp) if "," in args.gpus else single(args, src, tmp)
+    out.update({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": args.commit})
+    print(json.dumps(out, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
