@@ -94,10 +94,17 @@ def build_models(model: str, linears: str, device, seed: int = 0):
     return dit, vae, emb
 
 
-def chunk_upscaler(dit, vae, emb, settings, device):
+def chunk_upscaler(dit, vae, emb, settings, device, free_memory=None):
+    phases = {"n": 0}
+
     def run(frames: np.ndarray) -> np.ndarray:
-        return P.upscale(torch.from_numpy(frames), dit, vae, emb, settings, device=device,
-                         dit_dtype=torch.bfloat16, vae_dtype=torch.bfloat16, output_device="cpu").numpy()
+        t0 = time.perf_counter()
+        out = P.upscale(torch.from_numpy(frames), dit, vae, emb, settings, device=device, dit_dtype=torch.bfloat16,
+                        vae_dtype=torch.bfloat16, output_device="cpu", free_memory=free_memory).numpy()
+        phases["n"] += 1
+        if phases["n"] <= 3:
+            print(f"  chunk of {len(frames)} frames: {time.perf_counter() - t0:.2f} s", flush=True)
+        return out
     return run
 
 
@@ -111,11 +118,12 @@ def single(args, src, tmp):
     dit.to("cpu")
     torch.cuda.empty_cache()
     hold = fill_gpu_to(args.budget, dev) if args.budget else None
-    runner = attach_blockswap(dit, BlockSwapConfig(blocks_to_swap="auto"), dev)
+    reserve = int(args.reserve * GIB) if args.reserve else None
+    runner = attach_blockswap(dit, BlockSwapConfig(blocks_to_swap="auto", reserve_bytes=reserve), dev)
     swapped = len(getattr(runner, "swapped_indices", []) or [])
     settings = P.UpscaleSettings(resolution=args.resolution, batch_size=args.batch, temporal_overlap=0,
                                  color_correction="wavelet", seed=42)
-    up = chunk_upscaler(dit, vae, emb, settings, dev)
+    up = chunk_upscaler(dit, vae, emb, settings, dev, free_memory=lambda: torch.cuda.mem_get_info(dev)[0])
     s = StreamSettings(batch_size=args.batch, overlap=args.overlap, codec=args.codec, resume=False)
 
     def size(h, w):
@@ -205,6 +213,8 @@ def main():
     ap.add_argument("--overlap", type=int, default=4)
     ap.add_argument("--codec", default="h264")
     ap.add_argument("--budget", type=float, default=0.0, help="GiB left free for the pack (0: the whole GPU)")
+    ap.add_argument("--reserve", type=float, default=0.0,
+                    help="GiB BlockSwap keeps free for activations (0: its default)")
     ap.add_argument("--gpus", default="1", help="1 (the single-GPU comparison) or a list like 1,2,4 (scaling)")
     ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", ""))
     ap.add_argument("--json", default=None)

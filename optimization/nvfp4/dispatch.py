@@ -18,7 +18,7 @@ NVFP4_PATHS = ("fp4_tensorcore", "fp8_speed", "fidelity", "reference")
 FP8_MODES = ("cast", "scaled_mm")
 FIDELITY_KERNELS = ("auto", "fused", "rs", "dequant")    # NVFP4Linear.fidelity_kernel: auto, or force one
 
-# Thresholds on M (rows of the input), measured on H100 (docs/BENCHMARKS.md, sessions 2-15):
+# Thresholds on M (rows of the input), measured on H100 (docs/PERFORMANCE.md §8):
 W4A16_MAX_M = 256    # up to here a fused W4A16 kernel (reads the 4-bit weight); beyond, dequantize + cuBLAS is faster
 WGMMA_MIN_M = 65     # below, the Triton kernel's 16/32/64-token tiles waste less than the wgmma kernel's 128-token one
 RS_MIN_M = 1024      # from here the RS kernel is timed against dequantize + cuBLAS once per shape (it lost at 3072^2)

@@ -9,6 +9,9 @@
 #   bash scripts/device/gpu_suite.sh rs         # the RS W4A16 kernel: its GPU tests, then fidelity x bf16 at M >= 1024
 #   bash scripts/device/gpu_suite.sh flux       # FLUX LoRA s/step vs TrainLoraNode        (carry .comfy_src)
 #   bash scripts/device/gpu_suite.sh diag       # the diagnostic, --quick cold then warm, then the full run
+#   bash scripts/device/gpu_suite.sh ab BASE dit|nvfp4|blockswap   # this tree against an older one, same run
+#   bash scripts/device/gpu_suite.sh video      # streaming long video at a 12 GiB budget vs in-memory chunks
+#   bash scripts/device/gpu_suite.sh video_gpus # chunk-parallel long video on every GPU of the machine vs one
 #
 # scripts/device/prepare_carry.sh builds .ck and .comfy_src here first. The device copy has no .git, so the
 # commit is passed in GIT_COMMIT (the device tool sends the working tree of this commit). The figures these
@@ -17,12 +20,40 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 [ -d .ck ] && export PYTHONPATH=$PWD/.ck${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
 
 case "${1:-}" in
+ab)
+    # BASE: the older tree (e.g. `git archive <commit> __init__.py pack_import.py optimization models nodes training
+    # scripts | tar -x -C .baseline`, carried as .baseline); rounds alternate the two trees, JSON per run in $OUT
+    BASE=${2:?usage: gpu_suite.sh ab BASE_DIR dit|nvfp4|blockswap}
+    for round in 1 2; do
+        for tree in . "$BASE"; do
+            tag=$([ "$tree" = . ] && echo new || echo base)
+            case "${3:-dit}" in
+            dit) (cd "$tree" && python3 scripts/bench_seedvr2.py --models 7b --cases 720p:21,1080p:1 --no-vae \
+                    --linears bf16,nvfp4 --warmup 2 --iters 7 --json "$OUT/dit_${tag}_${round}.json") 2>&1 | tail -12 ;;
+            nvfp4) (cd "$tree" && python3 scripts/bench_nvfp4.py --m 16,256,1024,4096 --paths bf16,fidelity,fp8_speed \
+                    --inner 8 --rounds 3 --rep-ms 50 --json "$OUT/nvfp4_${tag}_${round}.json") 2>&1 | tail -30 ;;
+            blockswap) (cd "$tree" && python3 scripts/bench_blockswap.py --cases 720p21,1080p1 --swaps 18 --repeats 5 \
+                    --sync-cases "" --rss-runs 2 --dtype-cases 720p1 --dtypes nvfp4 \
+                    --json "$OUT/blockswap_${tag}_${round}.json") 2>&1 | tail -20 ;;
+            esac
+        done
+    done ;;
+video)
+    python3 scripts/bench_video.py --model 7b --linears bf16 --frames 1440 --budget 12 --json "$OUT/video_bf16.json" 2>&1 \
+        | tail -25
+    python3 scripts/bench_video.py --model 7b --linears nvfp4 --frames 1440 --budget 12 --json "$OUT/video_nvfp4.json" 2>&1 \
+        | tail -25 ;;
+video_gpus)
+    n=$(nvidia-smi -L | wc -l)
+    python3 scripts/bench_video.py --model 7b --frames 504 --gpus "$(seq -s, 1 "$n" | sed 's/,3,/,/')" \
+        --json "$OUT/video_gpus.json" 2>&1 | tail -25 ;;
 tests)
     python3 -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
 dit)

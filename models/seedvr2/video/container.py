@@ -205,6 +205,8 @@ class SegmentWriter:
         st.time_base = fractions.Fraction(1, 1) / fps
         st.codec_context.time_base = st.time_base
         st.options = dict(codec.options)
+        st.codec_context.thread_count = 0       # the encoder's own threads: as many as it finds useful
+        st.codec_context.thread_type = "AUTO"
         color = color or {}
         cc = st.codec_context
         for k in ("color_primaries", "color_trc", "colorspace"):

@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Optional
 
 import numpy as np
@@ -201,6 +202,8 @@ class Job:
         self.ext = "" if self.codec.sequence() else (".mov" if self.codec.segment_format == "mov" else ".nut")
         self.chunks = chunks if chunks is not None else plan(read_frames(in_path), settings.batch_size,
                                                               settings.overlap, settings.scene_threshold)
+        self.encoder: Optional[ThreadPoolExecutor] = None   # set by the driver to encode in the background
+        self.pending: Optional[Future] = None
 
     # ------------------------------------------------------------------ units
     def chunk_done(self, c: Chunk) -> bool:
@@ -216,6 +219,21 @@ class Job:
         return f"seam_{index:06d}{self.ext}"
 
     def _encode(self, name: str, first: int, frames: np.ndarray) -> None:
+        """Encodes a unit; in the background when the job has an encoder thread (the next chunk's GPU work then
+        overlaps it; one unit in flight, so host memory stays bounded by two chunks)."""
+        if self.encoder is None:
+            self._encode_now(name, first, frames)
+            return
+        self.drain()
+        self.pending = self.encoder.submit(self._encode_now, name, first, frames)
+
+    def drain(self) -> None:
+        """Waits for the unit being encoded in the background (and raises its error, if any)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def _encode_now(self, name: str, first: int, frames: np.ndarray) -> None:
         final = self.work.file(name)
         tmp = self.work.temp_path(name)
         if self.codec.sequence():
@@ -266,6 +284,7 @@ class Job:
     def finish(self) -> None:
         """Remuxes every unit in frame order into the output (with the source's audio), then drops the work folder
         unless asked to keep it."""
+        self.drain()
         missing = [n for n in self.units_in_order() if not self.work.has(n)]
         if missing:
             raise RuntimeError(f"cannot write {self.out_path}: {len(missing)} part(s) missing, e.g. {missing[0]}")
@@ -298,18 +317,24 @@ def upscale_video(in_path: str, out_path: str, upscale_chunk: Callable[[np.ndarr
     done = sum(c.end - c.start - c.tail for c in job.chunks if c not in todo)
     cursor = FrameCursor(in_path, job.s.overlap)
     t_run, fresh = time.perf_counter(), 0
-    for c in todo:
-        if should_stop is not None:
-            should_stop()
-        job.run_chunk(c, cursor.take(c.start, c.end), upscale_chunk)
-        for k in job.seams_ready():
-            job.write_seam(k)
-        fresh += c.end - c.start - c.tail
-        done += c.end - c.start - c.tail
-        if progress is not None:
-            el = time.perf_counter() - t_run
-            rate = fresh / el if el > 0 else 0.0
-            progress(done, total, rate, (total - done) / rate if rate > 0 else float("nan"))
+    job.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seedvr2bw-encode")
+    try:
+        for c in todo:
+            if should_stop is not None:
+                should_stop()
+            job.run_chunk(c, cursor.take(c.start, c.end), upscale_chunk)
+            for k in job.seams_ready():
+                job.write_seam(k)
+            fresh += c.end - c.start - c.tail
+            done += c.end - c.start - c.tail
+            if progress is not None:
+                el = time.perf_counter() - t_run
+                rate = fresh / el if el > 0 else 0.0
+                progress(done, total, rate, (total - done) / rate if rate > 0 else float("nan"))
+        job.drain()
+    finally:
+        job.encoder.shutdown(wait=True)   # a unit being encoded when a stop came still lands whole
+        job.encoder = None
     for k in job.seams_ready():
         job.write_seam(k)
     job.finish()
