@@ -111,9 +111,10 @@ def _enum(cc, name) -> Optional[int]:
         return None
 
 
-def read_frames(path: str, start: int = 0) -> Iterator[np.ndarray]:
+def read_frames(path: str, start: int = 0, size: Optional[tuple[int, int]] = None) -> Iterator[np.ndarray]:
     """Decoded frames in order from frame ``start`` on, each (H, W, 3) float32 in [0, 1] as stored (rotation is
-    metadata, carried to the output). One frame in memory at a time."""
+    metadata, carried to the output). One frame in memory at a time. ``size`` (w, h): scaled down by the decoder's
+    scaler instead (what the scene detector looks at: much cheaper than full frames)."""
     av = _av()
     with av.open(path) as container:
         vs = container.streams.video[0]
@@ -121,7 +122,10 @@ def read_frames(path: str, start: int = 0) -> Iterator[np.ndarray]:
         for i, frame in enumerate(container.decode(vs)):
             if i < start:
                 continue
-            rgb = frame.to_ndarray(format="rgb48le") if _deep(frame) else frame.to_ndarray(format="rgb24")
+            if size is not None:
+                rgb = frame.reformat(width=size[0], height=size[1], format="rgb24").to_ndarray()
+            else:
+                rgb = frame.to_ndarray(format="rgb48le") if _deep(frame) else frame.to_ndarray(format="rgb24")
             yield rgb.astype(np.float32) / (65535.0 if rgb.dtype == np.uint16 else 255.0)
 
 
@@ -182,10 +186,12 @@ def get_codec(name: str) -> Codec:
 
 
 def to_pixels(frames: np.ndarray, bits: int) -> np.ndarray:
-    """(T, H, W, 3) float in [0, 1] -> uint8 or uint16, rounded to nearest."""
-    if bits <= 8:
-        return np.clip(np.rint(frames * 255.0), 0, 255).astype(np.uint8)
-    return np.clip(np.rint(frames * 65535.0), 0, 65535).astype(np.uint16)
+    """(T, H, W, 3) float in [0, 1] -> uint8 or uint16, rounded to nearest (one float32 temporary)."""
+    top = 255.0 if bits <= 8 else 65535.0
+    x = np.multiply(frames, np.float32(top), dtype=np.float32)
+    np.rint(x, out=x)
+    np.clip(x, 0, top, out=x)
+    return x.astype(np.uint8 if bits <= 8 else np.uint16)
 
 
 BT709 = 1   # AVCOL_PRI_BT709 / AVCOL_TRC_BT709 / AVCOL_SPC_BT709

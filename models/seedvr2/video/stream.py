@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Optional
 
@@ -33,6 +34,7 @@ from .workdir import WorkDir, work_dir_for
 
 log = logging.getLogger(__name__)
 
+MAX_QUEUED_UNITS = 2   # units waiting for the encoder thread: a chunk's body and the seam before it
 # bytes per output pixel a finished segment takes on disk, generously (for the free-space check before any work)
 _DISK_BYTES_PER_PIXEL = {"h264": 0.5, "h265": 0.5, "prores": 2.5, "ffv1": 5.0, "png16": 6.0}
 
@@ -200,10 +202,12 @@ class Job:
             self.work.open(settings.resume)
         self.color = output_color(self.info)
         self.ext = "" if self.codec.sequence() else (".mov" if self.codec.segment_format == "mov" else ".nut")
-        self.chunks = chunks if chunks is not None else plan(read_frames(in_path), settings.batch_size,
+        small = (128, max(2, 2 * round(64 * self.info.height / max(1, self.info.width))))   # enough for 8 x 8 cells
+        self.chunks = chunks if chunks is not None else plan(read_frames(in_path, size=small), settings.batch_size,
                                                               settings.overlap, settings.scene_threshold)
         self.encoder: Optional[ThreadPoolExecutor] = None   # set by the driver to encode in the background
-        self.pending: Optional[Future] = None
+        self.pending: deque[Future] = deque()
+        self.seams_started: set[int] = set()   # seams queued in this process (their files may not exist yet)
 
     # ------------------------------------------------------------------ units
     def chunk_done(self, c: Chunk) -> bool:
@@ -218,22 +222,24 @@ class Job:
     def seam_name(self, index: int) -> str:
         return f"seam_{index:06d}{self.ext}"
 
-    def _encode(self, name: str, first: int, frames: np.ndarray) -> None:
+    def _encode(self, name: str, first: int, frames: np.ndarray, then_delete: tuple = ()) -> None:
         """Encodes a unit; in the background when the job has an encoder thread (the next chunk's GPU work then
-        overlaps it; one unit in flight, so host memory stays bounded by two chunks)."""
+        overlaps it; at most ``MAX_QUEUED_UNITS`` queued, so host memory stays bounded by a few chunks)."""
         if self.encoder is None:
-            self._encode_now(name, first, frames)
+            self._encode_now(name, first, frames, then_delete)
             return
-        self.drain()
-        self.pending = self.encoder.submit(self._encode_now, name, first, frames)
+        while len(self.pending) >= MAX_QUEUED_UNITS:   # bounded: a chunk's body and the seam before it
+            self.pending.popleft().result()
+        self.pending.append(self.encoder.submit(self._encode_now, name, first, frames, then_delete))
 
     def drain(self) -> None:
-        """Waits for the unit being encoded in the background (and raises its error, if any)."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.result()
+        """Waits for the units being encoded in the background (and raises the first error, if any)."""
+        while self.pending:
+            self.pending.popleft().result()
 
-    def _encode_now(self, name: str, first: int, frames: np.ndarray) -> None:
+    def _encode_now(self, name: str, first: int, frames: np.ndarray, then_delete: tuple = ()) -> None:
+        """Writes the unit under a temporary name and renames it; only then are ``then_delete`` (the arrays it was
+        made from) removed, so a killed process never loses both."""
         final = self.work.file(name)
         tmp = self.work.temp_path(name)
         if self.codec.sequence():
@@ -245,6 +251,7 @@ class Job:
             w.write(frames)
             w.close()
         os.replace(tmp, final)
+        self.work.delete(*then_delete)
 
     def run_chunk(self, c: Chunk, frames: np.ndarray, upscale_chunk: Callable[[np.ndarray], np.ndarray]) -> None:
         """Upscales one chunk and writes its units (body, weighted head and tail)."""
@@ -257,21 +264,25 @@ class Job:
         if c.tail:
             self.work.save_array(f"tail_{c.index:06d}.npy", up[n - c.tail:] * (1.0 - ramp(c.tail)))
         b0, b1 = c.body
-        self._encode(self.body_name(c), b0, np.clip(up[b0 - c.start:b1 - c.start], 0.0, 1.0))
+        body = up[b0 - c.start:b1 - c.start]
+        self._encode(self.body_name(c), b0, np.clip(body, 0.0, 1.0, out=body))   # in place: ``up`` is ours
 
     def seams_ready(self) -> list[int]:
         """Chunks k whose tail and the next chunk's head are written but their seam is not."""
         w = self.work
-        return [c.index for c in self.chunks[:-1] if c.tail and not w.has(self.seam_name(c.index))
+        return [c.index for c in self.chunks[:-1] if c.tail and c.index not in self.seams_started
+                and not w.has(self.seam_name(c.index))
                 and w.has(f"tail_{c.index:06d}.npy") and w.has(f"head_{c.index + 1:06d}.npy")]
 
     def write_seam(self, k: int) -> None:
         """Frames shared by chunks k and k + 1: the earlier one's weighted tail plus the later one's weighted head
         (the in-memory pipeline's sum, in the same order)."""
+        self.seams_started.add(k)
         c = self.chunks[k]
         tail, head = self.work.load_array(f"tail_{k:06d}.npy"), self.work.load_array(f"head_{k + 1:06d}.npy")
-        self._encode(self.seam_name(k), c.end - c.tail, np.clip(tail + head, 0.0, 1.0))
-        self.work.delete(f"tail_{k:06d}.npy", f"head_{k + 1:06d}.npy")
+        seam = np.add(tail, head, out=tail)
+        self._encode(self.seam_name(k), c.end - c.tail, np.clip(seam, 0.0, 1.0, out=seam),
+                     then_delete=(f"tail_{k:06d}.npy", f"head_{k + 1:06d}.npy"))
 
     def units_in_order(self) -> list[str]:
         names = []
