@@ -245,8 +245,7 @@ class Job:
         if self.codec.sequence():
             shutil.rmtree(tmp, ignore_errors=True)
             write_png_frames(tmp, first, frames)
-        else:
-            tmp += self.ext
+        else:   # the container format is given explicitly, so the temporary name can end in .partial
             w = SegmentWriter(tmp, self.codec, self.ow, self.oh, self.info.fps, self.color)
             w.write(frames)
             w.close()
