@@ -2,16 +2,15 @@
 (``lora_linear_op.py``): per-token activation quantization, the weight transpose of the input gradient, and
 ``torch._scaled_mm``'s row-wise scale layout.
 
-The activation quantization is the pack's one: ``optimization.nvfp4.kernels.quantize_act_fp8_rowwise`` where
-Triton runs, else ``optimization.nvfp4.format.quantize_act_fp8_rowwise_reference``, which the kernel reproduces
-bit for bit, so training quantizes exactly as inference does on every device.
+The activation quantization is the pack's one, ``optimization.nvfp4.kernels.quantize_rows_fp8`` (the Triton kernel
+where Triton runs, else the reference it reproduces bit for bit), so training quantizes exactly as inference does on
+every device.
 """
 from __future__ import annotations
 
 import torch
 
 from ..optimization.nvfp4 import kernels as nvfp4_kernels
-from ..optimization.nvfp4.format import quantize_act_fp8_rowwise_reference
 
 
 def quantize_rows(x2: torch.Tensor):
@@ -21,9 +20,7 @@ def quantize_rows(x2: torch.Tensor):
     left operand factors out of the sum (``torch._scaled_mm``'s row-wise scaling). A per-tensor amax needs a
     grid-wide reduction first, which profiled at 2-10 ms per call (compiled) on an H100.
     """
-    if nvfp4_kernels.triton_usable(x2):
-        return nvfp4_kernels.quantize_act_fp8_rowwise(x2)
-    return quantize_act_fp8_rowwise_reference(x2)
+    return nvfp4_kernels.quantize_rows_fp8(x2)
 
 
 def transposed(wq: torch.Tensor) -> torch.Tensor:

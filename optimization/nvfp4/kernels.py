@@ -21,7 +21,7 @@ import torch
 
 from ..runtime import knobs
 from . import launch
-from .format import E2M1_VALUES, roundup
+from .format import E2M1_VALUES, quantize_act_fp8_rowwise_reference, roundup
 from .launch import HAS_TRITON, tl, triton, triton_usable  # noqa: F401 - triton_usable: asked here by callers
 
 MAX_ELEMENTS_PER_CALL = 2 ** 31 - 2 ** 20   # stay clear of 32-bit index overflow inside one launch
@@ -342,6 +342,14 @@ def quantize_act_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, chunk_rows: 
         _act_nvfp4_kernel[grid](x[r0:r0 + mc], q[r0:r0 + mc], s, g, mc, K, x.stride(0), r0, sc // 4,
                                 BLOCK_M=BLOCK_M, BLOCK_B=BLOCK_B, num_warps=4)
     return q, s
+
+
+def quantize_rows_fp8(x: torch.Tensor):
+    """The pack's one per-token FP8 quantization (inference and training): the Triton kernel where Triton runs,
+    else ``format.quantize_act_fp8_rowwise_reference``, which the kernel reproduces bit for bit."""
+    if launch.triton_usable(x):
+        return quantize_act_fp8_rowwise(x)
+    return quantize_act_fp8_rowwise_reference(x)
 
 
 def quantize_act_fp8_rowwise(x: torch.Tensor):

@@ -351,10 +351,7 @@ class NVFP4Linear(_QuantLinearBase):
 
     def _k_fp8_rowwise(self, x2):
         w8, sw = self.fp8_weight(x2.device)
-        if launch.triton_usable(x2):
-            xq, sx = kernels.quantize_act_fp8_rowwise(x2)
-        else:
-            xq, sx = fmt.quantize_act_fp8_rowwise_reference(x2)
+        xq, sx = kernels.quantize_rows_fp8(x2)
         b = self.bias.to(torch.bfloat16) if self.bias is not None else None
         fast = self.fp8_fast_accum_for(x2.shape[0], x2.device)
 
@@ -468,8 +465,7 @@ class FP8Linear(_QuantLinearBase):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.decision(x2).kernel == "fp8_scaled_mm":
-            xq, sx = (kernels.quantize_act_fp8_rowwise(x2) if launch.triton_usable(x2)
-                      else fmt.quantize_act_fp8_rowwise_reference(x2))
+            xq, sx = kernels.quantize_rows_fp8(x2)
             sw = self.weight_scale.float()
             sw = sw.reshape(1, -1) if sw.numel() > 1 else sw.reshape(1, 1).expand(1, self.out_features).contiguous()
             b = self.bias.to(torch.bfloat16) if self.bias is not None else None
