@@ -8,6 +8,7 @@ crash) left its work folder there; running the same job again continues it, into
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import io as _io
 import os
 
@@ -30,11 +31,7 @@ def _codec_options() -> list[str]:
 
 
 def _has_av() -> bool:
-    try:
-        import av  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("av") is not None
 
 
 def _video_inputs() -> list:
@@ -176,11 +173,9 @@ class SeedVR2UpscaleVideo(io.ComfyNode):
     @classmethod
     def execute(cls, video, dit, vae, seed, size_mode, resolution, scale_factor, max_resolution, batch_size,
                 temporal_overlap, color_correction, codec, filename_prefix, scene_threshold) -> io.NodeOutput:
-        node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
-        res = run_video(_source_path(video), dit, vae, seed, size_mode, resolution, scale_factor, max_resolution,
-                        batch_size, temporal_overlap, color_correction, codec, filename_prefix, scene_threshold,
-                        node_id)
-        return io.NodeOutput(_video_output(res), res.out_path, ui={"text": [_summary(res)]})
+        return _node_output(cls, run_video(_source_path(video), dit, vae, seed, size_mode, resolution, scale_factor,
+                                           max_resolution, batch_size, temporal_overlap, color_correction, codec,
+                                           filename_prefix, scene_threshold, _node_id(cls)))
 
 
 class SeedVR2UpscaleVideoFile(io.ComfyNode):
@@ -210,15 +205,20 @@ class SeedVR2UpscaleVideoFile(io.ComfyNode):
                                  "to ComfyUI's input folder).")
         if not os.path.isabs(p):
             p = os.path.join(folder_paths.get_input_directory(), p)
-        node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
-        res = run_video(p, dit, vae, seed, size_mode, resolution, scale_factor, max_resolution, batch_size,
-                        temporal_overlap, color_correction, codec, filename_prefix, scene_threshold, node_id)
-        return io.NodeOutput(_video_output(res), res.out_path, ui={"text": [_summary(res)]})
+        return _node_output(cls, run_video(p, dit, vae, seed, size_mode, resolution, scale_factor, max_resolution,
+                                           batch_size, temporal_overlap, color_correction, codec, filename_prefix,
+                                           scene_threshold, _node_id(cls)))
 
 
-def _summary(res) -> str:
-    return (f"wrote {res.out_path}: {res.frames} frames in {res.chunks} chunks ({res.resumed_chunks} resumed), "
+def _node_id(cls):
+    return getattr(getattr(cls, "hidden", None), "unique_id", None)
+
+
+def _node_output(cls, res) -> io.NodeOutput:
+    """The VIDEO (None for a PNG sequence) and the path, with a summary line under the node."""
+    text = (f"wrote {res.out_path}: {res.frames} frames in {res.chunks} chunks ({res.resumed_chunks} resumed), "
             f"{res.fps:.2f} frames/s")
+    return io.NodeOutput(_video_output(res), res.out_path, ui={"text": [text]})
 
 
 NODES = [SeedVR2UpscaleVideo, SeedVR2UpscaleVideoFile]

@@ -2,7 +2,6 @@
 GEMM path this GPU supports is correct (against the exact reference product) and timed against bf16."""
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
@@ -114,16 +113,6 @@ def check_nvfp4_quantize(ctx) -> CheckResult:
     return CheckResult(name, PASS, round(bad * 100, 4), "% mismatch", detail, data=data)
 
 
-@contextlib.contextmanager
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
-
-
 def build_linear(w: torch.Tensor, bias, path: str, dtype=torch.bfloat16):
     """An NVFP4Linear holding ``w`` quantized (on w's device), pinned to ``path``; returns (module, fp32 weight as
     stored, i.e. dequantized)."""
@@ -199,7 +188,7 @@ def check_nvfp4_gemm(ctx) -> list[CheckResult]:
                 if ctx.fault("nvfp4_wrong"):
                     y = y.roll(1, dims=-1)
                 if ctx.is_cuda:
-                    with _no_tf32():
+                    with hw_policy.scoped_flags(tf32=False):
                         want = torch.addmm(bias.float(), xx.float(), w_deq.to(dev).float().t())
                 else:
                     want = torch.addmm(bias.float(), xx.float(), reference_roundtrip(w_dev).t())

@@ -210,10 +210,19 @@ def torch_settings(policy: Policy) -> Iterator[None]:
     if policy.device.type != "cuda":
         yield
         return
+    with scoped_flags(tf32=policy.tf32, cudnn_benchmark=policy.cudnn_benchmark):
+        yield
+
+
+@contextlib.contextmanager
+def scoped_flags(tf32: bool, cudnn_benchmark: bool | None = None) -> Iterator[None]:
+    """torch's process-wide TF32 (matmul and cuDNN) and, if given, cuDNN autotuning flags set for the ``with``
+    block only; the caller's values come back on exit."""
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     saved = (matmul.allow_tf32, cudnn.allow_tf32, cudnn.benchmark)
-    matmul.allow_tf32 = cudnn.allow_tf32 = policy.tf32
-    cudnn.benchmark = policy.cudnn_benchmark
+    matmul.allow_tf32 = cudnn.allow_tf32 = tf32
+    if cudnn_benchmark is not None:
+        cudnn.benchmark = cudnn_benchmark
     try:
         yield
     finally:

@@ -304,15 +304,19 @@ class ComfyFrontend:
         """Queue the loaded graph the way the Run button does; returns the /history entry."""
         before = set(self._get("/history"))
         self.b.js("app.queuePrompt(0, 1).then(() => true)")
+        return self._wait_new_entry(before, timeout, "the queued workflow did not finish in time")
+
+    def _wait_new_entry(self, before: set, timeout: float, why: str) -> dict:
+        """The first /history entry not in ``before`` once it has finished (success or error)."""
         t0 = time.time()
         while time.time() - t0 < timeout:
-            new = [k for k, v in self._get("/history").items() if k not in before]
+            new = [k for k in self._get("/history") if k not in before]
             if new:
                 entry = self._get(f"/history/{new[0]}")[new[0]]
                 if entry.get("status", {}).get("status_str") in ("success", "error"):
                     return entry
             time.sleep(0.3)
-        raise BrowserError("the queued workflow did not finish in time")
+        raise BrowserError(why)
 
     def click_run(self, timeout: float = 120.0) -> dict:
         """Press the toolbar's Run button (the element a user clicks); returns the /history entry."""
@@ -325,15 +329,7 @@ class ComfyFrontend:
             b.click(); return b.outerHTML.slice(0, 200); })()""")
         if not clicked:
             raise BrowserError("no Run button found in the page")
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            new = [k for k, v in self._get("/history").items() if k not in before]
-            if new:
-                entry = self._get(f"/history/{new[0]}")[new[0]]
-                if entry.get("status", {}).get("status_str") in ("success", "error"):
-                    return entry
-            time.sleep(0.3)
-        raise BrowserError("the workflow started with the Run button did not finish in time")
+        return self._wait_new_entry(before, timeout, "the workflow started with the Run button did not finish in time")
 
     def _get(self, path: str):
         with urllib.request.urlopen(self.url + path, timeout=30) as r:
