@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import DATA
+from seedvr2bw.models.seedvr2.files import ModelFileError
 from seedvr2bw.models.seedvr2.vae import (SEEDVR2_VAE, NotASeedVR2VAE, VideoAutoencoder, build_vae,
                                           config_from_state_dict, load_vae)
 
@@ -101,5 +102,6 @@ def test_load_pth_and_safetensors_with_wrappers(tmp_path):
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(m.state_dict()[k], v, atol=1e-3, rtol=1e-3)
     assert m1.state_dict()["encoder.conv_in.weight"].dtype == torch.float32
-    with pytest.raises(NotASeedVR2VAE, match="unknown file type"):
-        load_vae(tmp_path / "x.gguf")
+    (tmp_path / "x.onnx").write_bytes(b"x")
+    with pytest.raises(ModelFileError, match="unknown file type"):
+        load_vae(tmp_path / "x.onnx")

@@ -19,6 +19,7 @@ from typing import Dict, Mapping, Optional, Union
 import torch
 
 from ....optimization.nvfp4.surgery import replace_linears
+from ..files import read_tensors
 from .config import DiTConfig
 from .nadit import NaDiT
 from .rope import lang_freqs, pixel_freqs
@@ -40,17 +41,7 @@ class DiTCheckpointError(ValueError):
 # --------------------------------------------------------------------------------------------------
 def read_state_dict(path: Union[str, os.PathLike]) -> StateDict:
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"DiT checkpoint not found: {path}")
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        sd = load_file(path)
-    elif path.endswith((".pth", ".pt", ".ckpt", ".bin")):
-        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    else:
-        raise DiTCheckpointError(f"{path}: unknown checkpoint extension; expected .safetensors or .pth")
-    return unwrap_state_dict(sd, source=path)
+    return unwrap_state_dict(read_tensors(path, "SeedVR2 DiT"), source=path)
 
 
 def unwrap_state_dict(sd, source: str = "state dict") -> StateDict:

@@ -12,6 +12,7 @@ from typing import Dict, Mapping, Optional, Union
 
 import torch
 
+from ..files import read_tensors
 from .config import VAEConfig, config_from_state_dict
 from .autoencoder import VideoAutoencoder
 
@@ -34,13 +35,7 @@ class NotASeedVR2VAE(ValueError):
 
 
 def read_state_dict(path: Union[str, os.PathLike], device: str = "cpu") -> Dict[str, torch.Tensor]:
-    path = os.fspath(path)
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-        return load_file(path, device=device)
-    if path.endswith((".pth", ".pt", ".ckpt", ".bin")):
-        return torch.load(path, map_location=device, weights_only=True, mmap=True)
-    raise NotASeedVR2VAE(f"{path}: unknown file type (expected .safetensors or .pth)")
+    return read_tensors(path, "SeedVR2 VAE", device)
 
 
 def normalize_state_dict(sd: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

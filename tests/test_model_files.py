@@ -1,0 +1,83 @@
+"""Model files users have that cannot be loaded get an error naming the file, the reason and the fix: a truncated
+download, bytes that are not a model, a pickle carrying code (never run), a GGUF file, an unknown type."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from seedvr2bw.models.seedvr2.dit.loader import load_dit  # noqa: E402
+from seedvr2bw.models.seedvr2.files import ModelFileError, read_tensors  # noqa: E402
+from seedvr2bw.models.seedvr2.vae import load_vae  # noqa: E402
+
+
+class CarriesCode:
+    """Any class the weights-only unpickler does not know stands for a pickle that could run code."""
+
+    def __init__(self):
+        self.x = 1
+
+
+def _good(tmp_path) -> Path:
+    p = tmp_path / "good.safetensors"
+    save_file({"a": torch.randn(64, 64), "b": torch.randn(128)}, str(p))
+    return p
+
+
+@pytest.mark.parametrize("loader,what", [(load_dit, "SeedVR2 DiT"), (load_vae, "SeedVR2 VAE")])
+def test_truncated_safetensors(tmp_path, loader, what):
+    data = _good(tmp_path).read_bytes()
+    bad = tmp_path / "seedvr2_ema_3b_fp16.safetensors"
+    bad.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelFileError) as e:
+        loader(str(bad))
+    msg = str(e.value)
+    assert what in msg and "seedvr2_ema_3b_fp16.safetensors is damaged or is not a model file" in msg, msg
+    assert "download it again" in msg and str(bad) in msg
+
+
+def test_random_bytes_are_not_a_model(tmp_path):
+    bad = tmp_path / "ema_vae.safetensors"
+    bad.write_bytes(bytes(range(256)) * 64)
+    with pytest.raises(ModelFileError, match="ema_vae.safetensors is damaged or is not a model file.*download it"):
+        read_tensors(bad, "SeedVR2 VAE")
+
+
+def test_pickle_with_code_is_refused_without_running_it(tmp_path):
+    p = tmp_path / "seedvr2_ema_7b.pth"
+    torch.save({"weights": torch.zeros(2), "extra": CarriesCode()}, str(p))
+    with pytest.raises(ModelFileError) as e:
+        load_dit(str(p))
+    msg = str(e.value)
+    assert "contains Python code" in msg and "not loaded" in msg and "safetensors version" in msg, msg
+    assert "weights_only=False" not in msg
+
+
+def test_damaged_pth_gguf_and_unknown_types(tmp_path):
+    bad = tmp_path / "m.pth"
+    bad.write_bytes(b"PK\x03\x04 not really a zip")
+    with pytest.raises(ModelFileError, match="m.pth is damaged or is not a model file"):
+        read_tensors(bad, "SeedVR2 DiT")
+    g = tmp_path / "seedvr2_ema_3b-Q4_K_M.gguf"
+    g.write_bytes(b"GGUF")
+    with pytest.raises(ModelFileError, match="GGUF file.*safetensors"):
+        load_dit(str(g))
+    odd = tmp_path / "model.onnx"
+    odd.write_bytes(b"x")
+    with pytest.raises(ModelFileError, match="unknown file type.*\\.safetensors or \\.pth"):
+        read_tensors(odd)
+    with pytest.raises(ModelFileError, match="not found"):
+        read_tensors(tmp_path / "missing.safetensors")
+
+
+def test_good_files_still_load(tmp_path):
+    p = _good(tmp_path)
+    sd = read_tensors(p)
+    assert set(sd) == {"a", "b"}
+    q = tmp_path / "w.pth"
+    torch.save({"a": torch.ones(3)}, str(q))
+    assert torch.equal(read_tensors(q)["a"], torch.ones(3))
