@@ -169,13 +169,18 @@ def plan_chunks(num_frames: int, batch_size: int, temporal_overlap: int) -> list
         start += stride
 
 
+def blend_ramp(o: int) -> torch.Tensor:
+    """The later chunk's weights over an overlap of ``o`` frames, (j + 1) / (o + 1); the earlier one gets the rest."""
+    return torch.arange(1, o + 1, dtype=torch.float32) / (o + 1)
+
+
 def chunk_blend_weights(chunks: Sequence[tuple[int, int]], temporal_overlap: int) -> list[torch.Tensor]:
     """Per-chunk frame weights: linear cross-fades over each overlap; weights sum to 1 on every frame.
 
     In an overlap of o frames, the later chunk gets (j+1)/(o+1) on its j-th frame, the earlier one the rest.
     """
     o = temporal_overlap
-    ramp = torch.arange(1, o + 1, dtype=torch.float32) / (o + 1)
+    ramp = blend_ramp(o)
     out = []
     for i, (s, e) in enumerate(chunks):
         w = torch.ones(e - s, dtype=torch.float32)

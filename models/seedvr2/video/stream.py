@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
+from ..pipeline import blend_ramp, plan_chunks
 from .container import (BT709, SegmentWriter, VideoFileError, VideoInfo, concat_segments, copy_audio, get_codec,
                         probe, read_frames, write_png_frames)
 from .scenes import DEFAULT_THRESHOLD, CutDetector
@@ -84,13 +85,14 @@ class StreamResult:
 
 
 def ramp(o: int) -> np.ndarray:
-    """Weights of the later chunk over an overlap of ``o`` frames: (j + 1) / (o + 1)."""
-    return (np.arange(1, o + 1, dtype=np.float32) / np.float32(o + 1)).reshape(-1, 1, 1, 1)
+    """The pipeline's cross-fade weights of the later chunk over an overlap of ``o`` frames, shaped for frames."""
+    return blend_ramp(o).numpy().reshape(-1, 1, 1, 1)
 
 
 def plan(frames: Iterable[np.ndarray], batch_size: int, overlap: int,
          scene_threshold: float = DEFAULT_THRESHOLD) -> list[Chunk]:
-    """The chunks of a video, from one pass over its frames (only the scene detector looks at them)."""
+    """The chunks of a video, from one pass over its frames (only the scene detector looks at them): the
+    pipeline's chunk plan inside each shot."""
     cuts = CutDetector(scene_threshold)
     shots, n = [], 0
     for frame in frames:
@@ -99,16 +101,11 @@ def plan(frames: Iterable[np.ndarray], batch_size: int, overlap: int,
         n += 1
     bounds = [0] + shots + [n]
     chunks = []
-    stride = batch_size - overlap
     for a, b in zip(bounds[:-1], bounds[1:]):
-        start, first = a, True
-        while True:
-            end = min(start + batch_size, b)
-            last = end >= b
-            chunks.append(Chunk(len(chunks), start, end, 0 if first else overlap, 0 if last else overlap))
-            if last:
-                break
-            start, first = start + stride, False
+        ranges = plan_chunks(b - a, batch_size, overlap)
+        for i, (s, e) in enumerate(ranges):
+            chunks.append(Chunk(len(chunks), a + s, a + e, overlap if i else 0,
+                                overlap if i + 1 < len(ranges) else 0))
     return chunks
 
 
