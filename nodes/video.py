@@ -19,7 +19,7 @@ from comfy_api.latest import InputImpl, io
 from ..models.seedvr2 import pipeline as P
 from ..models.seedvr2.video.container import CODECS, VideoFileError, available_codecs, probe
 from ..models.seedvr2.video.stream import StreamSettings, job_key, upscale_video
-from ..models.seedvr2.video.workdir import unfinished_output
+from ..models.seedvr2.video.workdir import file_id, unfinished_output
 from .seedvr2 import upscale_inputs, upscale_settings
 from .staging import ModelStager, dit_activation_bytes, vae_activation_bytes
 from .types import CATEGORY, SeedVR2DiT, SeedVR2VAE
@@ -71,13 +71,7 @@ def _source_path(video) -> str:
 
 
 def _model_key(dit, vae, settings: P.UpscaleSettings) -> str:
-    def fid(p):
-        try:
-            st = os.stat(p)
-            return f"{os.path.abspath(p)}:{st.st_size}:{st.st_mtime_ns}"
-        except OSError:
-            return str(p)
-    return (f"dit={fid(dit.path)} vae={fid(vae.path)} dtype={dit.dtype}/{vae.dtype} seed={settings.seed} "
+    return (f"dit={file_id(dit.path)} vae={file_id(vae.path)} dtype={dit.dtype}/{vae.dtype} seed={settings.seed} "
             f"res={settings.resolution} scale={settings.scale_factor} max={settings.max_resolution} "
             f"cc={settings.color_correction}")
 

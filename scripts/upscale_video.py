@@ -15,7 +15,6 @@ Codecs: h264 (8-bit), h265 (10-bit), prores (10-bit 4:2:2, .mov), ffv1 (16-bit l
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import os
 import sys
@@ -37,6 +36,7 @@ from seedvr2bw.models.seedvr2.vae.loader import load_vae
 from seedvr2bw.models.seedvr2.video.container import CODECS, VideoFileError
 from seedvr2bw.models.seedvr2.video.parallel import upscale_video_distributed
 from seedvr2bw.models.seedvr2.video.stream import StreamSettings, upscale_video
+from seedvr2bw.models.seedvr2.video.workdir import file_id
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -64,11 +64,6 @@ def parse_args(argv=None):
     ap.add_argument("--gpus", default="", help="GPUs to share the chunks: a list (0,1,2) or 'all'")
     ap.add_argument("--workers", type=int, default=1, help="CPU processes to share the chunks (--device cpu)")
     return ap.parse_args(argv)
-
-
-def _file_id(path: str) -> str:
-    st = os.stat(path)
-    return hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
 def _settings(a) -> StreamSettings:
@@ -119,7 +114,7 @@ def run(a, device: torch.device, store=None, show_progress: bool = True) -> int:
         return out.numpy()
 
     bar = _progress_bar() if show_progress else None
-    key = f"dit={_file_id(a.dit)} vae={_file_id(a.vae)} res={a.resolution} scale={a.scale} max={a.max_resolution} " \
+    key = f"dit={file_id(a.dit)} vae={file_id(a.vae)} res={a.resolution} scale={a.scale} max={a.max_resolution} " \
           f"seed={a.seed} cc={a.color_correction} dtype={a.dtype}"
     try:
         if store is None:

@@ -186,7 +186,10 @@ def get_codec(name: str) -> Codec:
 
 
 def to_pixels(frames: np.ndarray, bits: int) -> np.ndarray:
-    """(T, H, W, 3) float in [0, 1] -> uint8 or uint16, rounded to nearest (one float32 temporary)."""
+    """(T, H, W, 3) float in [0, 1] -> uint8 or uint16, rounded to nearest and clipped (one float32 temporary);
+    integer arrays are pixels already and pass through."""
+    if not np.issubdtype(frames.dtype, np.floating):
+        return frames
     top = 255.0 if bits <= 8 else 65535.0
     x = np.multiply(frames, np.float32(top), dtype=np.float32)
     np.rint(x, out=x)

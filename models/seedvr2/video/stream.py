@@ -29,7 +29,7 @@ import numpy as np
 
 from ..pipeline import blend_ramp, plan_chunks
 from .container import (BT709, SegmentWriter, VideoFileError, VideoInfo, concat_segments, copy_audio, get_codec,
-                        probe, read_frames, write_png_frames)
+                        probe, read_frames, to_pixels, write_png_frames)
 from .scenes import DEFAULT_THRESHOLD, CutDetector
 from .workdir import WorkDir, work_dir_for
 
@@ -222,6 +222,9 @@ class Job:
     def _encode(self, name: str, first: int, frames: np.ndarray, then_delete: tuple = ()) -> None:
         """Encodes a unit; in the background when the job has an encoder thread (the next chunk's GPU work then
         overlaps it; at most ``MAX_QUEUED_UNITS`` queued, so host memory stays bounded by a few chunks)."""
+        # pixels here, in the caller's thread: the queue then holds integers (a quarter of the floats' bytes) and
+        # the encoder thread allocates little (its own malloc arena would otherwise grow the process's RSS)
+        frames = to_pixels(frames, 16 if self.codec.sequence() else self.codec.bits)
         if self.encoder is None:
             self._encode_now(name, first, frames, then_delete)
             return
@@ -260,8 +263,7 @@ class Job:
         if c.tail:
             self.work.save_array(f"tail_{c.index:06d}.npy", up[n - c.tail:] * (1.0 - ramp(c.tail)))
         b0, b1 = c.body
-        body = up[b0 - c.start:b1 - c.start]
-        self._encode(self.body_name(c), b0, np.clip(body, 0.0, 1.0, out=body))   # in place: ``up`` is ours
+        self._encode(self.body_name(c), b0, up[b0 - c.start:b1 - c.start])
 
     def seams_ready(self) -> list[int]:
         """Chunks k whose tail and the next chunk's head are written but their seam is not."""
@@ -276,8 +278,7 @@ class Job:
         self.seams_started.add(k)
         c = self.chunks[k]
         tail, head = self.work.load_array(f"tail_{k:06d}.npy"), self.work.load_array(f"head_{k + 1:06d}.npy")
-        seam = np.add(tail, head, out=tail)
-        self._encode(self.seam_name(k), c.end - c.tail, np.clip(seam, 0.0, 1.0, out=seam),
+        self._encode(self.seam_name(k), c.end - c.tail, np.add(tail, head, out=tail),
                      then_delete=(f"tail_{k:06d}.npy", f"head_{k + 1:06d}.npy"))
 
     def units_in_order(self) -> list[str]:

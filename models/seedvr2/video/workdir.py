@@ -29,6 +29,15 @@ def _atomic_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def file_id(path: str) -> str:
+    """A model file as a resume key names it: path, size and modification time (a replaced file does not resume)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return str(path)
+    return f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}"
+
+
 def unfinished_output(folder: str, prefix: str, key: dict):
     """The output path of an unfinished job in ``folder`` whose name starts with ``prefix`` and whose manifest has
     ``key`` (so a rerun of the same job resumes it), or None."""
