@@ -55,6 +55,7 @@ _log = logging.getLogger(__name__)
 SIZE_MULTIPLE = 16          # VAE 8 x DiT patch 2
 MIN_INPUT_SIDE = 8          # smaller inputs carry no content worth upscaling (and break the resize)
 MIN_OUTPUT_SIDE = 16        # one 2x2 latent patch
+MAX_OUTPUT_SIDE = 16384     # the nodes' resolution widgets end here
 TIMESTEP = 1000.0
 
 
@@ -132,6 +133,10 @@ def compute_target_size(height: int, width: int, resolution: int = 1080, scale_f
         raise SeedVR2InputError(
             f"the output would be {tw}x{th} pixels; SeedVR2 needs at least {MIN_OUTPUT_SIDE}x{MIN_OUTPUT_SIDE}. "
             f"Raise resolution/scale_factor.")
+    if max(th, tw) > MAX_OUTPUT_SIDE:
+        raise SeedVR2InputError(
+            f"the output would be {tw}x{th} pixels; the longest side may be at most {MAX_OUTPUT_SIDE}. Lower "
+            f"{'scale_factor' if scale_factor and scale_factor > 0 else 'resolution or set max_resolution'}.")
     return th, tw
 
 
@@ -372,14 +377,16 @@ def upscale(frames: torch.Tensor, dit, vae, text_embedding: torch.Tensor, settin
             should_stop: Optional[Callable[[], None]] = None,
             progress: Optional[Callable[[int, int], None]] = None,
             hooks: Optional[PipelineHooks] = None,
-            free_memory: Optional[Callable[[], int]] = None, frame_group: int = 8) -> torch.Tensor:
+            free_memory: Optional[Callable[[], int]] = None, frame_group: int = 8, memory=None) -> torch.Tensor:
     """Upscale ``frames`` (T, H, W, C in [0, 1], C = 3 or 4) -> (T, th, tw, C) float32 on ``output_device``.
 
     ``should_stop()`` is called between chunks/tiles (and handed to the models);
     it must raise to stop (or return True). ``progress(done, total)`` is called after each chunk of each
     phase. ``frame_group``: frames resized / colour-corrected at a time (bounds device temporaries).
+    ``memory``: the run's ``memory.MemoryPlan``; its settings replace ``settings`` and its VAE tiles are used for
+    every call (without one, each VAE call sizes its tiles from the free memory at that moment).
     """
-    s = settings or UpscaleSettings()
+    s = memory.settings if memory is not None else (settings or UpscaleSettings())
     hooks = hooks or PipelineHooks()
     p = plan(frames, s)
     T, H, W, C = frames.shape
@@ -423,7 +430,9 @@ def upscale(frames: torch.Tensor, dit, vae, text_embedding: torch.Tensor, settin
     for ci, (s0, e0) in enumerate(chunks):
         stop()
         x = vae_input(s0, e0)
-        mean, logvar = runner.encode(x, *p.vae_tiles("encode", runner.free_bytes, runner.vae_dtype, vae.config))
+        tiles = memory.encode_tiles if memory is not None else \
+            p.vae_tiles("encode", runner.free_bytes, runner.vae_dtype, vae.config)
+        mean, logvar = runner.encode(x, *tiles)
         g = _seed_generator(s.seed, 1)
         eps = torch.randn(mean.shape, generator=g, dtype=torch.float32).to(mean.device)
         z = (mean + torch.exp(0.5 * logvar) * eps) * runner.scaling_factor
@@ -452,7 +461,8 @@ def upscale(frames: torch.Tensor, dit, vae, text_embedding: torch.Tensor, settin
     for ci, ((s0, e0), x0) in enumerate(zip(chunks, samples)):
         stop()
         z = (x0.to(dev) / runner.scaling_factor).permute(3, 0, 1, 2).unsqueeze(0)  # (1, 16, t, h, w)
-        tiles = p.vae_tiles("decode", runner.free_bytes, runner.vae_dtype, vae.config)
+        tiles = memory.decode_tiles if memory is not None else \
+            p.vae_tiles("decode", runner.free_bytes, runner.vae_dtype, vae.config)
         px = runner.decode(z, *tiles)[0]                                            # (3, T', ph, pw)
         n = e0 - s0
         if px.shape[1] < n:

@@ -99,7 +99,7 @@ class BlockSwapPlan:
 
 def plan_blockswap(block_bytes: Sequence[int], other_bytes: int, free_vram: int, reserve: int,
                    buffers: int = 2, io_bytes: Optional[Sequence[int]] = None,
-                   allow_io_swap: bool = False) -> BlockSwapPlan:
+                   allow_io_swap: bool = False, block_extra: Optional[Sequence[int]] = None) -> BlockSwapPlan:
     """Decide automatic BlockSwap enablement and the number of swapped blocks.
 
     block_bytes: bytes of each block in its stored dtype; other_bytes: the non-block weights (embeddings, I/O);
@@ -108,10 +108,13 @@ def plan_blockswap(block_bytes: Sequence[int], other_bytes: int, free_vram: int,
     The GPU then holds: other_bytes + resident blocks + buffers x largest swapped block.
     If even all blocks swapped do not fit and `allow_io_swap`, the non-block components (`io_bytes`, summing to
     other_bytes) are swapped too. The plan says `fits=False` when nothing fits (the caller should refuse or warn).
+    `block_extra`: bytes each block derives on the GPU while it is there (e.g. an FP8 copy of NVFP4 weights), counted
+    for the resident blocks and for each ring slot.
     """
     n = len(block_bytes)
+    extra = list(block_extra) if block_extra is not None else [0] * n
     budget = int(free_vram) - int(reserve)
-    total = sum(block_bytes) + int(other_bytes)
+    total = sum(block_bytes) + sum(extra) + int(other_bytes)
     if total <= budget:
         return BlockSwapPlan(False, 0, [], total, 0, budget, True,
                              f"model fits: {total / GiB:.2f} GiB <= {budget / GiB:.2f} GiB budget")
@@ -120,8 +123,8 @@ def plan_blockswap(block_bytes: Sequence[int], other_bytes: int, free_vram: int,
         idx = spread_indices(n, s)
         swapped = set(idx)
         largest = max([block_bytes[i] for i in idx] + (list(io_bytes or []) if io_swapped else []), default=0)
-        resident = sum(b for i, b in enumerate(block_bytes) if i not in swapped)
-        ring = buffers * largest if (idx or io_swapped) else 0
+        resident = sum(b + extra[i] for i, b in enumerate(block_bytes) if i not in swapped)
+        ring = buffers * (largest + max((extra[i] for i in idx), default=0)) if (idx or io_swapped) else 0
         other = 0 if io_swapped else int(other_bytes)
         return idx, resident + other + ring, ring, sum(block_bytes[i] for i in idx)
 

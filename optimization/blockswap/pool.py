@@ -11,6 +11,7 @@ the set pinned at attach (or later when room appears) stays pinned, and the rest
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import OrderedDict
@@ -182,6 +183,14 @@ class PinnedPool:
         _log.warning("[SeedVR2-BW] BlockSwap: %s (%.2f of %.2f GiB pinned): some blocks are copied from pageable "
                      "memory, which is slower and blocks the host during the copy", why,
                      self.pinned_bytes / GiB, self.cap_bytes / GiB)
+
+
+_owner_ids = itertools.count(1)
+
+
+def new_owner() -> int:
+    """A fresh owner id for the pool (one per model or runner that registers arenas)."""
+    return next(_owner_ids)
 
 
 _global_pool: Optional[PinnedPool] = None

@@ -18,7 +18,6 @@ Design (why: docs/ARCHITECTURE.md, "Block runner"):
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -30,11 +29,10 @@ from torch import nn
 from .arena import ALIGN, HostArena, module_bytes, swappable_tensors
 from .backend import Backend, make_backend
 from .config import BlockSwapConfig, default_reserve_bytes, plan_blockswap, spread_indices
-from .pool import PinnedPool, get_pinned_pool
+from .pool import PinnedPool, get_pinned_pool, new_owner
 from .resident import ResidentRunner
 
 _log = logging.getLogger(__name__)
-_owner_ids = itertools.count(1)
 GiB = 1 << 30
 
 
@@ -104,12 +102,17 @@ class BlockSwapRunner:
     """Block runner for a model whose swapped blocks' tensors live in pinned host arenas."""
 
     def __init__(self, units: list[tuple[str, nn.Module, str]], config: BlockSwapConfig, backend: Backend,
-                 pool: PinnedPool, swapped_indices=(), num_blocks: int = 0, exclude=frozenset()):
+                 pool: PinnedPool, swapped_indices=(), num_blocks: int = 0, exclude=frozenset(),
+                 arenas: Optional[dict] = None, owner: Optional[int] = None):
+        """``arenas`` (unit name -> HostArena) and ``owner``: the host copies of a ``StagedModel``, which keeps them
+        (and their pins in the pool under ``owner``) after this runner closes; otherwise the runner packs its own
+        arenas and unpins them when it closes."""
         self.config = config
         self.backend = backend
         self.device = backend.device
         self.pool = pool
-        self.owner = next(_owner_ids)
+        self.owns_arenas = arenas is None
+        self.owner = new_owner() if owner is None else owner
         self.swapped_indices = list(swapped_indices)
         self.num_blocks = num_blocks
         self.closed = False
@@ -117,17 +120,23 @@ class BlockSwapRunner:
         self._tick = 0
         self._dir = 1
         self._hooks = []
-        pool.set_owner_cap(self.owner, config.pinned_cap_bytes)
         self.copy_stream = backend.new_stream()
-        self._finalizer = weakref.finalize(self, _finalize, backend, pool, self.owner)
+        if self.owns_arenas:
+            pool.set_owner_cap(self.owner, config.pinned_cap_bytes)
+            self._finalizer = weakref.finalize(self, _finalize, backend, pool, self.owner)
+        else:
+            self._finalizer = weakref.finalize(self, backend.synchronize)
         sync = self._make_sync()
         self.units: list[_Unit] = []
         try:
             for pos, (name, module, kind) in enumerate(units):
                 key = name
-                arena = HostArena(module, name,
-                                  pin_fn=lambda buf, key=key: pool.add(self.owner, key, buf, backend, sync=sync),
-                                  small_bytes=config.small_tensor_bytes, exclude=exclude)
+                if arenas is not None:
+                    arena = arenas[name]
+                else:
+                    arena = HostArena(module, name,
+                                      pin_fn=lambda buf, key=key: pool.add(self.owner, key, buf, backend, sync=sync),
+                                      small_bytes=config.small_tensor_bytes, exclude=exclude)
                 self.units.append(_Unit(pos, name, module, kind, arena))
             self._by_module = {id(u.module): u for u in self.units}
             slot_bytes = max((u.used_bytes for u in self.units), default=0)
@@ -216,7 +225,8 @@ class BlockSwapRunner:
                     for u in getattr(self, "units", []):
                         u.arena.restore_to(dev)
             finally:
-                self.pool.release_owner(self.owner)
+                if self.owns_arenas:
+                    self.pool.release_owner(self.owner)
                 self._finalizer.detach()
 
     def stats(self) -> dict:

@@ -297,6 +297,12 @@ class NVFP4Linear(_QuantLinearBase):
         n, k = self.out_features, self.in_features
         return _scratch(x2.device, dtype, n * k)[: n * k].view(n, k)
 
+    def derived_bytes(self, device) -> int:
+        """GPU bytes this layer derives from its weights on ``device`` (the FP8 copy on the fp8_speed path), so that
+        a memory plan counts what runs there, not only the stored NVFP4 bytes."""
+        path = self.path if self.path != "auto" else policy.get_policy(device).nvfp4_gemm
+        return self.out_features * (self.in_features + 4) if path == "fp8_speed" else 0
+
     def fp8_weight(self, device):
         """The NVFP4 weight as FP8 E4M3 with per-output-channel scales (made once per device)."""
         key = ("fp8", str(device))

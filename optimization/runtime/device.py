@@ -63,6 +63,22 @@ def host_memory_bytes() -> int:
             return 0
 
 
+def available_host_bytes() -> int:
+    """System RAM a new allocation can take now (MemAvailable: free + reclaimable cache), 0 where unknown."""
+    try:
+        import psutil
+        return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return 0
+
+
 def os_name() -> str:
     if sys.platform.startswith("win"):
         return "windows"

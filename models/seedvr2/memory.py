@@ -1,0 +1,262 @@
+"""The memory plan of one upscale run, made before any work from the VRAM and host RAM the run may use.
+
+One plan for the whole run (the node, the benchmark and the streaming video path all call ``plan_memory``): which
+DiT blocks stream from host RAM, the NVFP4 path when the fast one cannot fit, one VAE tile shape for every encode
+and one for every decode (or none), a shorter chunk when ``batch_size`` is too large for the card, and an error
+naming settings that fit when nothing does. It counts the bytes that actually run: an NVFP4 layer on the fp8_speed
+path holds an FP8 copy beside its 4-bit weight (``derived_bytes``), activations grow with the chunk's tokens, the
+VAE's peak per tile comes from ``vae/tiling.py``'s measured model, and a margin covers the allocator and workspace.
+
+The phases never hold both models: the VAE is on the GPU for encode and decode, the DiT for its phase (see
+``DiTStager``), so each phase gets the whole budget.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
+
+import torch
+
+from ...optimization.blockswap.config import plan_blockswap, spread_indices
+from ...optimization.runtime.device import available_host_bytes
+from .pipeline import MAX_OUTPUT_SIDE, RunPlan, SeedVR2InputError, UpscaleSettings, next_4n1
+from .vae.config import SEEDVR2_VAE, VAEConfig
+from .vae.tiling import estimate_decode_bytes, estimate_encode_bytes
+
+_log = logging.getLogger(__name__)
+GiB = 1 << 30
+MiB = 1 << 20
+
+# DiT step activations (bytes) = ACT_PER_TOKEN_DIM * tokens * dim + ACT_FIXED; measured peaks: docs/PERFORMANCE.md §10
+ACT_PER_TOKEN_DIM = 48
+ACT_FIXED = 512 * MiB
+MARGIN_FRACTION = 0.06      # of the budget: allocator rounding and fragmentation
+MARGIN_MIN = 384 * MiB
+HOST_MARGIN = 2 * GiB       # host RAM left to the OS and the rest of the program
+
+
+class SeedVR2MemoryError(SeedVR2InputError):
+    """No setting fits the memory this run may use; the message names settings that would."""
+
+
+@dataclass(frozen=True)
+class DiTFootprint:
+    """What the DiT holds on the GPU: ``block_bytes`` (stored, what a swap copies), ``block_extra`` (derived on the
+    GPU while the block is there: the FP8 copy of NVFP4 weights on fp8_speed), ``other_bytes`` (always resident),
+    ``dim`` (hidden size, for activations) and whether it has NVFP4 layers (that could fall back to fidelity)."""
+    block_bytes: tuple
+    block_extra: tuple
+    other_bytes: int
+    dim: int
+    nvfp4: bool = False
+
+    @property
+    def total(self) -> int:
+        return sum(self.block_bytes) + sum(self.block_extra) + self.other_bytes
+
+
+def dit_footprint(model: torch.nn.Module, device, block_bytes: Sequence[int], other_bytes: int) -> DiTFootprint:
+    """The footprint of ``model`` (a NaDiT) running on ``device``; ``block_bytes`` / ``other_bytes`` as its
+    ``StagedModel`` stores them."""
+    extra, nvfp4 = [], False
+    for block in model.blocks:
+        n = 0
+        for m in block.modules():
+            if callable(getattr(m, "derived_bytes", None)):
+                nvfp4 = True
+                n += int(m.derived_bytes(device))
+        extra.append(n)
+    dim = int(getattr(getattr(model, "config", None), "dim", 3072))
+    return DiTFootprint(tuple(block_bytes), tuple(extra), int(other_bytes), dim, nvfp4)
+
+
+def dit_tokens(frames: int, height: int, width: int) -> int:
+    """Video tokens of one chunk of ``frames`` (padded to 4n+1) at height x width model pixels (VAE 8x, patch 2)."""
+    return ((next_4n1(frames) - 1) // 4 + 1) * (height // 16) * (width // 16)
+
+
+def dit_activation_bytes(tokens: int, dim: int) -> int:
+    return int(ACT_PER_TOKEN_DIM * tokens * dim + ACT_FIXED)
+
+
+def margin_bytes(budget: int) -> int:
+    return max(MARGIN_MIN, int(MARGIN_FRACTION * budget))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """See the module docstring. Tiles are in ``encode_tiled`` (pixels) / ``decode_tiled`` (latents) units, (0, 0)
+    for one pass. ``settings`` are the run's settings after the plan (``batch_size`` may be smaller)."""
+    budget: Optional[int]
+    settings: UpscaleSettings
+    swapped: tuple = ()
+    nvfp4_path: Optional[str] = None             # None: the hardware policy's path; "fidelity" when fp8_speed won't fit
+    encode_tiles: tuple = (0, 0)
+    decode_tiles: tuple = (0, 0)
+    dit_gpu_bytes: int = 0
+    dit_activation_bytes: int = 0
+    vae_peak_bytes: tuple = (0, 0)               # estimated encode / decode peak, weights excluded
+    host_bytes: int = 0
+    notes: tuple = field(default_factory=tuple)
+    vae_stays: bool = False                      # the VAE may stay on the GPU through the DiT phase (room for both)
+
+    def line(self) -> str:
+        """The one log line: what was decided and why."""
+        if self.budget is None:
+            return "[SeedVR2-BW] memory plan: no VRAM budget known (CPU): everything resident, VAE " + \
+                   _tiles_text(self.encode_tiles, self.decode_tiles)
+        parts = [f"budget {self.budget / GiB:.1f} GiB",
+                 f"DiT {len(self.swapped)} blocks streamed, {self.dit_gpu_bytes / GiB:.2f} GiB weights + "
+                 f"{self.dit_activation_bytes / GiB:.2f} GiB activations on the GPU",
+                 "VAE " + _tiles_text(self.encode_tiles, self.decode_tiles) +
+                 f" (peaks {self.vae_peak_bytes[0] / GiB:.1f} / {self.vae_peak_bytes[1] / GiB:.1f} GiB)",
+                 f"chunks of {self.settings.batch_size} frames"]
+        return "[SeedVR2-BW] memory plan: " + "; ".join(parts) + "".join(f"; {n}" for n in self.notes)
+
+
+def _tiles_text(enc, dec) -> str:
+    e = f"encode tiles {enc[0][1]}x{enc[0][0]} px" if enc[0] else "encode one pass"
+    d = f"decode tiles {dec[0][1] * 8}x{dec[0][0] * 8} px" if dec[0] else "decode one pass"
+    return f"{e}, {d}"
+
+
+def _tile_len(size: int, n: int, overlap: int, unit: int) -> int:
+    """The shortest tile (a multiple of ``unit``) with which ``n`` tiles overlapping by ``overlap`` cover ``size``."""
+    if n == 1:
+        return size
+    t = -(-(size + (n - 1) * overlap) // n)
+    return min(size, t + (-t) % unit)
+
+
+def _choose_tile(kind: str, mode: str, tile_px: int, overlap_px: int, ph: int, pw: int, budget: Optional[int],
+                 dtype_bytes: int, config: VAEConfig) -> tuple[tuple, int]:
+    """((tile, overlap), estimated peak) of every ``kind`` call of the run, in ``encode_tiled`` (pixels) /
+    ``decode_tiled`` (latents) units; tile is an (h, w) pair, (0, 0) means one pass. Among the tile grids whose
+    peak (``vae/tiling.py``'s measured model) fits ``budget``, the one that processes the least area (tiles of
+    different sizes cost extra work, not only memory); a given tile size or mode "off" is kept as it is."""
+    s = config.spatial_factor
+    d = 1 if kind == "encode" else s                    # pixels per unit of the call
+    unit = 2 * s // d                                    # whole 2x2 latent patches
+    h, w = ph // d, pw // d
+    est = estimate_encode_bytes if kind == "encode" else estimate_decode_bytes
+
+    def peak(th, tw):
+        return est((th, tw), config, dtype_bytes)
+
+    ov = overlap_px // d // unit * unit
+    if mode == "off" or (budget is None and not tile_px and mode == "auto"):
+        return (0, 0), peak(h, w)
+    if tile_px or budget is None:
+        t = max(2 * unit, (tile_px or 512) // d // unit * unit)
+        if t >= h and t >= w:
+            return (0, 0), peak(h, w)
+        th, tw = min(t, h), min(t, w)
+        return ((th, tw), min(ov, t // 2)), peak(th, tw)
+    if peak(h, w) <= budget:
+        return (0, 0), peak(h, w)
+    best = None
+    for ny in range(1, 17):
+        for nx in range(1, 17):
+            th, tw = _tile_len(h, ny, ov, unit), _tile_len(w, nx, ov, unit)
+            if min(th, tw) < max(2 * unit, 2 * ov) or peak(th, tw) > budget:
+                continue
+            cost = (ny * nx * th * tw, ny * nx)
+            if best is None or cost < best[0]:
+                best = (cost, th, tw)
+    if best is None:                                      # nothing fits: the smallest tile, the caller refuses
+        t = max(2 * unit, 2 * ov)
+        return ((t, t), min(ov, t // 2)), peak(t, t)
+    _, th, tw = best
+    return ((th, tw), min(ov, min(th, tw) // 2)), peak(th, tw)
+
+
+def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_bytes: int,
+                budget: Optional[int], host_available: Optional[int] = None, blocks_to_swap="auto",
+                buffers: int = 2, vae_dtype: torch.dtype = torch.bfloat16,
+                vae_config: VAEConfig = SEEDVR2_VAE, channels: int = 3) -> MemoryPlan:
+    """The plan of ``run`` (``pipeline.plan``) within ``budget`` bytes of VRAM (None: unknown, e.g. the CPU) and
+    ``host_available`` bytes of RAM (None: asked from the system). ``blocks_to_swap``: "auto" or a count (a
+    BlockSwap node's setting, kept as given). Raises ``SeedVR2MemoryError`` before any work when nothing fits."""
+    ph, pw = run.model
+    th, tw = run.target
+    host_available = available_host_bytes() if host_available is None else host_available
+    host = run.frames * th * tw * (channels + 1) * 4       # the float32 output + the resized input of a chunk
+    if host_available and host + HOST_MARGIN > host_available:
+        raise SeedVR2MemoryError(
+            f"the output ({run.frames} frames of {tw}x{th}) needs {host / GiB:.1f} GiB of system RAM and "
+            f"{host_available / GiB:.1f} GiB are available: lower the resolution, upscale fewer frames at a time, or "
+            f"use the SeedVR2 Upscale Video File node, which streams frames to disk.")
+    elem = torch.empty((), dtype=vae_dtype).element_size()
+    notes = []
+    t = run.tiling
+    if budget is None:
+        enc, enc_peak = _choose_tile("encode", t.encode, t.encode_tile, t.overlap, ph, pw, None, elem, vae_config)
+        dec, dec_peak = _choose_tile("decode", t.decode, t.decode_tile, t.overlap, ph, pw, None, elem, vae_config)
+        return MemoryPlan(None, settings, encode_tiles=enc, decode_tiles=dec, vae_peak_bytes=(enc_peak, dec_peak),
+                          host_bytes=host)
+
+    margin = margin_bytes(budget)
+    io = next_4n1(run.chunk_frames) * ph * pw * 3 * (elem + 4)     # a chunk's VAE input + float32 output
+    vae_budget = budget - margin - vae_bytes - io
+    enc, enc_peak = _choose_tile("encode", t.encode, t.encode_tile, t.overlap, ph, pw, vae_budget, elem, vae_config)
+    dec, dec_peak = _choose_tile("decode", t.decode, t.decode_tile, t.overlap, ph, pw, vae_budget, elem, vae_config)
+    if max(enc_peak, dec_peak) > vae_budget:
+        raise SeedVR2MemoryError(
+            f"the VAE needs {vae_bytes / GiB:.2f} GiB of weights plus {max(enc_peak, dec_peak) / GiB:.2f} GiB for its "
+            f"smallest tile, and this run may use {budget / GiB:.2f} GiB of VRAM: close other programs on the GPU "
+            f"or use a GPU with more memory.")
+
+    batch, path = settings.batch_size, None
+    n = len(dit.block_bytes)
+    options = [(dit.block_extra, None)] + ([((0,) * n, "fidelity")] if any(dit.block_extra) else [])
+    while True:
+        act = dit_activation_bytes(dit_tokens(min(batch, run.chunk_frames), ph, pw), dit.dim)
+        for extra, path in options:
+            if blocks_to_swap == "auto":
+                bs = plan_blockswap(dit.block_bytes, dit.other_bytes, budget - margin, act, buffers=buffers,
+                                    block_extra=extra)
+                ok, swapped, gpu = bs.fits, tuple(bs.swapped_indices), bs.gpu_bytes
+            else:
+                swapped = tuple(spread_indices(n, int(blocks_to_swap)))
+                gpu = _gpu_bytes(dit, extra, swapped, buffers)
+                ok = gpu + act <= budget - margin
+            if ok:
+                break
+        if ok:
+            break
+        if min(batch, run.chunk_frames) <= 1:
+            raise SeedVR2MemoryError(_impossible(run, dit, budget, margin, act, gpu))
+        batch = next_4n1(min(batch, run.chunk_frames)) - 4
+    if path:
+        notes.append("fp8_speed's FP8 weight copies do not fit: NVFP4 runs on the fidelity path")
+    if batch != settings.batch_size:
+        notes.append(f"batch_size {settings.batch_size} -> {batch}: a longer chunk does not fit")
+        settings = replace(settings, batch_size=batch, temporal_overlap=min(settings.temporal_overlap, batch - 1))
+    stays = gpu + act + vae_bytes <= budget - margin
+    return MemoryPlan(budget, settings, swapped, path, enc, dec, gpu, act, (enc_peak, dec_peak), host, tuple(notes),
+                      stays)
+
+
+def _gpu_bytes(dit: DiTFootprint, extra, swapped, buffers) -> int:
+    s = set(swapped)
+    resident = sum(b + extra[i] for i, b in enumerate(dit.block_bytes) if i not in s)
+    ring = buffers * (max(dit.block_bytes[i] for i in s) + max(extra[i] for i in s)) if s else 0
+    return dit.other_bytes + resident + ring
+
+
+def _impossible(run: RunPlan, dit: DiTFootprint, budget: int, margin: int, act: int, gpu: int) -> str:
+    ph, pw = run.model
+    need = gpu + act + margin
+    # the largest output (shortest edge, 16 px steps) whose single-frame chunk fits with every block streamed
+    ring = 2 * (max(dit.block_bytes) + max(dit.block_extra))
+    room = budget - margin - dit.other_bytes - ring - ACT_FIXED
+    fit_tokens = max(0, room // (ACT_PER_TOKEN_DIM * dit.dim))
+    scale = (fit_tokens / max(1, dit_tokens(1, ph, pw))) ** 0.5
+    short = int(min(run.target) * min(1.0, scale)) // 16 * 16
+    hint = (f"an output shortest edge of about {short} px fits with batch_size 1" if short >= 16 else
+            "no output size fits")
+    return (f"this run needs at least {need / GiB:.2f} GiB of VRAM (DiT {gpu / GiB:.2f} GiB with every block "
+            f"streamed from RAM + {act / GiB:.2f} GiB activations for one frame at {pw}x{ph}) and may use "
+            f"{budget / GiB:.2f} GiB: {hint}; an fp8 or NVFP4 model file, or closing other programs on the GPU, "
+            f"leaves more room. (Output limit: {MAX_OUTPUT_SIDE} px per side.)")

@@ -1,0 +1,157 @@
+"""The memory plan of a run (models/seedvr2/memory.py) on a fake device of B GiB: what it decides at each budget,
+that what it puts on the GPU fits the budget, and the error when nothing fits."""
+import pytest
+import torch
+
+from seedvr2bw.models.seedvr2 import pipeline as P
+from seedvr2bw.models.seedvr2.memory import (DiTFootprint, MemoryPlan, SeedVR2MemoryError, dit_activation_bytes,
+                                             dit_tokens, margin_bytes, plan_memory)
+
+GiB = 1 << 30
+MiB = 1 << 20
+HOST = 64 * GiB
+# the 7B DiT: 36 blocks of 453 MiB in bf16 (3.55x less as NVFP4, which holds a 1-byte-per-weight FP8 copy on fp8_speed)
+BF16_7B = DiTFootprint((453 * MiB,) * 36, (0,) * 36, 200 * MiB, 3072)
+NVFP4_7B = DiTFootprint((128 * MiB,) * 36, (227 * MiB,) * 36, 60 * MiB, 3072, nvfp4=True)
+BF16_3B = DiTFootprint((248 * MiB,) * 32, (0,) * 32, 150 * MiB, 2560)
+VAE = 500 * MiB
+
+
+def frames(n, h=360, w=640):
+    return torch.zeros(n, h, w, 3)
+
+
+def mem(n=21, res=720, dit=BF16_7B, budget=8, h=360, w=640, **kw):
+    s = P.UpscaleSettings(resolution=res, batch_size=P.next_4n1(n), **kw)
+    run = P.plan(frames(n, h, w), s)
+    return run, plan_memory(run, s, dit, VAE, None if budget is None else int(budget * GiB), host_available=HOST)
+
+
+def on_gpu(run, m: MemoryPlan, dit=BF16_7B):
+    """Bytes of each phase by the plan's own accounting, to hold against the budget."""
+    return max(m.dit_gpu_bytes + m.dit_activation_bytes, VAE + max(m.vae_peak_bytes)) + margin_bytes(m.budget)
+
+
+@pytest.mark.parametrize("dit", [BF16_7B, NVFP4_7B, BF16_3B], ids=["7b-bf16", "7b-nvfp4", "3b-bf16"])
+@pytest.mark.parametrize("budget", [6, 8, 12, 16, 24, 32])
+@pytest.mark.parametrize("case", [(21, 720), (1, 1080), (21, 1080)])
+def test_every_budget_from_6_to_32_gib_gets_a_plan_that_fits(dit, budget, case):
+    n, res = case
+    run, m = mem(n, res, dit, budget)
+    assert on_gpu(run, m, dit) <= budget * GiB, m.line()
+    assert m.settings.batch_size <= P.next_4n1(n)
+    assert "memory plan" in m.line()
+
+
+def test_big_gpu_keeps_everything_resident_and_one_pass():
+    run, m = mem(budget=80)
+    assert m.swapped == () and m.encode_tiles == (0, 0) and m.decode_tiles == (0, 0)
+    assert m.settings.batch_size == 21 and m.vae_stays and m.nvfp4_path is None
+
+
+def test_smaller_budget_streams_more_blocks_and_tiles():
+    counts = [len(mem(budget=b)[1].swapped) for b in (32, 16, 12, 8, 6)]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] > 20
+    _, m8 = mem(budget=8)
+    assert m8.decode_tiles != (0, 0)                          # 720p decode does not fit 8 GiB in one pass
+
+
+def test_fp8_copies_of_nvfp4_are_counted():
+    """The default NVFP4 path on Hopper/Ada keeps an FP8 copy per resident layer: 12 GiB cannot hold all 36 blocks
+    (4.6 GiB stored + 8 GiB derived), which is what ran out of memory before."""
+    _, m = mem(dit=NVFP4_7B, budget=12)
+    assert 0 < len(m.swapped) < 36 and m.nvfp4_path is None
+    assert m.dit_gpu_bytes + m.dit_activation_bytes + margin_bytes(m.budget) <= 12 * GiB
+
+
+def test_nvfp4_falls_back_to_fidelity_when_fp8_copies_cannot_fit():
+    big_extra = DiTFootprint((128 * MiB,) * 36, (2 * GiB,) * 36, 60 * MiB, 3072, nvfp4=True)
+    _, m = mem(dit=big_extra, budget=8)
+    assert m.nvfp4_path == "fidelity" and "fidelity" in m.line()
+
+
+def test_batch_shrinks_when_one_chunk_cannot_fit():
+    _, m = mem(21, 1080, BF16_7B, 6, h=540, w=960, temporal_overlap=4)
+    assert m.settings.batch_size < 21 and (m.settings.batch_size - 1) % 4 == 0
+    assert m.settings.temporal_overlap < m.settings.batch_size
+    assert "batch_size 21 ->" in m.line()
+
+
+def test_fixed_blockswap_count_is_kept():
+    run = P.plan(frames(5), P.UpscaleSettings(resolution=720, batch_size=5))
+    m = plan_memory(run, run and P.UpscaleSettings(resolution=720, batch_size=5), BF16_7B, VAE, 24 * GiB,
+                    host_available=HOST, blocks_to_swap=12)
+    assert len(m.swapped) == 12
+
+
+def test_impossible_budget_names_what_fits():
+    with pytest.raises(SeedVR2MemoryError, match="VRAM") as e:
+        mem(1, 1080, BF16_7B, 1.2)
+    assert "GiB" in str(e.value)
+    with pytest.raises(SeedVR2MemoryError, match="shortest edge of about"):
+        mem(1, 4096, BF16_7B, 3, h=1024, w=1024)
+
+
+def test_user_tiling_settings_are_kept():
+    s = P.UpscaleSettings(resolution=720, batch_size=5, tiling=P.VAETiling(encode="off", decode="on",
+                                                                            decode_tile=512, overlap=64))
+    run = P.plan(frames(5), s)
+    m = plan_memory(run, s, BF16_7B, VAE, 80 * GiB, host_available=HOST)
+    assert m.encode_tiles == (0, 0) and m.decode_tiles == ((64, 64), 8)
+
+
+def test_no_budget_on_cpu():
+    _, m = mem(budget=None)
+    assert m.budget is None and m.swapped == () and m.encode_tiles == (0, 0)
+    assert "CPU" in m.line()
+
+
+def test_host_ram_is_part_of_the_plan():
+    s = P.UpscaleSettings(resolution=1080, batch_size=5)
+    run = P.plan(frames(300), s)
+    with pytest.raises(SeedVR2MemoryError, match="Video File"):
+        plan_memory(run, s, BF16_7B, VAE, 24 * GiB, host_available=8 * GiB)
+
+
+def test_output_size_limited_like_the_widgets():
+    with pytest.raises(P.SeedVR2InputError, match="16384"):
+        P.plan(torch.zeros(1, 2048, 2048, 3), P.UpscaleSettings(scale_factor=16.0))
+    with pytest.raises(P.SeedVR2InputError, match="max_resolution"):
+        P.plan(torch.zeros(1, 64, 2048, 3), P.UpscaleSettings(resolution=1080))
+
+
+def test_activation_model_grows_with_tokens():
+    assert dit_tokens(21, 720, 1280) == 6 * 45 * 80
+    assert dit_activation_bytes(dit_tokens(21, 1088, 1920), 3072) > dit_activation_bytes(dit_tokens(21, 720, 1280), 3072)
+
+
+def test_staged_run_equals_resident_run_with_the_same_tiles():
+    """The golden tiny models through the pipeline as the node stages them (DiTStager: blocks streamed as the plan
+    says, a staged VAE), against both models resident with the same plan: equal bit for bit, twice."""
+    from seedvr2bw.models.seedvr2.staging import DiTStager
+    from seedvr2bw.optimization.blockswap import FakeBackend, PinnedPool
+    from seedvr2bw.optimization.blockswap.staging import StagedModel
+    from test_pipeline import _real_models
+
+    dit, vae = _real_models("3b")
+    frames = torch.rand(5, 24, 40, 3, generator=torch.Generator().manual_seed(3))
+    txt = torch.randn(3, 24, generator=torch.Generator().manual_seed(4))
+    s = P.UpscaleSettings(resolution=48, batch_size=5, tiling=P.VAETiling(encode="on", decode="on", encode_tile=32,
+                                                                             decode_tile=32, overlap=16))
+    run = P.plan(frames, s)
+    pool = PinnedPool(1 << 30)
+    dst = DiTStager(dit, pool=pool, small_bytes=0)
+    vst = StagedModel(vae, blocks_attr=None, pool=pool, small_bytes=0)
+    m = plan_memory(run, s, dst.footprint("cpu"), 0, 64 * GiB, host_available=HOST, blocks_to_swap=2)
+    assert len(m.swapped) == 2 and m.encode_tiles != (0, 0) and m.decode_tiles != (0, 0)
+    ref = P.upscale(frames, dit, vae, txt, memory=m)
+    be = FakeBackend()
+    hooks = P.PipelineHooks(before_encode=lambda: vst.to_device("cpu", backend=be),
+                            before_dit=lambda: (vst.release(), dst.attach("cpu", m, backend=be)),
+                            after_dit=dst.release, before_decode=lambda: vst.to_device("cpu", backend=be))
+    for _ in range(2):
+        out = P.upscale(frames, dit, vae, txt, memory=m, hooks=hooks)
+        vst.release()
+        assert torch.equal(out, ref)
+    streamed = {e[2][0] for e in be.log if e[0] == "copy" and e[2][1] != "resident"}
+    assert streamed == {f"blocks.{i}" for i in m.swapped}
