@@ -65,13 +65,13 @@ def test_fp8_copies_of_nvfp4_are_counted():
 
 
 def test_nvfp4_falls_back_to_fidelity_when_fp8_copies_cannot_fit():
-    big_extra = DiTFootprint((128 * MiB,) * 36, (2 * GiB,) * 36, 60 * MiB, 3072, nvfp4=True)
+    big_extra = DiTFootprint((128 * MiB,) * 36, (3 * GiB,) * 36, 60 * MiB, 3072, nvfp4=True)
     _, m = mem(dit=big_extra, budget=8)
     assert m.nvfp4_path == "fidelity" and "fidelity" in m.line()
 
 
 def test_batch_shrinks_when_one_chunk_cannot_fit():
-    _, m = mem(21, 1080, BF16_7B, 6, h=540, w=960, temporal_overlap=4)
+    _, m = mem(21, 1080, BF16_7B, 4.5, h=540, w=960, temporal_overlap=4)
     assert m.settings.batch_size < 21 and (m.settings.batch_size - 1) % 4 == 0
     assert m.settings.temporal_overlap < m.settings.batch_size
     assert "batch_size 21 ->" in m.line()

@@ -28,11 +28,20 @@ _log = logging.getLogger(__name__)
 GiB = 1 << 30
 MiB = 1 << 20
 
-# DiT step activations (bytes) = ACT_PER_TOKEN_DIM * tokens * dim + ACT_FIXED; measured peaks: docs/PERFORMANCE.md §10
-ACT_PER_TOKEN_DIM = 48
+# DiT step activations (bytes) = ACT_PER_TOKEN_DIM * tokens * dim + ACT_FIXED: 7B 720p x 21 peaked at 1.26 GiB (bf16)
+# and 1.63 GiB (NVFP4, with the FP8 copies of the streamed blocks) above its weights (docs/PERFORMANCE.md §10)
+ACT_PER_TOKEN_DIM = 24
 ACT_FIXED = 512 * MiB
-MARGIN_FRACTION = 0.06      # of the budget: allocator rounding and fragmentation
+MARGIN_FRACTION = 0.06      # of the budget: allocator rounding
 MARGIN_MIN = 384 * MiB
+# The VAE phase frees and allocates gigabyte tensors in a changing order: up to 3.7 GiB of a 12 GiB budget were
+# found cached but unusable (fragmentation), and the measured peaks ran 3-7 % above vae/tiling.py's model.
+VAE_MARGIN_FRACTION = 0.15
+VAE_PEAK_FACTOR = 1.1
+# cuDNN runs a big convolution through a workspace-free fallback kernel (3.4x slower encode) when the NCDHW->NDHWC
+# copy it needs does not fit next to the activations; conv bands of budget/96 keep that copy small (exact).
+CONV_BAND_DIVISOR = 96
+CONV_BAND_MIN, CONV_BAND_MAX = 64 * MiB, 512 * MiB
 HOST_MARGIN = 2 * GiB       # host RAM left to the OS and the rest of the program
 
 
@@ -100,6 +109,7 @@ class MemoryPlan:
     host_bytes: int = 0
     notes: tuple = field(default_factory=tuple)
     vae_stays: bool = False                      # the VAE may stay on the GPU through the DiT phase (room for both)
+    vae_conv_bytes: Optional[int] = None         # the VAE's conv band size for this run (None: the official 0.5 GiB)
 
     def line(self) -> str:
         """The one log line: what was decided and why."""
@@ -112,6 +122,8 @@ class MemoryPlan:
                  "VAE " + _tiles_text(self.encode_tiles, self.decode_tiles) +
                  f" (peaks {self.vae_peak_bytes[0] / GiB:.1f} / {self.vae_peak_bytes[1] / GiB:.1f} GiB)",
                  f"chunks of {self.settings.batch_size} frames"]
+        if self.vae_conv_bytes:
+            parts.append(f"VAE conv bands {self.vae_conv_bytes / MiB:.0f} MiB")
         return "[SeedVR2-BW] memory plan: " + "; ".join(parts) + "".join(f"; {n}" for n in self.notes)
 
 
@@ -142,7 +154,7 @@ def _choose_tile(kind: str, mode: str, tile_px: int, overlap_px: int, ph: int, p
     est = estimate_encode_bytes if kind == "encode" else estimate_decode_bytes
 
     def peak(th, tw):
-        return est((th, tw), config, dtype_bytes)
+        return int(VAE_PEAK_FACTOR * est((th, tw), config, dtype_bytes))
 
     ov = overlap_px // d // unit * unit
     if mode == "off" or (budget is None and not tile_px and mode == "auto"):
@@ -198,7 +210,8 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
 
     margin = margin_bytes(budget)
     io = next_4n1(run.chunk_frames) * ph * pw * 3 * (elem + 4)     # a chunk's VAE input + float32 output
-    vae_budget = budget - margin - vae_bytes - io
+    vae_budget = budget - max(margin, int(VAE_MARGIN_FRACTION * budget)) - vae_bytes - io
+    conv = min(CONV_BAND_MAX, max(CONV_BAND_MIN, budget // CONV_BAND_DIVISOR))
     enc, enc_peak = _choose_tile("encode", t.encode, t.encode_tile, t.overlap, ph, pw, vae_budget, elem, vae_config)
     dec, dec_peak = _choose_tile("decode", t.decode, t.decode_tile, t.overlap, ph, pw, vae_budget, elem, vae_config)
     if max(enc_peak, dec_peak) > vae_budget:
@@ -235,7 +248,7 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
         settings = replace(settings, batch_size=batch, temporal_overlap=min(settings.temporal_overlap, batch - 1))
     stays = gpu + act + vae_bytes <= budget - margin
     return MemoryPlan(budget, settings, swapped, path, enc, dec, gpu, act, (enc_peak, dec_peak), host, tuple(notes),
-                      stays)
+                      stays, None if conv >= CONV_BAND_MAX else conv)
 
 
 def _gpu_bytes(dit: DiTFootprint, extra, swapped, buffers) -> int:

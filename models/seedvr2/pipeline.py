@@ -390,22 +390,37 @@ def upscale(frames: torch.Tensor, dit, vae, text_embedding: torch.Tensor, settin
     hooks = hooks or PipelineHooks()
     p = plan(frames, s)
     T, H, W, C = frames.shape
-    (th, tw), (ph, pw), chunks, weights = p.target, p.model, p.chunks, p.weights
+    (th, tw), (ph, pw), chunks = p.target, p.model, p.chunks
     runner = SeedVR2Runner(dit, vae, text_embedding, device, dit_dtype, vae_dtype, offload_device,
                            should_stop, free_memory)
-    stop = runner.should_stop
     dev, off = runner.device, torch.device(offload_device)
-    total, done = 3 * len(chunks), 0
+    total = 3 * len(chunks)
     _log.info("[SeedVR2-BW] %d frame(s) %dx%d -> %dx%d (model %dx%d), %d chunk(s) of <= %d frames, overlap %d",
               T, W, H, tw, th, pw, ph, len(chunks), s.batch_size, s.temporal_overlap)
+
+    sub = max(1, int(frame_group))
+    if memory is not None and memory.vae_conv_bytes:
+        vae.set_memory_limit(memory.vae_conv_bytes / 2**30, vae.config.norm_max_mem)
+    try:
+        return _run(frames, p, s, runner, vae, hooks, dev, off, output_device, memory, sub, total, progress)
+    finally:
+        if memory is not None and memory.vae_conv_bytes:
+            vae.set_memory_limit(vae.config.conv_max_mem, vae.config.norm_max_mem)
+
+
+def _run(frames, p: RunPlan, s: UpscaleSettings, runner: SeedVR2Runner, vae, hooks: PipelineHooks, dev, off,
+         output_device, memory, sub: int, total: int, progress) -> torch.Tensor:
+    """The three phases of ``upscale`` on its plan."""
+    T, H, W, C = frames.shape
+    (th, tw), (ph, pw), chunks, weights = p.target, p.model, p.chunks, p.weights
+    stop = runner.should_stop
+    done = 0
 
     def tick():
         nonlocal done
         done += 1
         if progress is not None:
             progress(done, total)
-
-    sub = max(1, int(frame_group))
 
     def resized_rgb(s0, e0):
         x = frames[s0:e0, :, :, :3].to(dev, torch.float32).permute(0, 3, 1, 2)

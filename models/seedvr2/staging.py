@@ -44,6 +44,9 @@ class DiTStager:
         for m, p in self._paths or []:
             m.path = p
         self._paths = None
+        if self.staged.device is not None and self.staged.device.type == "cuda":
+            # the DiT's freed buffers back to the driver: the VAE phase after it then allocates unfragmented
+            torch.cuda.empty_cache()
 
     def close(self) -> None:
         self.release()
