@@ -27,7 +27,7 @@ from ..models.seedvr2.vae import load_vae
 from ..optimization.attention import CHOICES as ATTENTION_CHOICES
 from ..optimization.attention import backend_unavailable_reason
 from ..optimization.runtime.policy import get_policy
-from .staging import ModelStager, dit_activation_bytes, vae_activation_bytes
+from .staging import ModelStager, plan_run
 from .types import CATEGORY, BlockSwapConfig, SeedVR2DiT, SeedVR2VAE
 
 _log = logging.getLogger(__name__)
@@ -140,6 +140,7 @@ class SeedVR2DiTModel:
     path: str
     variant: str
     blockswap: Optional[object] = None
+    stager: Optional[object] = None       # nodes.staging.dit_stager: its host copy, pinned on the first GPU run
 
     @property
     def model(self):
@@ -352,10 +353,8 @@ class SeedVR2Upscale(io.ComfyNode):
         device = mm.get_torch_device()
         settings = upscale_settings(seed, size_mode, resolution, scale_factor, max_resolution, batch_size,
                                     temporal_overlap, color_correction, vae.tiling)
-        plan = P.plan(image, settings)   # validates before the models are touched
-        (ph, pw), frames = plan.model, plan.chunk_frames
-        stager = ModelStager(dit, vae, device, dit_activation_bytes(dit.model, ph, pw, P.next_4n1(frames)),
-                             vae_activation_bytes(ph * pw, frames, dtype=vae.dtype))
+        memory = plan_run(dit, vae, device, tuple(image.shape), settings)   # checks before the models are touched
+        stager = ModelStager(dit, vae, device, memory)
         bar = None
 
         def progress(done, total):
@@ -368,8 +367,7 @@ class SeedVR2Upscale(io.ComfyNode):
                         dit_dtype=dit.dtype, vae_dtype=vae.dtype, offload_device=mm.unet_offload_device(),
                         output_device=mm.intermediate_device(),
                         should_stop=mm.throw_exception_if_processing_interrupted,
-                        progress=progress, hooks=stager.hooks(),
-                        free_memory=(lambda: mm.get_free_memory(device)) if device.type == "cuda" else None)
+                        progress=progress, hooks=stager.hooks(), memory=memory)
         mm.soft_empty_cache()
         return io.NodeOutput(out)
 

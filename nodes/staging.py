@@ -1,9 +1,11 @@
-"""Model staging for the SeedVR2 upscaler node: puts the DiT and the VAE on the GPU between the pipeline's phases
-through ComfyUI's model manager (or attaches BlockSwap to the DiT), and releases them.
+"""Model staging for the SeedVR2 upscaler nodes: the run's memory plan from what ComfyUI can give, the VAE through
+ComfyUI's model manager, the DiT through its ``DiTStager`` (host copy pinned once per loaded model, resident blocks
+copied in for the DiT phase, the rest streamed, nothing copied back).
 
 The handles are the loader nodes' outputs (``nodes.seedvr2.SeedVR2DiTModel`` / ``SeedVR2VAEModel``): a
-``ModelPatcher`` (``patcher``), the torch module (``model``) and, for the DiT, the BlockSwap settings
-(``blockswap``, None for resident).
+``ModelPatcher`` (``patcher``), the torch module (``model``), for the DiT the BlockSwap settings (``blockswap``,
+None: automatic) and its stager (``stager``, made on the first run on a GPU, dropped with the handle: ComfyUI's
+"free model and node cache" unpins it).
 """
 from __future__ import annotations
 
@@ -11,84 +13,77 @@ import logging
 
 import torch
 
+from ..models.seedvr2 import pipeline as P
+from ..models.seedvr2.memory import DiTFootprint, MemoryPlan, plan_memory
 from ..models.seedvr2.pipeline import PipelineHooks
-from ..optimization.blockswap import BlockSwapConfig, attach_blockswap, detach
+from ..models.seedvr2.staging import DiTStager
+from ..optimization.blockswap import BlockSwapConfig, module_bytes
 
 _log = logging.getLogger(__name__)
 
 
-def dit_activation_bytes(dit_model: torch.nn.Module, h: int, w: int, frames: int) -> int:
-    """Rough peak activation memory of one DiT step on an h x w pixel chunk of ``frames`` (4n+1) frames."""
-    cfg = getattr(dit_model, "config", None)
-    dim = getattr(cfg, "dim", 2560)
-    tokens = ((frames - 1) // 4 + 1) * (h // 16) * (w // 16)
-    return int(tokens * dim * 2 * 24)
+def dit_stager(dit) -> DiTStager:
+    """The stager of a loaded DiT (one per handle, so its pinned host copy lives as long as ComfyUI caches it)."""
+    if dit.stager is None:
+        dit.stager = DiTStager(dit.model)
+    return dit.stager
 
 
-def vae_activation_bytes(pixels: int, frames: int, dtype=torch.bfloat16) -> int:
-    """Rough peak activation memory of decoding ``frames`` frames of ``pixels`` pixels without tiling: what
-    ComfyUI is asked to free before the VAE loads (the VAE's own tiler, vae/tiling.py, then fits the tiles to
-    what is free). The VAE decodes at most ~5 frames at a time (causal slicing)."""
-    scale = torch.finfo(dtype).bits / 16
-    return int(pixels * min(frames, 5) * 1500 * scale)   # 1500 bytes per pixel-frame at 2 bytes/element
-
-
-def all_on(module: torch.nn.Module, device: torch.device) -> bool:
-    def same(t):
-        return t.device.type == device.type and (device.index is None or t.device.index == device.index)
-    return all(same(t) for t in module.parameters()) and all(same(b) for b in module.buffers())
-
-
-def unload_patcher(patcher) -> None:
+def comfy_budget(device) -> int:
+    """VRAM this run may use: free now, plus what ComfyUI can free by unloading the models it holds there, less the
+    reserve ComfyUI keeps for itself."""
     import comfy.model_management as mm
-    for i in range(len(mm.current_loaded_models) - 1, -1, -1):
-        lm = mm.current_loaded_models[i]
-        if lm.model is patcher:
-            lm.model_unload()
-            mm.current_loaded_models.pop(i)
+    held = sum(lm.model_loaded_memory() for lm in mm.current_loaded_models if lm.device == device)
+    return int(mm.get_free_memory(device) + held - mm.extra_reserved_memory())
+
+
+def plan_run(dit, vae, device, frames_shape, settings: P.UpscaleSettings) -> MemoryPlan:
+    """The memory plan of upscaling frames of ``frames_shape`` (T, H, W, C) on ``device`` (logged, one line);
+    raises ``SeedVR2MemoryError`` / ``SeedVR2InputError`` before any work."""
+    run = P.plan(torch.empty(frames_shape, device="meta"), settings)
+    blocks = dit.blockswap.blocks_to_swap if dit.blockswap is not None else "auto"
+    buffers = dit.blockswap.buffers if dit.blockswap is not None else 2
+    if device.type == "cuda":
+        footprint, budget = dit_stager(dit).footprint(device), comfy_budget(device)
+    else:
+        footprint, budget = DiTFootprint((), (), 0, 0), None
+    mem = plan_memory(run, settings, footprint, module_bytes(vae.model), budget, blocks_to_swap=blocks,
+                      buffers=buffers, vae_dtype=vae.dtype, channels=frames_shape[-1])
+    _log.info("%s", mem.line())
+    return mem
 
 
 class ModelStager:
-    """Loads/offloads the two models between the pipeline phases through ComfyUI's model manager; its methods are
-    the pipeline's ``PipelineHooks``."""
+    """Loads/offloads the two models between the pipeline phases as ``memory`` says; its methods are the
+    pipeline's ``PipelineHooks``."""
 
-    def __init__(self, dit, vae, device, dit_bytes: int, vae_bytes: int):
-        self.dit, self.vae, self.device = dit, vae, device
-        self.dit_bytes, self.vae_bytes = dit_bytes, vae_bytes
-        self.swapping = False
+    def __init__(self, dit, vae, device, memory: MemoryPlan):
+        self.dit, self.vae, self.device, self.memory = dit, vae, device, memory
 
     def load_vae(self):
         import comfy.model_management as mm
-        mm.load_models_gpu([self.vae.patcher], memory_required=self.vae_bytes, force_full_load=True)
+        mm.load_models_gpu([self.vae.patcher], memory_required=max(self.memory.vae_peak_bytes),
+                           force_full_load=True)
 
     def load_dit(self):
         import comfy.model_management as mm
-        if self.dit.blockswap is not None:
-            if self.device.type == "cuda":
-                self._attach_blockswap(self.dit.blockswap)
-                return
-            _log.info("[SeedVR2-BW] BlockSwap is for CUDA GPUs; running resident on %s", self.device)
-        mm.load_models_gpu([self.dit.patcher], memory_required=self.dit_bytes)
-        if not all_on(self.dit.model, self.device):
-            # ComfyUI could only load part of the model (not enough free VRAM): stream the blocks instead.
-            _log.warning("[SeedVR2-BW] the DiT does not fit into free VRAM; using BlockSwap (auto). "
-                         "Connect a BlockSwap node to choose the settings.")
-            unload_patcher(self.dit.patcher)
-            self._attach_blockswap(BlockSwapConfig())
-
-    def _attach_blockswap(self, config):
-        import comfy.model_management as mm
-        unload_patcher(self.dit.patcher)
-        mm.free_memory(self.dit_bytes + (2 << 30), self.device)
-        attach_blockswap(self.dit.model, config, self.device)
-        self.swapping = True
+        m = self.memory
+        if self.device.type != "cuda":
+            mm.load_models_gpu([self.dit.patcher], memory_required=m.dit_activation_bytes)
+            return
+        # ComfyUI unloads what it must (the VAE too, unless the plan leaves room for it) before the DiT comes in
+        mm.free_memory(m.dit_gpu_bytes + m.dit_activation_bytes + (0 if m.vae_stays else m.budget), self.device,
+                       keep_loaded=[lm for lm in mm.current_loaded_models if lm.model is self.vae.patcher]
+                       if m.vae_stays else [])
+        cfg = self.dit.blockswap or BlockSwapConfig()
+        dit_stager(self.dit).attach(self.device, m, BlockSwapConfig(
+            blocks_to_swap=len(m.swapped), prefetch=cfg.prefetch, buffers=cfg.buffers,
+            pinned_cap_bytes=cfg.pinned_cap_bytes, debug_timing=cfg.debug_timing))
 
     def release_dit(self):
         import comfy.model_management as mm
-        if self.swapping:
-            detach(self.dit.model, restore_device="cpu")
-            self.dit.model.to(self.dit.patcher.offload_device)
-            self.swapping = False
+        if self.device.type == "cuda":
+            dit_stager(self.dit).release()
         mm.soft_empty_cache()
 
     def hooks(self):

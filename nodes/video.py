@@ -21,7 +21,7 @@ from ..models.seedvr2.video.container import CODECS, VideoFileError, available_c
 from ..models.seedvr2.video.stream import StreamSettings, job_key, upscale_video
 from ..models.seedvr2.video.workdir import file_id, unfinished_output
 from .seedvr2 import upscale_inputs, upscale_settings
-from .staging import ModelStager, dit_activation_bytes, vae_activation_bytes
+from .staging import ModelStager, plan_run
 from .types import CATEGORY, SeedVR2DiT, SeedVR2VAE
 
 
@@ -109,9 +109,8 @@ def run_video(src_path: str, dit, vae, seed, size_mode, resolution, scale_factor
     ext = "" if spec.sequence() else spec.container
     key = job_key(info, stream, target, _model_key(dit, vae, settings))
     out_path = _output_path(filename_prefix, ext, key)
-    ph, pw = P.model_size(*target)
-    stager = ModelStager(dit, vae, device, dit_activation_bytes(dit.model, ph, pw, P.next_4n1(batch_size)),
-                         vae_activation_bytes(ph * pw, batch_size, dtype=vae.dtype))
+    memory = plan_run(dit, vae, device, (batch_size, info.height, info.width, 3), settings)
+    stager = ModelStager(dit, vae, device, memory)
     bar = comfy.utils.ProgressBar(info.frames, node_id=node_id)
     server = _prompt_server()
 
@@ -120,7 +119,7 @@ def run_video(src_path: str, dit, vae, seed, size_mode, resolution, scale_factor
                         device=device, dit_dtype=dit.dtype, vae_dtype=vae.dtype,
                         offload_device=mm.unet_offload_device(), output_device="cpu",
                         should_stop=mm.throw_exception_if_processing_interrupted, hooks=stager.hooks(),
-                        free_memory=(lambda: mm.get_free_memory(device)) if device.type == "cuda" else None)
+                        memory=memory)
         return out.numpy()
 
     def progress(done, total, fps, left):

@@ -48,8 +48,10 @@ def build(model: str, linears: str, dev):
 
 
 def budget_now(dev) -> int:
-    """What the pack may use: free memory plus what torch holds cached but unused."""
-    return int(torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))
+    """What the pack may use: the device's free memory once torch's cache is handed back (cached holes inside
+    segments that also hold live tensors are not counted: an allocation may not fit them)."""
+    torch.cuda.empty_cache()
+    return int(torch.cuda.mem_get_info(dev)[0])
 
 
 def fill_to(budget_gib: float, dev):

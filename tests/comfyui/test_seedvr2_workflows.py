@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -220,6 +221,39 @@ def test_bad_batch_size_is_a_clear_error(comfy_inprocess, tiny):
     res = comfy_inprocess.run(prompt)
     assert not res.success
     assert "4n+1" in _error_text(res)
+
+
+def test_output_larger_than_the_widgets_allow_is_refused_before_work(comfy_inprocess, tiny):
+    _wf, prompt = _run_with(comfy_inprocess, size_mode="scale_factor", scale_factor=16.0)
+    wf, _ = _convert(comfy_inprocess, IMAGE_WF)
+    load = [n for n in wf["nodes"] if n["type"] == "LoadImage"]
+    assert load, "the image workflow starts from LoadImage"
+    prompt[str(load[0]["id"])] = {"class_type": "EmptyImage",
+                                  "inputs": {"width": 2048, "height": 2048, "batch_size": 1, "color": 0}}
+    t0 = time.perf_counter()
+    res = comfy_inprocess.run(prompt)
+    assert not res.success
+    text = _error_text(res)
+    assert "32768x32768" in text and "16384" in text and "scale_factor" in text, text
+    assert time.perf_counter() - t0 < 30
+
+
+def test_the_pack_leaves_process_wide_torch_settings_alone(comfy_inprocess, tiny):
+    """cuDNN autotuning, TF32 and matmul precision are the user's: loading and running the nodes must not change
+    them (the pack scopes its own choices to its model calls)."""
+    import torch
+
+    def settings():
+        return (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
+                torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(),
+                torch.backends.cudnn.deterministic)
+    before = settings()
+    wf, prompt = _convert(comfy_inprocess, IMAGE_WF)
+    for nid, ch in _tiny_overrides(wf, resolution=32).items():
+        prompt[str(nid)]["inputs"].update(ch)
+    res = comfy_inprocess.run(prompt)
+    assert res.success, res.error
+    assert settings() == before
 
 
 def test_missing_embeddings_error_names_file_and_folder(comfy_inprocess, tiny, tmp_path):
