@@ -1,5 +1,5 @@
 """Model files users have that cannot be loaded get an error naming the file, the reason and the fix: a truncated
-download, bytes that are not a model, a pickle carrying code (never run), a GGUF file, an unknown type."""
+download, bytes that are not a model, a pickle carrying code (never run), a damaged GGUF file, an unknown type."""
 from __future__ import annotations
 
 import sys
@@ -64,11 +64,15 @@ def test_damaged_pth_gguf_and_unknown_types(tmp_path):
         read_tensors(bad, "SeedVR2 DiT")
     g = tmp_path / "seedvr2_ema_3b-Q4_K_M.gguf"
     g.write_bytes(b"GGUF")
-    with pytest.raises(ModelFileError, match="GGUF file.*safetensors"):
+    with pytest.raises(ModelFileError, match="Q4_K_M.gguf: .*truncated or corrupt.*download it again"):
         load_dit(str(g))
+    not_gguf = tmp_path / "renamed.gguf"
+    not_gguf.write_bytes(b"<html>404 Not Found</html>")
+    with pytest.raises(ModelFileError, match="renamed.gguf: .*not a GGUF file.*text"):
+        read_tensors(not_gguf)
     odd = tmp_path / "model.onnx"
     odd.write_bytes(b"x")
-    with pytest.raises(ModelFileError, match="unknown file type.*\\.safetensors or \\.pth"):
+    with pytest.raises(ModelFileError, match="unknown file type.*\\.safetensors, \\.gguf or \\.pth"):
         read_tensors(odd)
     with pytest.raises(ModelFileError, match="not found"):
         read_tensors(tmp_path / "missing.safetensors")

@@ -1,16 +1,23 @@
 """Reading a model file's tensors, safely and with errors a user can act on: a damaged or truncated download, a
 file that is not a model, and a pickle that carries code (never run: ``weights_only``) are told apart and named
-with the file and what to do. Used by the DiT and the VAE loaders."""
+with the file and what to do. The container is recognised by the file's first bytes (a GGUF file renamed to
+.safetensors still loads); the extension decides only for bytes that match no container. Used by the DiT and the
+VAE loaders."""
 from __future__ import annotations
 
 import os
 import pickle
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
+from ...optimization.gguf import GGUFError, GGUFPackageMissing, read_gguf
+
 SAFETENSORS = (".safetensors",)
 PICKLES = (".pth", ".pt", ".ckpt", ".bin")
+GGUF = (".gguf",)
+# ComfyUI's converted SeedVR2 DiT files carry the text conditioning as two extra tensors (docs/SPEC.md §6)
+BAKED_CONDITIONING = ("positive_conditioning", "negative_conditioning")
 
 
 class ModelFileError(ValueError):
@@ -18,14 +25,18 @@ class ModelFileError(ValueError):
 
 
 def read_tensors(path: Union[str, os.PathLike], what: str = "model", device: str = "cpu"):
-    """The file's top-level object: a dict of tensors (.safetensors) or what a weights-only unpickling gives
-    (.pth / .pt / .ckpt / .bin). ``what`` names the file's role in the messages ("SeedVR2 DiT", ...)."""
+    """The file's top-level object: a dict of tensors (safetensors), a dict of tensors and ``GGUFTensor`` blocks
+    (GGUF, memory-mapped on the CPU whatever ``device``) or what a weights-only unpickling gives (.pth / .pt /
+    .ckpt / .bin). ``what`` names the file's role in the messages ("SeedVR2 DiT", ...)."""
     path = os.fspath(path)
     name = os.path.basename(path)
     if not os.path.isfile(path):
         raise ModelFileError(f"{what} file not found: {path}. Fix: check the file name and folder.")
+    kind = container(path)
+    if kind == "gguf":
+        return _read_gguf(path, name, what)
     lower = path.lower()
-    if lower.endswith(SAFETENSORS):
+    if kind == "safetensors" or (kind is None and lower.endswith(SAFETENSORS)):
         from safetensors import SafetensorError
         from safetensors.torch import load_file
         try:
@@ -34,7 +45,7 @@ def read_tensors(path: Union[str, os.PathLike], what: str = "model", device: str
             raise ModelFileError(
                 f"{what} file {name} is damaged or is not a model file ({_size(path)}; safetensors says: {exc}). "
                 f"Fix: download it again (an interrupted download leaves a truncated file): {path}") from exc
-    if lower.endswith(PICKLES):
+    if kind == "pickle" or (kind is None and lower.endswith(PICKLES)):
         try:
             return torch.load(path, map_location=device, weights_only=True, mmap=True)
         except pickle.UnpicklingError as exc:
@@ -46,11 +57,38 @@ def read_tensors(path: Union[str, os.PathLike], what: str = "model", device: str
             raise ModelFileError(
                 f"{what} file {name} is damaged or is not a model file ({_size(path)}; torch says: {exc}). "
                 f"Fix: download it again: {path}") from exc
-    if lower.endswith(".gguf"):
-        raise ModelFileError(f"{what} file {name} is a GGUF file, which this loader does not read yet. Fix: use the "
-                             f".safetensors (fp16, fp8 or NVFP4) version of this model: {path}")
-    raise ModelFileError(f"{what} file {name} has an unknown file type. Fix: use a .safetensors or .pth file: "
-                         f"{path}")
+    if lower.endswith(GGUF):
+        return _read_gguf(path, name, what)  # not GGUF bytes: its reader names what the file is
+    raise ModelFileError(f"{what} file {name} has an unknown file type. Fix: use a .safetensors, .gguf or .pth "
+                         f"file: {path}")
+
+
+def container(path: str) -> Optional[str]:
+    """"gguf", "safetensors" or "pickle" from the file's first bytes; None when they match none of these."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError:
+        return None
+    if head[:4] == b"GGUF":
+        return "gguf"
+    if len(head) >= 9 and head[8:9] == b"{":  # safetensors: u64 header length, then the JSON header
+        return "safetensors"
+    if head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in b"\x02\x03\x04\x05"):
+        return "pickle"  # torch's zip format, or a legacy pickle (PROTO opcode)
+    return None
+
+
+def _read_gguf(path: str, name: str, what: str):
+    """The GGUF file's tensors (quantized ones as ``GGUFTensor``, memory-mapped), errors as ModelFileError."""
+    try:
+        return read_gguf(path)[0]
+    except GGUFPackageMissing as exc:
+        raise ModelFileError(f"{what} file {name} is a GGUF file; reading GGUF needs the `gguf` package, which is "
+                             f"not installed. Fix: pip install gguf (in the Python that runs ComfyUI): {path}"
+                             ) from exc
+    except GGUFError as exc:
+        raise ModelFileError(f"{what} file {name}: {exc}") from exc
 
 
 def _size(path: str) -> str:
