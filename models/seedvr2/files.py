@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 import torch
 
-from ...optimization.gguf import GGUFError, GGUFPackageMissing, read_gguf
+from ...optimization.gguf import GGUFError, GGUFPackageMissing, GGUFTensor, read_gguf
 
 SAFETENSORS = (".safetensors",)
 PICKLES = (".pth", ".pt", ".ckpt", ".bin")
@@ -77,6 +77,30 @@ def container(path: str) -> Optional[str]:
     if head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in b"\x02\x03\x04\x05"):
         return "pickle"  # torch's zip format, or a legacy pickle (PROTO opcode)
     return None
+
+
+def read_named(path: Union[str, os.PathLike], names, what: str = "model") -> dict:
+    """The tensors called ``names`` (also under a key prefix such as ``model.diffusion_model.``), read alone: the
+    other weights are never loaded. Keys are the bare names; a pickle gives {} (it cannot be read in part)."""
+    path = os.fspath(path)
+    kind = container(path)
+
+    def bare(key: str):
+        return next((n for n in names if key == n or key.endswith("." + n)), None)
+
+    if kind == "safetensors":
+        from safetensors import SafetensorError, safe_open
+        try:
+            with safe_open(path, framework="pt") as f:
+                return {bare(k): f.get_tensor(k) for k in f.keys() if bare(k)}
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelFileError(f"{what} file {os.path.basename(path)} is damaged or is not a model file "
+                                 f"(safetensors says: {exc}). Fix: download it again: {path}") from exc
+    if kind == "gguf":
+        tensors = _read_gguf(path, os.path.basename(path), what)
+        return {bare(k): (v.dequantize(torch.float32) if isinstance(v, GGUFTensor) else v.clone())
+                for k, v in tensors.items() if bare(k)}
+    return {}
 
 
 def _read_gguf(path: str, name: str, what: str):

@@ -355,3 +355,28 @@ def test_frontend_conversion_matches_ui_to_api_and_runs(seedvr2_server, tmp_path
         from PIL import Image
         with Image.open(srv.output_dir / item.get("subfolder", "") / item["filename"]) as im:
             assert im.size == (53, 32)
+
+
+def test_comfy_layout_dit_runs_without_pos_emb(comfy_inprocess, tiny, tmp_path):
+    """A ComfyUI-layout DiT (conditioning baked in as positive_/negative_conditioning) in a folder without
+    pos_emb.pt loads and upscales: the loader node takes the embedding from the file."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    fp = comfy_inprocess.folder_paths
+    folder = tmp_path / "comfy_layout"
+    folder.mkdir()
+    sd = {k: v.half() for k, v in load_file(str(tiny["dit_3b"])).items()}
+    sd["positive_conditioning"] = torch.load(tiny["pos"]).half()
+    sd["negative_conditioning"] = torch.load(tiny["neg"]).half()
+    save_file(sd, str(folder / "seedvr2_comfy_layout_3b.safetensors"))
+    shutil.copy(tiny["vae"], folder / "ema_vae_tiny.safetensors")
+    paths = fp.folder_names_and_paths["seedvr2"][0]
+    saved = list(paths)
+    paths[:] = [str(folder)]
+    try:
+        wf, prompt = _run_with(comfy_inprocess)
+        prompt[str(_node_id(wf, "SeedVR2BW_LoadDiT"))]["inputs"]["model"] = "seedvr2_comfy_layout_3b.safetensors"
+        res = comfy_inprocess.run(prompt)
+    finally:
+        paths[:] = saved
+    assert res.success, _error_text(res)
