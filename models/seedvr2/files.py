@@ -5,6 +5,7 @@ with the file and what to do. The container is recognised by the file's first by
 VAE loaders."""
 from __future__ import annotations
 
+import json
 import os
 import pickle
 from typing import Optional, Union
@@ -101,6 +102,68 @@ def read_named(path: Union[str, os.PathLike], names, what: str = "model") -> dic
         return {bare(k): (v.dequantize(torch.float32) if isinstance(v, GGUFTensor) else v.clone())
                 for k, v in tensors.items() if bare(k)}
     return {}
+
+
+# What a file holds, told from its tensor names (prefixes such as "model.diffusion_model." are allowed).
+KIND_SEEDVR2_DIT, KIND_SEEDVR2_VAE = "SeedVR2 DiT", "SeedVR2 VAE"
+KIND_FLUX, KIND_OTHER_VAE, KIND_EMBEDDING = "FLUX transformer", "VAE (not SeedVR2's)", "text embedding"
+KIND_UNKNOWN = "model of an unknown kind"  # a readable header whose names fit none of the kinds above
+
+
+def kind_of_keys(keys) -> Optional[str]:
+    """One of the KIND_* names for a file with these tensor names; None when the names fit none of them."""
+    keys = list(keys)
+
+    def has(suffix: str) -> bool:
+        return any(k == suffix or k.endswith("." + suffix) for k in keys)
+
+    if any(k.startswith(("double_blocks.", "single_blocks.")) or ".double_blocks." in k for k in keys):
+        return KIND_FLUX
+    if has("vid_in.proj.weight") and has("txt_in.weight") and any(".attn.proj_qkv." in k for k in keys):
+        return KIND_SEEDVR2_DIT
+    if has("encoder.conv_in.weight") and has("decoder.conv_in.weight"):
+        return KIND_SEEDVR2_VAE if any("upsamplers.0.upscale_conv." in k for k in keys) else KIND_OTHER_VAE
+    if 0 < len(keys) <= 2 and all(k.split(".")[-1] in ("pos_emb", "neg_emb", "emb", "embedding") for k in keys):
+        return KIND_EMBEDDING
+    return None
+
+
+_KIND_CACHE: dict = {}
+
+
+def file_kind(path: Union[str, os.PathLike]) -> Optional[str]:
+    """``kind_of_keys`` of a file's tensor names (KIND_UNKNOWN when they fit no kind), from its header alone
+    (safetensors JSON header, GGUF tensor list), cached by (path, mtime, size); None when the header cannot be
+    read without loading the file (a pickle, a damaged file, GGUF without the `gguf` package)."""
+    path = os.fspath(path)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    key = (path, st.st_mtime_ns, st.st_size)
+    if key not in _KIND_CACHE:
+        names = _header_names(path)
+        _KIND_CACHE[key] = None if names is None else (kind_of_keys(names) or KIND_UNKNOWN)
+    return _KIND_CACHE[key]
+
+
+def _header_names(path: str) -> Optional[list]:
+    """The tensor names a file's header lists, without reading any weights (None when they cannot be read)."""
+    kind = container(path)
+    try:
+        if kind == "safetensors":
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                if size > 100 * 2**20:  # no real header is this large: a damaged file
+                    return None
+                header = json.loads(f.read(size))
+            return [k for k in header if k != "__metadata__"]
+        if kind == "gguf":
+            import gguf  # the optional package's reader parses the header; the tensors stay on disk
+            return [t.name for t in gguf.GGUFReader(path, "r").tensors]
+    except Exception:  # noqa: BLE001 - a damaged file is listed as unreadable; loading it names the problem
+        return None
+    return None
 
 
 def _read_gguf(path: str, name: str, what: str):
