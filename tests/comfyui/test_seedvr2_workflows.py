@@ -289,6 +289,8 @@ def test_bad_batch_size_is_a_clear_error(comfy_inprocess, tiny):
     res = comfy_inprocess.run(prompt)
     assert not res.success
     assert "4n+1" in _error_text(res)
+    # the panel prints the type as module.name: short and stable, not the pack's folder path (nodes/errors.py)
+    assert res.error["exception_type"] == "seedvr2bw.SeedVR2InputError", res.error["exception_type"]
 
 
 def test_missing_embeddings_error_names_file_and_folder(comfy_inprocess, tiny, tmp_path):
