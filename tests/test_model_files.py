@@ -109,8 +109,8 @@ def test_file_kind_from_the_header_alone(tmp_path, monkeypatch):
               str(flux))
     assert F.file_kind(flux) == F.KIND_FLUX
     prefixed = tmp_path / "comfy.safetensors"
-    save_file({"model.diffusion_model.vid_in.proj.weight": torch.zeros(1), "model.diffusion_model.txt_in.weight":
-               torch.zeros(1), "model.diffusion_model.blocks.0.attn.proj_qkv.vid.weight": torch.zeros(1)}, str(prefixed))
+    names = ("vid_in.proj.weight", "txt_in.weight", "blocks.0.attn.proj_qkv.vid.weight")
+    save_file({"model.diffusion_model." + n: torch.zeros(1) for n in names}, str(prefixed))
     assert F.file_kind(prefixed) == F.KIND_SEEDVR2_DIT
     other = _good(tmp_path)
     assert F.file_kind(other) == F.KIND_UNKNOWN

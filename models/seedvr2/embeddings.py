@@ -100,7 +100,9 @@ def load_text_embeddings(model_path: Optional[str] = None, extra_dirs: Iterable[
     """Load the positive (required) and negative (optional unless ``require_negative``) embedding: from the DiT
     file's ``positive_conditioning`` / ``negative_conditioning`` when it has them, else ``pos_emb`` / ``neg_emb``
     files."""
-    baked = read_named(model_path, BAKED_CONDITIONING, "SeedVR2 DiT") if model_path and os.path.isfile(model_path) else {}
+    baked = {}
+    if model_path and os.path.isfile(model_path):
+        baked = read_named(model_path, BAKED_CONDITIONING, "SeedVR2 DiT")
     dirs = _search_dirs(model_path, extra_dirs)
     found, tensors = {}, {}
     for stem, key in zip(EMBEDDING_STEMS, BAKED_CONDITIONING):
