@@ -12,6 +12,10 @@ FEATURE_MODULES = ("hardware", "seedvr2", "video", "blockswap", "nvfp4", "traini
 
 
 def all_nodes():
+    try:  # the short exception type names of ComfyUI's error panel; the nodes work without them
+        importlib.import_module(".errors", __name__)
+    except Exception as exc:  # noqa: BLE001
+        _log.error("[SeedVR2-BW] nodes/errors.py not loaded: %s: %s", type(exc).__name__, exc, exc_info=True)
     nodes = []
     for name in FEATURE_MODULES:
         try:

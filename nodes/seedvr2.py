@@ -23,6 +23,7 @@ from ..models.seedvr2 import pipeline as P
 from ..models.seedvr2.color import COLOR_CORRECTION_MODES
 from ..models.seedvr2.dit.loader import load_dit
 from ..models.seedvr2.embeddings import TextEmbeddings, load_text_embeddings
+from ..models.seedvr2.files import KIND_SEEDVR2_DIT, KIND_SEEDVR2_VAE, file_kind
 from ..models.seedvr2.vae import load_vae
 from ..optimization.attention import CHOICES as ATTENTION_CHOICES
 from ..optimization.attention import backend_unavailable_reason
@@ -34,7 +35,7 @@ _log = logging.getLogger(__name__)
 
 FOLDER_KEY = "seedvr2"
 FOLDER_NAME = "SEEDVR2"
-MODEL_EXTENSIONS = (".safetensors", ".pth", ".pt", ".ckpt", ".bin")
+MODEL_EXTENSIONS = (".safetensors", ".gguf", ".pth", ".pt", ".ckpt", ".bin")
 DTYPE_CHOICES = ["auto", "bf16", "fp16", "fp32"]
 TILING_CHOICES = ["auto", "on", "off"]
 SIZE_MODES = ["shortest_edge", "scale_factor"]
@@ -52,6 +53,8 @@ def register_folders() -> None:
         paths, exts = folder_paths.folder_names_and_paths[FOLDER_KEY]
         if default not in paths:
             paths.append(default)
+        if exts:  # an empty set lists every file already; a set from elsewhere may lack .gguf
+            exts.update(MODEL_EXTENSIONS)
     # extra_model_paths.yaml keys are case-sensitive; accept "SEEDVR2:" / "SeedVR2:" too
     for key, (paths, _exts) in list(folder_paths.folder_names_and_paths.items()):
         if key != FOLDER_KEY and key.lower() == FOLDER_KEY:
@@ -83,17 +86,27 @@ def _list(key: str) -> list[str]:
     return [f for f in files if f.lower().endswith(MODEL_EXTENSIONS) and not _is_embedding(f)]
 
 
+def _files_of_kind(kind: str, other_key: str, vae: bool) -> list[str]:
+    """The files of models/SEEDVR2 and of ComfyUI's ``other_key`` folder whose header says they are ``kind``; a file
+    whose header cannot be read cheaply (a .pth) is listed by its name in SEEDVR2, and always in ``other_key``."""
+    import folder_paths
+    names = []
+    for key in (FOLDER_KEY, other_key):
+        for name in _list(key):
+            found = file_kind(folder_paths.get_full_path(key, name) or "")
+            if found == kind or (found is None and (key == other_key or _is_vae_name(name) == vae)):
+                names.append(name)
+    return list(dict.fromkeys(names))
+
+
 def dit_files() -> list[str]:
     register_folders()
-    names = [f for f in _list(FOLDER_KEY) if not _is_vae_name(f)] + _list("diffusion_models")
-    return list(dict.fromkeys(names))
+    return _files_of_kind(KIND_SEEDVR2_DIT, "diffusion_models", vae=False)
 
 
 def vae_files() -> list[str]:
     register_folders()
-    names = [f for f in _list(FOLDER_KEY) if _is_vae_name(f)] + _list("vae")
-    names += [f for f in _list(FOLDER_KEY) if not _is_vae_name(f)]  # odd names still selectable
-    return list(dict.fromkeys(names))
+    return _files_of_kind(KIND_SEEDVR2_VAE, "vae", vae=True)
 
 
 def resolve_model_path(name: str, keys: tuple[str, ...]) -> str:
@@ -202,8 +215,9 @@ class SeedVR2LoadDiT(io.ComfyNode):
             node_id="SeedVR2BW_LoadDiT",
             display_name="SeedVR2 Load DiT (SeedVR2-BW)",
             category=CATEGORY,
-            description="Loads a SeedVR2 3B/7B DiT (fp16/bf16/fp32, fp8 or NVFP4 file) and its text embeddings "
-                        "(pos_emb.pt beside the file). Files: models/SEEDVR2 or models/diffusion_models.",
+            description="Loads a SeedVR2 3B/7B DiT (fp16/bf16/fp32, fp8, NVFP4 or GGUF file) and its text "
+                        "embeddings (baked into ComfyUI's converted files, else pos_emb.pt beside the file). Files: "
+                        "models/SEEDVR2 or models/diffusion_models.",
             inputs=[
                 io.Combo.Input("model", options=dit_files(),
                                tooltip="DiT checkpoint from models/SEEDVR2 or models/diffusion_models."),

@@ -1,5 +1,5 @@
 """Model files users have that cannot be loaded get an error naming the file, the reason and the fix: a truncated
-download, bytes that are not a model, a pickle carrying code (never run), a GGUF file, an unknown type."""
+download, bytes that are not a model, a pickle carrying code (never run), a damaged GGUF file, an unknown type."""
 from __future__ import annotations
 
 import sys
@@ -64,11 +64,15 @@ def test_damaged_pth_gguf_and_unknown_types(tmp_path):
         read_tensors(bad, "SeedVR2 DiT")
     g = tmp_path / "seedvr2_ema_3b-Q4_K_M.gguf"
     g.write_bytes(b"GGUF")
-    with pytest.raises(ModelFileError, match="GGUF file.*safetensors"):
+    with pytest.raises(ModelFileError, match="Q4_K_M.gguf: .*truncated or corrupt.*download it again"):
         load_dit(str(g))
+    not_gguf = tmp_path / "renamed.gguf"
+    not_gguf.write_bytes(b"<html>404 Not Found</html>")
+    with pytest.raises(ModelFileError, match="renamed.gguf: .*not a GGUF file.*text"):
+        read_tensors(not_gguf)
     odd = tmp_path / "model.onnx"
     odd.write_bytes(b"x")
-    with pytest.raises(ModelFileError, match="unknown file type.*\\.safetensors or \\.pth"):
+    with pytest.raises(ModelFileError, match="unknown file type.*\\.safetensors, \\.gguf or \\.pth"):
         read_tensors(odd)
     with pytest.raises(ModelFileError, match="not found"):
         read_tensors(tmp_path / "missing.safetensors")
@@ -81,3 +85,54 @@ def test_good_files_still_load(tmp_path):
     q = tmp_path / "w.pth"
     torch.save({"a": torch.ones(3)}, str(q))
     assert torch.equal(read_tensors(q)["a"], torch.ones(3))
+
+
+# ------------------------------------------------------------------------------- what a file is, from its header
+def test_file_kind_from_the_header_alone(tmp_path, monkeypatch):
+    import os
+
+    import safetensors.torch
+
+    from conftest import DATA
+    from seedvr2bw.models.seedvr2 import files as F
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("file_kind loaded weights")
+    monkeypatch.setattr(safetensors.torch, "load_file", no_weights)
+    monkeypatch.setattr(torch, "load", no_weights)
+    golden = DATA / "golden"
+    assert F.file_kind(golden / "dit_3b_tiny_weights.safetensors") == F.KIND_SEEDVR2_DIT
+    assert F.file_kind(golden / "dit_7b_tiny_weights.safetensors") == F.KIND_SEEDVR2_DIT
+    assert F.file_kind(golden / "vae_tiny_weights.safetensors") == F.KIND_SEEDVR2_VAE
+    flux = tmp_path / "flux.safetensors"
+    save_file({"double_blocks.0.img_attn.qkv.weight": torch.zeros(3, 2), "txt_in.weight": torch.zeros(2, 2)},
+              str(flux))
+    assert F.file_kind(flux) == F.KIND_FLUX
+    prefixed = tmp_path / "comfy.safetensors"
+    names = ("vid_in.proj.weight", "txt_in.weight", "blocks.0.attn.proj_qkv.vid.weight")
+    save_file({"model.diffusion_model." + n: torch.zeros(1) for n in names}, str(prefixed))
+    assert F.file_kind(prefixed) == F.KIND_SEEDVR2_DIT
+    other = _good(tmp_path)
+    assert F.file_kind(other) == F.KIND_UNKNOWN
+    # the cache follows the file: rewritten (new mtime) it is read again
+    save_file({"encoder.conv_in.weight": torch.zeros(1), "decoder.conv_in.weight": torch.zeros(1)}, str(other))
+    os.utime(other, ns=(1, 10**18))
+    assert F.file_kind(other) == F.KIND_OTHER_VAE
+    pth = tmp_path / "x.pth"
+    pth.write_bytes(b"PK\x03\x04....")
+    assert F.file_kind(pth) is None  # a pickle has no header to read cheaply
+    damaged = tmp_path / "cut.safetensors"
+    damaged.write_bytes(bytes(range(256)))
+    assert F.file_kind(damaged) is None and F.file_kind(tmp_path / "missing.safetensors") is None
+
+
+def test_dit_in_the_vae_loader_says_use_the_dit_loader(tmp_path):
+    from conftest import DATA
+    from seedvr2bw.models.seedvr2.vae.loader import NotASeedVR2VAE
+    dit = DATA / "golden" / "dit_3b_tiny_weights.safetensors"
+    with pytest.raises(NotASeedVR2VAE, match="not a SeedVR2 video VAE: this is a SeedVR2 DiT: use the DiT loader"):
+        load_vae(dit)
+    pth = tmp_path / "ema_vae.pth"  # a pickle: told from its keys after reading
+    torch.save(read_tensors(dit), str(pth))
+    with pytest.raises(NotASeedVR2VAE, match="this is a SeedVR2 DiT: use the DiT loader"):
+        load_vae(pth)

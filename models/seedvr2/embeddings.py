@@ -4,7 +4,9 @@ SeedVR2 never encodes a prompt at run time: the official repo (and numz) ship ``
 (bf16, (58, 5120)) and ``neg_emb.pt`` (bf16, (64, 5120)). One-step inference with cfg = 1 uses only the
 positive one; the negative one is loaded when present (for completeness / future cfg) but not required.
 
-Accepted files, looked up beside the DiT checkpoint first, then in any extra folders given:
+ComfyUI's converted DiT files carry both embeddings as the tensors ``positive_conditioning`` and
+``negative_conditioning``; when the DiT file has them they are used (read alone, not the weights).
+Otherwise, accepted files, looked up beside the DiT checkpoint first, then in any extra folders given:
 ``pos_emb.pt``, ``pos_emb.pth``, ``pos_emb.safetensors`` (same for ``neg_emb``). A ``.safetensors`` file
 must hold one tensor (any name) or a tensor named ``pos_emb``/``neg_emb``/``emb``/``embedding``.
 """
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
+
+from .files import BAKED_CONDITIONING, read_named
 
 EMBEDDING_STEMS = ("pos_emb", "neg_emb")
 EMBEDDING_EXTENSIONS = (".safetensors", ".pt", ".pth")
@@ -79,19 +83,33 @@ def load_embedding_file(path: str) -> torch.Tensor:
         if not isinstance(obj, torch.Tensor):
             raise ValueError(f"{path}: does not contain a tensor")
         t = obj
+    return _as_embedding(t, path)
+
+
+def _as_embedding(t: torch.Tensor, source: str) -> torch.Tensor:
+    """One embedding as float32 (L, D) on the CPU; a leading batch of 1 is dropped."""
     if t.dim() == 3 and t.shape[0] == 1:
         t = t[0]
     if t.dim() != 2:
-        raise ValueError(f"{path}: text embedding must be (tokens, dim), got shape {tuple(t.shape)}")
+        raise ValueError(f"{source}: text embedding must be (tokens, dim), got shape {tuple(t.shape)}")
     return t.float().contiguous()
 
 
 def load_text_embeddings(model_path: Optional[str] = None, extra_dirs: Iterable[str] = (),
                          expected_dim: Optional[int] = None, require_negative: bool = False) -> TextEmbeddings:
-    """Find and load ``pos_emb`` (required) and ``neg_emb`` (optional unless ``require_negative``)."""
+    """Load the positive (required) and negative (optional unless ``require_negative``) embedding: from the DiT
+    file's ``positive_conditioning`` / ``negative_conditioning`` when it has them, else ``pos_emb`` / ``neg_emb``
+    files."""
+    baked = {}
+    if model_path and os.path.isfile(model_path):
+        baked = read_named(model_path, BAKED_CONDITIONING, "SeedVR2 DiT")
     dirs = _search_dirs(model_path, extra_dirs)
-    found = {}
-    for stem in EMBEDDING_STEMS:
+    found, tensors = {}, {}
+    for stem, key in zip(EMBEDDING_STEMS, BAKED_CONDITIONING):
+        if key in baked:
+            found[stem] = f"{model_path} ({key})"
+            tensors[stem] = _as_embedding(baked[key], found[stem])
+            continue
         path = find_embedding_file(stem, model_path, extra_dirs)
         if path is None and (stem == "pos_emb" or require_negative):
             where = dirs[0] if dirs else "the folder of the DiT model"
@@ -99,10 +117,11 @@ def load_text_embeddings(model_path: Optional[str] = None, extra_dirs: Iterable[
                 f"SeedVR2 text embedding '{stem}.pt' (or {stem}.safetensors) not found. Looked in: "
                 f"{', '.join(dirs) or '(no folder)'}. Put the file shipped with SeedVR2 "
                 f"(ByteDance-Seed/SeedVR repo root, or the numz SeedVR2_comfyUI download: {stem}.pt) into {where}, "
-                f"next to the DiT checkpoint.")
+                f"next to the DiT checkpoint, or use a DiT file that carries it (ComfyUI's converted SeedVR2 files "
+                f"hold it as the tensor positive_conditioning).")
         found[stem] = path
-    pos = load_embedding_file(found["pos_emb"])
-    neg = load_embedding_file(found["neg_emb"]) if found["neg_emb"] else None
+        tensors[stem] = load_embedding_file(path) if path else None
+    pos, neg = tensors["pos_emb"], tensors["neg_emb"]
     for stem, t in (("pos_emb", pos), ("neg_emb", neg)):
         if t is not None and expected_dim is not None and t.shape[-1] != expected_dim:
             raise ValueError(f"{found[stem]}: embedding dim {t.shape[-1]} does not match the DiT's text input dim "

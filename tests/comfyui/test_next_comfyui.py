@@ -99,8 +99,8 @@ def test_training_workflow_in_process_in_0193(next_rig, next_server, comfy_inpro
     assert np.abs(_images(out, a["outputs"], save) - _images(out, a["outputs"], "114")).max() > 0
 
 
-@pytest.mark.parametrize("name", ["seedvr2_image_upscale.json", "seedvr2_video_upscale.json"])
-def test_seedvr2_workflows_over_http_in_0193(next_server, name):
+def _tiny_seedvr2(next_server) -> None:
+    """The tiny SeedVR2 models in the server's models/SEEDVR2 and an input image example.png."""
     import sys
     from PIL import Image
     sys.path.insert(0, str(REPO / "tests"))
@@ -112,6 +112,11 @@ def test_seedvr2_workflows_over_http_in_0193(next_server, name):
             (seed_dir / Path(p).name).symlink_to(p)
     rng = np.random.default_rng(0)
     Image.fromarray((rng.random((24, 40, 3)) * 255).astype(np.uint8)).save(next_server.input_dir / "example.png")
+
+
+@pytest.mark.parametrize("name", ["seedvr2_image_upscale.json", "seedvr2_video_upscale.json"])
+def test_seedvr2_workflows_over_http_in_0193(next_server, name):
+    _tiny_seedvr2(next_server)
     wf = json.loads((REPO / "workflows" / name).read_text())
     prompt = ui_to_api(wf, from_object_info(next_server.object_info()))
     ids = {n["type"]: str(n["id"]) for n in wf["nodes"]}
@@ -124,3 +129,20 @@ def test_seedvr2_workflows_over_http_in_0193(next_server, name):
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000]
     outs = [o for o in entry["outputs"].values() if o.get("images")]
     assert outs, entry["outputs"]
+
+
+def test_error_type_is_short_in_0193(next_server):
+    """0.19.3's error panel prints ``type.__module__ + "." + name``: the pack's types say ``seedvr2bw.<Name>``, not the
+    folder path of the pack, so the message that follows is not cut off."""
+    _tiny_seedvr2(next_server)
+    wf = json.loads((REPO / "workflows" / "seedvr2_image_upscale.json").read_text())
+    prompt = ui_to_api(wf, from_object_info(next_server.object_info()))
+    ids = {n["type"]: str(n["id"]) for n in wf["nodes"]}
+    prompt[ids["SeedVR2BW_LoadDiT"]]["inputs"]["model"] = "seedvr2_tiny_3b.safetensors"
+    prompt[ids["SeedVR2BW_LoadVAE"]]["inputs"]["model"] = "ema_vae_tiny.safetensors"
+    prompt[ids["SeedVR2BW_Upscale"]]["inputs"].update({"resolution": 16, "batch_size": 4})
+    entry = next_server.run_prompt(prompt, timeout=600)
+    errors = [data for event, data in entry["status"]["messages"] if event == "execution_error"]
+    assert errors, json.dumps(entry["status"])[:3000]
+    assert errors[0]["exception_type"] == "seedvr2bw.SeedVR2InputError", errors[0]["exception_type"]
+    assert "4n+1" in errors[0]["exception_message"]

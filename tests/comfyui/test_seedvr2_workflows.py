@@ -93,12 +93,47 @@ def test_converter_rejects_wrong_widget_count(comfy_inprocess):
         ui_to_api(wf, from_node_classes(comfy_inprocess.node_classes))
 
 
+def _options(comfy, node_id: str) -> list[str]:
+    return comfy.node_classes[node_id].INPUT_TYPES()["required"]["model"][1]["options"]
+
+
 def test_model_lists_show_tiny_files(comfy_inprocess, tiny):
-    dit = comfy_inprocess.node_classes["SeedVR2BW_LoadDiT"].INPUT_TYPES()["required"]["model"][1]["options"]
-    vae = comfy_inprocess.node_classes["SeedVR2BW_LoadVAE"].INPUT_TYPES()["required"]["model"][1]["options"]
+    dit, vae = _options(comfy_inprocess, "SeedVR2BW_LoadDiT"), _options(comfy_inprocess, "SeedVR2BW_LoadVAE")
     assert "seedvr2_tiny_3b.safetensors" in dit and "seedvr2_tiny_7b.safetensors" in dit
     assert "ema_vae_tiny.safetensors" in vae and "ema_vae_tiny.safetensors" not in dit
     assert not any(n.startswith(("pos_emb", "neg_emb")) for n in dit + vae)
+
+
+def test_model_lists_show_only_files_of_their_kind(comfy_inprocess, tiny, tmp_path):
+    """Decided from each file's header: the VAE list has no DiT, the DiT list no FLUX or VAE file, whatever their
+    names; a GGUF DiT is offered; a pickle (no cheap header) is placed by its name."""
+    folder = Path(tiny["dit_3b"]).parent
+    shutil.copy(tiny["vae"], folder / "seedvr2_named_like_a_dit.safetensors")
+    shutil.copy(tiny["dit_7b"], folder / "vae_named_like_a_vae.safetensors")
+    gguf = pytest.importorskip("gguf", reason="the `gguf` package writes the GGUF file")
+    from safetensors.torch import load_file
+    w = gguf.GGUFWriter(str(folder / "seedvr2_tiny_3b-F32.gguf"), "seedvr2")
+    for k, v in load_file(str(tiny["dit_3b"])).items():
+        w.add_tensor(k, v.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    try:
+        dit, vae = _options(comfy_inprocess, "SeedVR2BW_LoadDiT"), _options(comfy_inprocess, "SeedVR2BW_LoadVAE")
+        assert "flux_tiny.safetensors" not in dit + vae
+        assert "seedvr2_tiny_3b.safetensors" not in vae and "seedvr2_tiny_7b.safetensors" not in vae
+        assert "vae_named_like_a_vae.safetensors" in dit and "vae_named_like_a_vae.safetensors" not in vae
+        assert "seedvr2_named_like_a_dit.safetensors" in vae and "seedvr2_named_like_a_dit.safetensors" not in dit
+        assert "seedvr2_tiny_3b-F32.gguf" in dit and "seedvr2_tiny_3b-F32.gguf" not in vae
+        wf, prompt = _run_with(comfy_inprocess)
+        prompt[str(_node_id(wf, "SeedVR2BW_LoadDiT"))]["inputs"]["model"] = "seedvr2_tiny_3b-F32.gguf"
+        res = comfy_inprocess.run(prompt)
+        assert res.success, _error_text(res)
+    finally:
+        for name in ("seedvr2_named_like_a_dit.safetensors", "vae_named_like_a_vae.safetensors",
+                     "seedvr2_tiny_3b-F32.gguf"):
+            (folder / name).unlink()
 
 
 # ----------------------------------------------------------------------------------------- end to end
@@ -188,9 +223,27 @@ def _error_text(res) -> str:
     return f"{err.get('exception_type', '')}: {err.get('exception_message', '')} {err}"
 
 
-def test_flux_file_in_dit_loader_is_rejected_cleanly(comfy_inprocess, tiny):
+@pytest.fixture()
+def pickled(tiny):
+    """Write ``name`` (.pth) into the tiny SEEDVR2 folder holding the tensors of the tiny file ``kind``: a pickle
+    has no header to read cheaply, so the lists place it by its name and the loader meets the wrong kind."""
+    import torch
+    from safetensors.torch import load_file
+    written = []
+
+    def write(name: str, kind: str) -> str:
+        path = Path(tiny["dit_3b"]).parent / name
+        torch.save(load_file(str(tiny[kind])), str(path))
+        written.append(path)
+        return name
+    yield write
+    for path in written:
+        path.unlink()
+
+
+def test_flux_file_in_dit_loader_is_rejected_cleanly(comfy_inprocess, tiny, pickled):
     wf, prompt = _run_with(comfy_inprocess)
-    prompt[str(_node_id(wf, "SeedVR2BW_LoadDiT"))]["inputs"]["model"] = "flux_tiny.safetensors"
+    prompt[str(_node_id(wf, "SeedVR2BW_LoadDiT"))]["inputs"]["model"] = pickled("flux_tiny.pth", "flux")
     res = comfy_inprocess.run(prompt)
     assert not res.success
     text = _error_text(res)
@@ -198,22 +251,38 @@ def test_flux_file_in_dit_loader_is_rejected_cleanly(comfy_inprocess, tiny):
     assert res.error.get("node_type") == "SeedVR2BW_LoadDiT"
 
 
-def test_vae_file_in_dit_loader_is_rejected(comfy_inprocess, tiny):
+def test_vae_file_in_dit_loader_is_rejected(comfy_inprocess, tiny, pickled):
     wf, prompt = _run_with(comfy_inprocess)
-    prompt[str(_node_id(wf, "SeedVR2BW_LoadDiT"))]["inputs"]["model"] = "ema_vae_tiny.safetensors"
+    prompt[str(_node_id(wf, "SeedVR2BW_LoadDiT"))]["inputs"]["model"] = pickled("ema_tiny.pth", "vae")
     res = comfy_inprocess.run(prompt)
     assert not res.success
-    assert "not a SeedVR2 DiT" in _error_text(res)
+    text = _error_text(res)
+    assert "not a SeedVR2 DiT" in text and "load it with the VAE loader" in text, text
 
 
-@pytest.mark.parametrize("wrong", ["flux_tiny.safetensors", "seedvr2_tiny_3b.safetensors"])
-def test_wrong_file_in_vae_loader_is_rejected(comfy_inprocess, tiny, wrong):
+@pytest.mark.parametrize("kind,says", [("flux", "this is a FLUX transformer"),
+                                       ("dit_3b", "this is a SeedVR2 DiT: use the DiT loader")])
+def test_wrong_file_in_vae_loader_is_rejected(comfy_inprocess, tiny, pickled, kind, says):
     wf, prompt = _run_with(comfy_inprocess)
-    prompt[str(_node_id(wf, "SeedVR2BW_LoadVAE"))]["inputs"]["model"] = wrong
+    prompt[str(_node_id(wf, "SeedVR2BW_LoadVAE"))]["inputs"]["model"] = pickled(f"vae_mixup_{kind}.pth", kind)
     res = comfy_inprocess.run(prompt)
     assert not res.success
     assert res.error.get("node_type") == "SeedVR2BW_LoadVAE"
-    assert "not a SeedVR2 video VAE" in _error_text(res), _error_text(res)
+    text = _error_text(res)
+    assert "not a SeedVR2 video VAE" in text and says in text, text
+
+
+def test_dit_not_offered_but_named_in_the_vae_loader(comfy_inprocess, tiny):
+    """A DiT the VAE list does not offer, named by an old workflow: a ComfyUI that checks combo values refuses it,
+    one that does not (0.3.75 skips V3 combos) runs the loader, which tells from the header what the file is."""
+    wf, prompt = _run_with(comfy_inprocess)
+    prompt[str(_node_id(wf, "SeedVR2BW_LoadVAE"))]["inputs"]["model"] = "seedvr2_tiny_3b.safetensors"
+    res = comfy_inprocess.run(prompt)
+    assert not res.success
+    if res.status == "invalid":
+        assert "seedvr2_tiny_3b.safetensors" in str(res.node_errors), res.node_errors
+    else:
+        assert "this is a SeedVR2 DiT: use the DiT loader" in _error_text(res), _error_text(res)
 
 
 def test_bad_batch_size_is_a_clear_error(comfy_inprocess, tiny):
@@ -221,6 +290,8 @@ def test_bad_batch_size_is_a_clear_error(comfy_inprocess, tiny):
     res = comfy_inprocess.run(prompt)
     assert not res.success
     assert "4n+1" in _error_text(res)
+    # the panel prints the type as module.name: short and stable, not the pack's folder path (nodes/errors.py)
+    assert res.error["exception_type"] == "seedvr2bw.SeedVR2InputError", res.error["exception_type"]
 
 
 def test_output_larger_than_the_widgets_allow_is_refused_before_work(comfy_inprocess, tiny):
@@ -389,3 +460,28 @@ def test_frontend_conversion_matches_ui_to_api_and_runs(seedvr2_server, tmp_path
         from PIL import Image
         with Image.open(srv.output_dir / item.get("subfolder", "") / item["filename"]) as im:
             assert im.size == (53, 32)
+
+
+def test_comfy_layout_dit_runs_without_pos_emb(comfy_inprocess, tiny, tmp_path):
+    """A ComfyUI-layout DiT (conditioning baked in as positive_/negative_conditioning) in a folder without
+    pos_emb.pt loads and upscales: the loader node takes the embedding from the file."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    fp = comfy_inprocess.folder_paths
+    folder = tmp_path / "comfy_layout"
+    folder.mkdir()
+    sd = {k: v.half() for k, v in load_file(str(tiny["dit_3b"])).items()}
+    sd["positive_conditioning"] = torch.load(tiny["pos"]).half()
+    sd["negative_conditioning"] = torch.load(tiny["neg"]).half()
+    save_file(sd, str(folder / "seedvr2_comfy_layout_3b.safetensors"))
+    shutil.copy(tiny["vae"], folder / "ema_vae_tiny.safetensors")
+    paths = fp.folder_names_and_paths["seedvr2"][0]
+    saved = list(paths)
+    paths[:] = [str(folder)]
+    try:
+        wf, prompt = _run_with(comfy_inprocess)
+        prompt[str(_node_id(wf, "SeedVR2BW_LoadDiT"))]["inputs"]["model"] = "seedvr2_comfy_layout_3b.safetensors"
+        res = comfy_inprocess.run(prompt)
+    finally:
+        paths[:] = saved
+    assert res.success, _error_text(res)

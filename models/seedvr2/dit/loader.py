@@ -1,13 +1,16 @@
 """Load SeedVR2 DiT checkpoints by their original key names.
 
-* ``.safetensors`` (official conversions, numz fp16/fp8, ComfyUI quantized) and official ``.pth``
-  (``torch.load(weights_only=True, mmap=True)``).
+* ``.safetensors`` (official conversions, numz fp16/fp8, ComfyUI quantized, ComfyUI's files with the text
+  conditioning baked in), official ``.pth`` (``torch.load(weights_only=True, mmap=True)``) and GGUF (numz's
+  Q8_0 / Q4_K_M ...), told apart by content (``files.read_tensors``).
 * 3B vs 7B is detected from tensor names/shapes and the config (dims, heads, layers, shared layers) is
   derived from the shapes, so the tiny golden models load through the same path.
 * Anything else (the SeedVR2 VAE, FLUX, ...) is rejected with an error naming the file, what was expected
   and what was found.
 * fp16/bf16/fp32 weights load as they are (``dtype=`` casts on request). fp8 e4m3 weights and NVFP4
-  (``weight_scale`` keys) go through ``optimization.nvfp4.surgery.replace_linears``.
+  (``weight_scale`` keys) go through ``optimization.nvfp4.surgery.replace_linears``. GGUF linears whose weight is
+  quantized become ``GGUFLinear`` (blocks kept, dequantized per forward on the device the layer runs on); the
+  file's other tensors are dequantized exactly and load like those of any file.
 """
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ from typing import Dict, Mapping, Optional, Union
 
 import torch
 
-from ....optimization.nvfp4.surgery import replace_linears
-from ..files import read_tensors
+from ....optimization.gguf import GGUFLinear, GGUFTensor
+from ....optimization.nvfp4.surgery import make_keep_rule, replace_linears
+from ..files import BAKED_CONDITIONING, read_tensors
 from .config import DiTConfig
 from .nadit import NaDiT
 from .rope import lang_freqs, pixel_freqs
@@ -51,7 +55,7 @@ def unwrap_state_dict(sd, source: str = "state dict") -> StateDict:
             sd = sd[wrapper]
     if not isinstance(sd, Mapping):
         raise DiTCheckpointError(f"{source}: expected a dict of tensors, found {type(sd).__name__}")
-    sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    sd = {k: v for k, v in sd.items() if isinstance(v, (torch.Tensor, GGUFTensor))}
     for p in _PREFIXES:
         if any(k.startswith(p + "vid_in.") for k in sd):
             sd = {k[len(p):]: v for k, v in sd.items() if k.startswith(p)}
@@ -165,6 +169,39 @@ def is_quantized(sd: Mapping[str, torch.Tensor]) -> bool:
     return any(v.dtype in _FP8 for v in sd.values()) or any(k.endswith("weight_scale") for k in sd)
 
 
+def _shapes(sd: Mapping[str, object]) -> StateDict:
+    """``sd`` with each GGUF tensor as a float meta tensor of its logical shape: detection reads names and shapes."""
+    return {k: (torch.empty(v.shape, device="meta") if isinstance(v, GGUFTensor) else v) for k, v in sd.items()}
+
+
+def _swap_gguf_linears(model: NaDiT, sd: Mapping[str, object], dtype: Optional[torch.dtype], keep_high_precision,
+                       source: str) -> set:
+    """Turn each ``nn.Linear`` whose weight the file holds in GGML blocks into a ``GGUFLinear`` over those blocks
+    (unless the keep rule selects it); returns the names of the swapped linears."""
+    keep = (lambda name, module: False) if keep_high_precision is None else make_keep_rule(
+        None if keep_high_precision == "default" else keep_high_precision)
+    swapped = set()
+    for name, module in list(model.named_modules()):
+        w = sd.get(name + ".weight")
+        if not isinstance(module, torch.nn.Linear) or not isinstance(w, GGUFTensor) or keep(name, module):
+            continue
+        if tuple(w.shape) != (module.out_features, module.in_features):
+            raise DiTCheckpointError(f"{source}: {name}.weight has shape {tuple(w.shape)}, the model expects "
+                                     f"{(module.out_features, module.in_features)}")
+        bias = sd.get(name + ".bias")
+        if (bias is None) != (module.bias is None):
+            raise DiTCheckpointError(f"{source}: {name}: the file {'lacks' if bias is None else 'has'} a bias "
+                                     f"the SeedVR2-{model.config.variant.upper()} layer "
+                                     f"{'has' if bias is None else 'lacks'}")
+        if isinstance(bias, GGUFTensor):
+            bias = bias.dequantize(torch.float32)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child,
+                GGUFLinear.from_gguf(w, bias, bias_dtype=dtype or (bias.dtype if bias is not None else None)))
+        swapped.add(name)
+    return swapped
+
+
 # --------------------------------------------------------------------------------------------------
 # Building and loading
 # --------------------------------------------------------------------------------------------------
@@ -209,22 +246,33 @@ def load_dit(
 ) -> NaDiT:
     """Build the right DiT for ``checkpoint`` (path or state dict) and load it strictly.
 
-    ``dtype``: cast floating weights (fp32/fp16/bf16) to this dtype; None keeps the file's dtype.
+    ``dtype``: cast floating weights (fp32/fp16/bf16) to this dtype; None keeps the file's dtype (bf16 for GGUF).
     Quantized files (fp8 weights, NVFP4 ``weight_scale`` keys) are handed to
     ``optimization.nvfp4.surgery.replace_linears(model, state_dict, nvfp4_path, ...)``; ``nvfp4_path="auto"``: each
     NVFP4 linear runs the hardware policy's path of the device it runs on (not of ``device``).
     """
     source = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else "state dict"
     sd = read_state_dict(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else unwrap_state_dict(dict(checkpoint), source)
-    cfg = config_from_state_dict(sd, source)
+    for key in BAKED_CONDITIONING:  # the text embeddings: load_text_embeddings reads them
+        sd.pop(key, None)
+    cfg = config_from_state_dict(_shapes(sd), source)
     model = build_dit(cfg, device="meta", attention_backend=attention_backend, block_runner=block_runner)
 
+    if dtype is None and any(isinstance(v, GGUFTensor) for v in sd.values()):
+        dtype = torch.bfloat16  # a GGUF file's dense tensors are F32 by the converter's habit, not a precision choice
     if dtype is not None:
-        sd = {k: (v.to(dtype) if v.is_floating_point() and v.dtype not in _FP8 and not k.endswith("rope.freqs") else v)
+        sd = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype not in _FP8
+                  and not k.endswith("rope.freqs") else v)
               for k, v in sd.items()}
 
     linear_names = set()
-    if is_quantized(sd):
+    if any(isinstance(v, GGUFTensor) for v in sd.values()):
+        linear_names = _swap_gguf_linears(model, sd, dtype, keep_high_precision, source)
+        # what stays in blocks is owned by a GGUFLinear; any other quantized tensor becomes a dense one
+        sd = {k: (v.dequantize(dtype or torch.bfloat16) if isinstance(v, GGUFTensor) else v) for k, v in sd.items()
+              if k.rpartition(".")[0] not in linear_names}
+        _log.info("%s: %d GGUF linears (blocks dequantized per forward)", source, len(linear_names))
+    elif is_quantized(sd):
         report = replace_linears(model, sd, nvfp4_path, keep_high_precision=keep_high_precision,
                                  dtype=dtype or torch.bfloat16)
         if report.get("missing"):

@@ -12,7 +12,7 @@ from typing import Dict, Mapping, Optional, Union
 
 import torch
 
-from ..files import read_tensors
+from ..files import KIND_FLUX, KIND_SEEDVR2_DIT, KIND_SEEDVR2_VAE, container, file_kind, kind_of_keys, read_tensors
 from .config import VAEConfig, config_from_state_dict
 from .autoencoder import VideoAutoencoder
 
@@ -62,7 +62,19 @@ def normalize_state_dict(sd: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tens
     return out
 
 
+# what to do with a file of another kind chosen in the VAE loader
+_USE_INSTEAD = {KIND_SEEDVR2_DIT: "this is a SeedVR2 DiT: use the DiT loader (SeedVR2 Load DiT)",
+                KIND_FLUX: "this is a FLUX transformer: load it with ComfyUI's Load Diffusion Model"}
+
+
+def _refuse_other_kind(kind, source: str) -> None:
+    if kind in _USE_INSTEAD:
+        raise NotASeedVR2VAE(f"{source} is not a SeedVR2 video VAE: {_USE_INSTEAD[kind]}. The SeedVR2 VAE is "
+                             f"ema_vae.pth / ema_vae_fp16.safetensors.")
+
+
 def check_is_seedvr2_vae(sd: Mapping[str, torch.Tensor], source: str = "state dict") -> None:
+    _refuse_other_kind(kind_of_keys(sd), source)
     missing = [k for k in SIGNATURE_KEYS if k not in sd]
     bad = [k for k in ("encoder.conv_in.weight", "decoder.conv_in.weight", "decoder.conv_out.weight")
            if k in sd and len(sd[k].shape) != 5]
@@ -120,8 +132,11 @@ def load_vae(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
              config: Optional[VAEConfig] = None, norm_num_groups: Optional[int] = None) -> VideoAutoencoder:
     """Read a SeedVR2 VAE file and return the model in eval mode (dtype default: as stored). A file whose weights
     cannot tell the GroupNorm group count (the test models) records it in its metadata."""
+    kind = file_kind(path)
+    if kind != KIND_SEEDVR2_VAE:
+        _refuse_other_kind(kind, os.fspath(path))  # from the header: a wrong file's weights are never read
     sd = read_state_dict(path)
-    if norm_num_groups is None and os.fspath(path).endswith(".safetensors"):
+    if norm_num_groups is None and container(os.fspath(path)) == "safetensors":
         from safetensors import safe_open
         with safe_open(os.fspath(path), framework="pt") as f:
             groups = (f.metadata() or {}).get("seedvr2.norm_num_groups")
