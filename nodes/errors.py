@@ -12,6 +12,7 @@ from ..models.seedvr2.dit.loader import DiTCheckpointError
 from ..models.seedvr2.dit.nadit import DiTInterrupted
 from ..models.seedvr2.embeddings import MissingEmbeddingError
 from ..models.seedvr2.files import ModelFileError
+from ..models.seedvr2.memory import SeedVR2MemoryError
 from ..models.seedvr2.pipeline import SeedVR2Cancelled, SeedVR2InputError
 from ..models.seedvr2.vae.loader import NotASeedVR2VAE
 from ..models.seedvr2.vae.posterior import VAECancelled
@@ -24,7 +25,7 @@ from ..training.save import OutputNameError
 SHORT_MODULE = "seedvr2bw"
 
 USER_ERRORS = (
-    SeedVR2InputError, SeedVR2Cancelled, DiTCheckpointError, DiTInterrupted, NotASeedVR2VAE, VAECancelled,
+    SeedVR2InputError, SeedVR2MemoryError, SeedVR2Cancelled, DiTCheckpointError, DiTInterrupted, NotASeedVR2VAE, VAECancelled,
     ModelFileError, MissingEmbeddingError, VideoFileError, GGUFError, GGUFPackageMissing, DatasetError,
     OutputNameError,
 )
