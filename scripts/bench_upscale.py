@@ -25,10 +25,9 @@ from bench_seedvr2 import random_dit
 from bench_vae import make_random_vae
 from seedvr2bw.models.seedvr2 import pipeline as P
 from seedvr2bw.models.seedvr2.dit import SEEDVR2_3B, SEEDVR2_7B
-from seedvr2bw.models.seedvr2.memory import SeedVR2MemoryError, plan_memory
-from seedvr2bw.models.seedvr2.staging import DiTStager
+from seedvr2bw.models.seedvr2.memory import SeedVR2MemoryError
+from seedvr2bw.models.seedvr2.staging import Staging
 from seedvr2bw.optimization.blockswap.backend import CudaBackend
-from seedvr2bw.optimization.blockswap.staging import StagedModel
 from seedvr2bw.optimization.nvfp4.surgery import quantize_model_linears
 
 GIB = 1 << 30
@@ -80,40 +79,15 @@ class Phases:
         return out
 
 
-def staged_run(frames, settings, dstager, vstager, emb, dev, budget, blocks_to_swap="auto"):
+def staged_run(frames, settings, staging, emb, dev, budget, blocks_to_swap="auto"):
     ph = Phases(dev)
     ph.mark("start")
-    run = P.plan(frames, settings)
-    mem = plan_memory(run, settings, dstager.footprint(dev), sum(vstager.block_bytes) + vstager.other_bytes,
-                      budget, blocks_to_swap=blocks_to_swap)
+    mem = staging.plan(P.plan(frames, settings), settings, dev, budget, blocks_to_swap)
     ph.mark("plan")
-    state = {"vae": False}
-
-    def vae_on():
-        if not state["vae"]:
-            vstager.to_device(dev)
-            state["vae"] = True
-        ph.mark("vae_load")
-
-    def before_dit():
-        ph.mark("encode")
-        if not mem.vae_stays:
-            vstager.release()
-            state["vae"] = False
-        dstager.attach(dev, mem)
-        ph.mark("attach")
-
-    def after_dit():
-        ph.mark("dit")
-        dstager.release()
-        ph.mark("release")
-
-    hooks = P.PipelineHooks(before_encode=vae_on, before_dit=before_dit, after_dit=after_dit, before_decode=vae_on)
-    out = P.upscale(frames, dstager.model, vstager.model, emb, device=dev, dit_dtype=torch.bfloat16,
-                    vae_dtype=torch.bfloat16, output_device="cpu", hooks=hooks, memory=mem)
+    out = P.upscale(frames, staging.dit.model, staging.vae.model, emb, device=dev, dit_dtype=torch.bfloat16,
+                    vae_dtype=torch.bfloat16, output_device="cpu", hooks=staging.hooks(dev, mem, ph.mark), memory=mem)
     ph.mark("decode")
-    vstager.release()
-    state["vae"] = False
+    staging.vae_off()
     ph.mark("vae_release")
     return out, mem, ph.spans()
 
@@ -151,8 +125,8 @@ def main():
     for model in args.models.split(","):
         for lin in args.linears.split(","):
             dit, vae, emb = build(model, lin, dev)
-            dstager = DiTStager(dit)
-            vstager = StagedModel(vae, blocks_attr=None)
+            staging = Staging(dit, vae)
+            dstager, vstager = staging.dit, staging.vae
             for case in args.cases.split(","):
                 res, n = case.split(":")
                 n, short = int(n), SHORT[res]
@@ -182,7 +156,7 @@ def main():
                     rss, pinned = [], []
                     try:
                         for i in range(args.warmup + args.runs):
-                            out, mem, spans = staged_run(frames, settings, dstager, vstager, emb, dev, budget)
+                            out, mem, spans = staged_run(frames, settings, staging, emb, dev, budget)
                             rss.append(rss_gib())
                             pinned.append(CudaBackend.registered_bytes() / GIB)
                             if i >= args.warmup:
@@ -216,8 +190,8 @@ def main():
                     else:
                         print(f"  {b:g} GiB: {err}", flush=True)
                     results.append(row)
-            dstager.close()
-            del dit, vae, dstager, vstager
+            staging.close()
+            del dit, vae, staging, dstager, vstager
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

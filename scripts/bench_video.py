@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import resource
-import sys
 import tempfile
 import time
 
@@ -32,8 +31,8 @@ from bench_vae import make_random_vae
 from seedvr2bw.models.seedvr2 import pipeline as P
 from seedvr2bw.models.seedvr2.dit import SEEDVR2_3B, SEEDVR2_7B
 from seedvr2bw.models.seedvr2.video import container as C
+from seedvr2bw.models.seedvr2.staging import Staging
 from seedvr2bw.models.seedvr2.video.stream import FrameCursor, StreamSettings, plan, upscale_video
-from seedvr2bw.optimization.blockswap import BlockSwapConfig, attach_blockswap
 
 RES = {"360p": (360, 640), "480p": (480, 854), "720p": (720, 1280)}
 GIB = 1 << 30
@@ -94,17 +93,25 @@ def build_models(model: str, linears: str, device, seed: int = 0):
     return dit, vae, emb
 
 
-def chunk_upscaler(dit, vae, emb, settings, device, free_memory=None):
+def chunk_upscaler(dit, vae, emb, settings, device, staging=None):
+    """Upscales one chunk; with ``staging`` both models are staged per phase as the run's memory plan (made at the
+    first chunk) says, as the CLI does."""
     phases = {"n": 0}
 
     def run(frames: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()
-        out = P.upscale(torch.from_numpy(frames), dit, vae, emb, settings, device=device, dit_dtype=torch.bfloat16,
-                        vae_dtype=torch.bfloat16, output_device="cpu", free_memory=free_memory).numpy()
+        x = torch.from_numpy(frames)
+        if staging is not None and "memory" not in phases:
+            phases["memory"] = staging.plan(P.plan(x, settings), settings, device)
+        mem = phases.get("memory")
+        out = P.upscale(x, dit, vae, emb, settings, device=device, dit_dtype=torch.bfloat16, vae_dtype=torch.bfloat16,
+                        output_device="cpu", memory=mem,
+                        hooks=staging.hooks(device, mem) if staging is not None else None).numpy()
         phases["n"] += 1
         if phases["n"] <= 3:
             print(f"  chunk of {len(frames)} frames: {time.perf_counter() - t0:.2f} s", flush=True)
         return out
+    run.memory = lambda: phases.get("memory")
     return run
 
 
@@ -116,14 +123,13 @@ def single(args, src, tmp):
     dev = torch.device("cuda")
     dit, vae, emb = build_models(args.model, args.linears, dev)
     dit.to("cpu")
+    vae.to("cpu")
+    staging = Staging(dit, vae)
     torch.cuda.empty_cache()
     hold = fill_gpu_to(args.budget, dev) if args.budget else None
-    reserve = int(args.reserve * GIB) if args.reserve else None
-    runner = attach_blockswap(dit, BlockSwapConfig(blocks_to_swap="auto", reserve_bytes=reserve), dev)
-    swapped = len(getattr(runner, "swapped_indices", []) or [])
     settings = P.UpscaleSettings(resolution=args.resolution, batch_size=args.batch, temporal_overlap=0,
                                  color_correction="wavelet", seed=42)
-    up = chunk_upscaler(dit, vae, emb, settings, dev, free_memory=lambda: torch.cuda.mem_get_info(dev)[0])
+    up = chunk_upscaler(dit, vae, emb, settings, dev, staging=staging)
     s = StreamSettings(batch_size=args.batch, overlap=args.overlap, codec=args.codec, resume=False)
 
     def size(h, w):
@@ -148,7 +154,7 @@ def single(args, src, tmp):
     t_mem = time.perf_counter() - t0
     n = res.frames
     out = {"mode": "single", "model": args.model, "linears": args.linears, "budget_gib": args.budget,
-           "swapped_blocks": swapped, "frames": n, "chunks": len(chunks), "stream_s": t_stream,
+           "swapped_blocks": len(up.memory().swapped) if up.memory() else 0, "frames": n, "chunks": len(chunks), "stream_s": t_stream,
            "stream_fps": n / t_stream, "inmem_s": t_mem, "inmem_fps": n / t_mem,
            "ratio": (n / t_stream) / (n / t_mem), "rss_peak_gib_before": rss0, "rss_peak_gib_stream": rss_stream}
     del hold
@@ -213,8 +219,6 @@ def main():
     ap.add_argument("--overlap", type=int, default=4)
     ap.add_argument("--codec", default="h264")
     ap.add_argument("--budget", type=float, default=0.0, help="GiB left free for the pack (0: the whole GPU)")
-    ap.add_argument("--reserve", type=float, default=0.0,
-                    help="GiB BlockSwap keeps free for activations (0: its default)")
     ap.add_argument("--gpus", default="1", help="1 (the single-GPU comparison) or a list like 1,2,4 (scaling)")
     ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", ""))
     ap.add_argument("--json", default=None)

@@ -1,21 +1,23 @@
-"""The DiT on and off the GPU for its phase of a run, as the memory plan says (used by the node and the benchmark).
+"""The models on and off the GPU for their phases of a run, as the memory plan says.
 
 ``DiTStager(model)`` packs the DiT's host copy once (``optimization.blockswap.staging.StagedModel``: pinned arenas
 kept across runs). ``footprint(device)`` is what the memory plan counts; ``attach(device, plan)`` puts the resident
 blocks on the GPU and streams the others, with NVFP4 layers on the plan's path when the fast one does not fit;
-``release()`` drops the GPU copies without copying anything back.
+``release()`` drops the GPU copies without copying anything back. ``Staging`` does the same for both models where
+ComfyUI's model manager is not there (the CLI, the benchmarks); the nodes stage the VAE through ComfyUI.
 """
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from ...optimization.blockswap import BlockSwapConfig
 from ...optimization.blockswap.arena import SMALL_TENSOR_BYTES
 from ...optimization.blockswap.staging import StagedModel
-from .memory import DiTFootprint, MemoryPlan, dit_footprint
+from .memory import DiTFootprint, MemoryPlan, dit_footprint, plan_memory
+from .pipeline import PipelineHooks
 
 _log = logging.getLogger(__name__)
 
@@ -51,3 +53,67 @@ class DiTStager:
     def close(self) -> None:
         self.release()
         self.staged.close()
+
+
+def device_budget(device) -> Optional[int]:
+    """VRAM a run outside ComfyUI may use on ``device``: free now plus torch's cached, unused blocks (None on the
+    CPU)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+               - torch.cuda.memory_allocated(device))
+
+
+class Staging:
+    """Both models staged for runs outside ComfyUI (the CLI, the benchmarks): the DiT through its ``DiTStager``, the
+    VAE as a ``StagedModel`` (its host copy pinned once too); ``hooks`` put each on the GPU for its phases only."""
+
+    def __init__(self, dit: torch.nn.Module, vae: torch.nn.Module, pool=None):
+        self.dit = DiTStager(dit, pool=pool)
+        self.vae = StagedModel(vae, blocks_attr=None, pool=pool)
+        self.vae_bytes = sum(self.vae.block_bytes) + self.vae.other_bytes
+        self.vae_on = False
+
+    def plan(self, run, settings, device, budget: Optional[int] = None, blocks_to_swap="auto",
+             vae_dtype: torch.dtype = torch.bfloat16) -> MemoryPlan:
+        """``plan_memory`` for ``run`` on ``device`` (budget: the device's free memory unless given); logged."""
+        device = torch.device(device)
+        budget = device_budget(device) if budget is None else budget
+        mem = plan_memory(run, settings, self.dit.footprint(device), self.vae_bytes, budget,
+                          blocks_to_swap=blocks_to_swap, vae_dtype=vae_dtype)
+        _log.info("%s", mem.line())
+        return mem
+
+    def hooks(self, device, memory: MemoryPlan, mark: Optional[Callable[[str], None]] = None) -> PipelineHooks:
+        """The pipeline hooks of one run; ``mark(phase)`` (if given) is called as each phase ends (benchmarks)."""
+        mark = mark or (lambda name: None)
+
+        def vae_on():
+            if not self.vae_on:
+                self.vae.to_device(device)
+                self.vae_on = True
+            mark("vae_load")
+
+        def before_dit():
+            mark("encode")
+            if not memory.vae_stays:
+                self.vae_off()
+            self.dit.attach(device, memory)
+            mark("attach")
+
+        def after_dit():
+            mark("dit")
+            self.dit.release()
+            mark("release")
+
+        return PipelineHooks(before_encode=vae_on, before_dit=before_dit, after_dit=after_dit, before_decode=vae_on)
+
+    def vae_off(self) -> None:
+        self.vae.release()
+        self.vae_on = False
+
+    def close(self) -> None:
+        self.vae_off()
+        self.vae.close()
+        self.dit.close()
