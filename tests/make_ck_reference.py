@@ -45,28 +45,29 @@ def inputs(seed: int, rows: int, cols: int, std: float, dtype) -> torch.Tensor:
 
 def main() -> None:
     import comfy_kitchen
-    from comfy_kitchen.tensor import QuantizedTensor
+    from comfy_kitchen.tensor import QuantizedTensor, get_layout_class
+    nvfp4, mxfp8, int8 = (get_layout_class(n) for n in ("TensorCoreNVFP4Layout", "TensorCoreMXFP8Layout",
+                                                         "TensorWiseINT8Layout"))
     out = {}
     with comfy_kitchen.registry.use_backend("eager"):
         for i, (name, (r, c, std, dt)) in enumerate(NVFP4_CASES.items()):
             x = inputs(i, r, c, std, dt)
-            q = QuantizedTensor.from_float(x, "TensorCoreNVFP4Layout")
-            out.update({f"nvfp4.{name}.x": x, f"nvfp4.{name}.qdata": q._qdata,
-                        f"nvfp4.{name}.block_scale": q._params.block_scale.view(torch.uint8),
-                        f"nvfp4.{name}.scale": q._params.scale.reshape(())})
+            qdata, scale, block_scale = nvfp4.get_plain_tensors(QuantizedTensor.from_float(x, "TensorCoreNVFP4Layout"))
+            out.update({f"nvfp4.{name}.x": x, f"nvfp4.{name}.qdata": qdata,
+                        f"nvfp4.{name}.block_scale": block_scale.view(torch.uint8),
+                        f"nvfp4.{name}.scale": scale.reshape(())})
         for i, (name, (r, c, std, dt)) in enumerate(MXFP8_CASES.items()):
             x = inputs(100 + i, r, c, std, dt)
-            q = QuantizedTensor.from_float(x, "TensorCoreMXFP8Layout")
-            out.update({f"mxfp8.{name}.x": x, f"mxfp8.{name}.qdata": q._qdata.view(torch.uint8),
-                        f"mxfp8.{name}.scale": q._params.scale.view(torch.uint8)})
+            qdata, scale = mxfp8.get_plain_tensors(QuantizedTensor.from_float(x, "TensorCoreMXFP8Layout"))
+            out.update({f"mxfp8.{name}.x": x, f"mxfp8.{name}.qdata": qdata.view(torch.uint8),
+                        f"mxfp8.{name}.scale": scale.view(torch.uint8)})
         for i, (name, (n, k, group, m, dt)) in enumerate(INT8_CASES.items()):
             w = inputs(200 + i, n, k, 0.05, dt)
             x = inputs(300 + i, m, k, 1.0, dt)
-            q = QuantizedTensor.from_float(w, "TensorWiseINT8Layout", is_weight=True, per_channel=True, convrot=True,
-                                           convrot_groupsize=group)
-            y = comfy_kitchen.int8_linear(x, q._qdata, q._params.scale, None, dt, convrot=True,
-                                          convrot_groupsize=group)
-            out.update({f"int8.{name}.w": w, f"int8.{name}.qdata": q._qdata, f"int8.{name}.scale": q._params.scale,
+            qdata, scale = int8.get_plain_tensors(QuantizedTensor.from_float(
+                w, "TensorWiseINT8Layout", is_weight=True, per_channel=True, convrot=True, convrot_groupsize=group))
+            y = comfy_kitchen.int8_linear(x, qdata, scale, None, dt, convrot=True, convrot_groupsize=group)
+            out.update({f"int8.{name}.w": w, f"int8.{name}.qdata": qdata, f"int8.{name}.scale": scale,
                         f"int8.{name}.x": x, f"int8.{name}.y": y})
     from importlib.metadata import version
     save_file({k: v.contiguous() for k, v in out.items()}, str(OUT), {"comfy_kitchen": version("comfy-kitchen")})

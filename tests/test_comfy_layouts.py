@@ -61,13 +61,14 @@ def test_mxfp8_dequantize_is_exact(name):
 @needs_ck
 @pytest.mark.parametrize("name", MX_CASES)
 def test_mxfp8_matches_installed_comfy_kitchen(name):
-    from comfy_kitchen.tensor import QuantizedTensor
+    from comfy_kitchen.tensor import QuantizedTensor, get_layout_class
     x = REF[f"mxfp8.{name}.x"]
     with comfy_kitchen.registry.use_backend("eager"):
-        qt = QuantizedTensor.from_float(x, "TensorCoreMXFP8Layout")
-        theirs = comfy_kitchen.dequantize_mxfp8(qt._qdata, qt._params.scale, torch.float32)
+        qdata, scale = get_layout_class("TensorCoreMXFP8Layout").get_plain_tensors(
+            QuantizedTensor.from_float(x, "TensorCoreMXFP8Layout"))
+        theirs = comfy_kitchen.dequantize_mxfp8(qdata, scale, torch.float32)
     q, s = MX.quantize_mxfp8(x)
-    assert torch.equal(_u8(q), _u8(qt._qdata)) and torch.equal(s, _u8(qt._params.scale))
+    assert torch.equal(_u8(q), _u8(qdata)) and torch.equal(s, _u8(scale))
     assert torch.equal(MX.dequantize_mxfp8(q, s), theirs)
 
 
@@ -115,17 +116,17 @@ def test_int8_convrot_matches_comfy_kitchen_bytes(name):
 @needs_ck
 @pytest.mark.parametrize("name", INT8_CASES)
 def test_int8_convrot_matches_installed_comfy_kitchen(name):
-    from comfy_kitchen.tensor import QuantizedTensor
+    from comfy_kitchen.tensor import QuantizedTensor, get_layout_class
     w, x, g = REF[f"int8.{name}.w"], REF[f"int8.{name}.x"], _group(name)
     bias = torch.randn(w.shape[0]).to(x.dtype)
     with comfy_kitchen.registry.use_backend("eager"):
         qt = QuantizedTensor.from_float(w, "TensorWiseINT8Layout", is_weight=True, per_channel=True, convrot=True,
                                         convrot_groupsize=g)
-        y_ck = comfy_kitchen.int8_linear(x, qt._qdata, qt._params.scale, bias, x.dtype, convrot=True,
-                                         convrot_groupsize=g)
+        qdata, scale = get_layout_class("TensorWiseINT8Layout").get_plain_tensors(qt)
+        y_ck = comfy_kitchen.int8_linear(x, qdata, scale, bias, x.dtype, convrot=True, convrot_groupsize=g)
         w_ck = qt.dequantize()
     q, s = I8.quantize_int8_convrot(w, g)
-    assert torch.equal(q, qt._qdata) and torch.equal(s, qt._params.scale)
+    assert torch.equal(q, qdata) and torch.equal(s, scale)
     assert torch.equal(I8.int8_linear_reference(x, q, s, bias, g), y_ck)
     assert torch.allclose(I8.dequantize_int8(q, s, g, w.dtype).float(), w_ck.float(), rtol=2 ** -7, atol=1e-7)
 
@@ -205,6 +206,7 @@ def test_converter_writes_mxfp8_that_loads_back(tmp_path):
     assert torch.equal(model["out"].dequantize_weight(), want)
     x = torch.randn(3, 48)
     assert torch.equal(model["out"](x), torch.nn.functional.linear(x, want))
+    assert model["out"].derived_bytes("cpu") == 0              # the FP8 copy exists only where the FP8 GEMM runs
     if comfy_kitchen is not None:             # ComfyUI's layout reads the same weights from our tensors
         theirs = comfy_kitchen.dequantize_mxfp8(out["blocks.0.mlp.out.weight"],
                                                 out["blocks.0.mlp.out.weight_scale"].view(torch.float8_e8m0fnu),

@@ -51,13 +51,14 @@ def _weights(variant):
 def _int8_convrot(w):
     if comfy_kitchen is None:
         return quantize_int8_convrot(w, GROUP)
-    from comfy_kitchen.tensor import QuantizedTensor
+    from comfy_kitchen.tensor import QuantizedTensor, get_layout_class
     with comfy_kitchen.registry.use_backend("eager"):
         qt = QuantizedTensor.from_float(w, "TensorWiseINT8Layout", is_weight=True, per_channel=True, convrot=True,
                                         convrot_groupsize=GROUP)
+    qdata, scale = get_layout_class("TensorWiseINT8Layout").get_plain_tensors(qt)
     q, s = quantize_int8_convrot(w, GROUP)
-    assert torch.equal(q, qt._qdata) and torch.equal(s, qt._params.scale)
-    return qt._qdata, qt._params.scale
+    assert torch.equal(q, qdata) and torch.equal(s, scale)
+    return qdata, scale
 
 
 def write_int8_dit(path, variant):

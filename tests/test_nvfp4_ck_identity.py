@@ -13,7 +13,7 @@ from conftest import DATA
 from seedvr2bw.optimization.nvfp4 import format as fmt
 from seedvr2bw.optimization.nvfp4.convert import convert_file
 
-from nvfp4_refs import QuantizedTensor, comfy_kitchen, needs_ck
+from nvfp4_refs import QuantizedTensor, TensorCoreNVFP4Layout, comfy_kitchen, needs_ck
 
 REF = load_file(DATA / "ck_reference.safetensors")
 CASES = sorted({k.split(".")[1] for k in REF if k.startswith("nvfp4.")})
@@ -25,8 +25,9 @@ def _u8(t):
 
 def _ck(x):
     with comfy_kitchen.registry.use_backend("eager"):
-        q = QuantizedTensor.from_float(x, "TensorCoreNVFP4Layout")
-    return q._qdata, _u8(q._params.block_scale), q._params.scale.reshape(())
+        qdata, scale, block_scale = TensorCoreNVFP4Layout.get_plain_tensors(
+            QuantizedTensor.from_float(x, "TensorCoreNVFP4Layout"))
+    return qdata, _u8(block_scale), scale.reshape(())
 
 
 def _stored(name):

@@ -155,12 +155,19 @@ class MXFP8Linear(torch.nn.Module):
     def dequantize_weight(self, dtype=torch.float32) -> torch.Tensor:
         return dequantize_mxfp8(self.weight, self.weight_scale, dtype, (self.out_features, self.in_features))
 
-    def decision(self, x2: torch.Tensor) -> dispatch.Decision:
-        device = x2.device
-        site = dispatch.Site(cuda=x2.is_cuda, dims16=not (self.in_features % 16 or self.out_features % 16),
+    def _site(self, device: torch.device) -> dispatch.Site:
+        return dispatch.Site(cuda=device.type == "cuda", dims16=not (self.in_features % 16 or self.out_features % 16),
                              policy_path=lambda: policy.get_policy(device).nvfp4_gemm,
                              fp8=lambda: policy.get_policy(device).fp8_gemm)
-        d = dispatch.decide(MXFP8_FORMAT, self.path, x2.shape[0], site)
+
+    def derived_bytes(self, device) -> int:
+        """GPU bytes this layer derives from its weight on ``device`` (the FP8 copy where the FP8 GEMM runs), for
+        the memory plan."""
+        d = dispatch.decide(MXFP8_FORMAT, self.path, 1, self._site(torch.device(device)))
+        return self.out_features * (self.in_features + 4) if d.kernel == "mxfp8_fp8_rowwise" else 0
+
+    def decision(self, x2: torch.Tensor) -> dispatch.Decision:
+        d = dispatch.decide(MXFP8_FORMAT, self.path, x2.shape[0], self._site(x2.device))
         key = (d.path, d.kernel)
         if key not in _ANNOUNCED:
             _ANNOUNCED.add(key)
