@@ -1,7 +1,7 @@
-"""Convert a bf16/fp16/fp32/fp8 safetensors model (SeedVR2 DiT, FLUX, ...) to NVFP4 in ComfyUI's format.
+"""Convert a bf16/fp16/fp32/fp8 safetensors model (SeedVR2 DiT, FLUX, ...) to NVFP4 (or MXFP8, FP8) in ComfyUI's format.
 
     python scripts/convert_to_nvfp4.py model.safetensors model_nvfp4.safetensors [--keep REGEX ...]
-        [--no-default-keep] [--format nvfp4|fp8] [--device auto|cpu|cuda] [--keep-dtype bf16|fp16|fp32]
+        [--no-default-keep] [--format nvfp4|mxfp8|fp8] [--device auto|cpu|cuda] [--keep-dtype bf16|fp16|fp32]
         [--recipe comfy|modelopt] [--json summary.json]
 
 Streams tensor by tensor (peak RAM ~ one tensor), writes a temp file and renames it into place (atomic), shows a
@@ -16,7 +16,7 @@ import sys
 import _pack  # noqa: F401
 import torch
 
-from seedvr2bw.optimization.nvfp4.convert import convert_file
+from seedvr2bw.optimization.nvfp4.convert import TARGETS, convert_file
 from seedvr2bw.optimization.nvfp4.surgery import DEFAULT_KEEP_PATTERNS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -26,7 +26,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src")
     ap.add_argument("dst")
-    ap.add_argument("--format", choices=("nvfp4", "fp8"), default="nvfp4")
+    ap.add_argument("--format", choices=TARGETS, default="nvfp4")
     ap.add_argument("--keep", action="append", default=[], help="regex of layer names kept in high precision")
     ap.add_argument("--no-default-keep", action="store_true", help="drop the default keep patterns")
     ap.add_argument("--device", default="auto")

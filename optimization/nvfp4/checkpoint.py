@@ -40,6 +40,9 @@ from .format import NVFP4Tensor, roundup
 
 NVFP4_FORMAT = "nvfp4"
 FP8_FORMAT = "float8_e4m3fn"
+MXFP8_FORMAT = "mxfp8"                         # mxfp8.py: layout and layer
+INT8_FORMATS = ("int8_tensorwise", "int8")     # int8.py: ConvRot layout and layer; the first is ComfyUI's name
+KNOWN_FORMATS = (NVFP4_FORMAT, FP8_FORMAT, "float8_e5m2", MXFP8_FORMAT) + INT8_FORMATS
 PACK_METADATA_KEY = "seedvr2bw_quant"
 
 _ALIASES = {
@@ -92,7 +95,8 @@ def layer_conf(sd: Mapping, key: str, metadata: Mapping | None = None) -> dict |
 
 
 def detect_layer_format(sd: Mapping, key: str, metadata: Mapping | None = None) -> str | None:
-    """'nvfp4', 'fp8', 'plain' or None (no weight under ``key``)."""
+    """'nvfp4', 'fp8', 'mxfp8', 'int8', 'plain' or None (no weight under ``key``); a ``comfy_quant`` format this
+    pack cannot run raises ``ValueError`` naming the layer."""
     w = sd.get(f"{key}.weight")
     if w is None:
         return None
@@ -103,6 +107,12 @@ def detect_layer_format(sd: Mapping, key: str, metadata: Mapping | None = None) 
             return "nvfp4"
         if f in (FP8_FORMAT, "float8_e5m2"):
             return "fp8"
+        if f == MXFP8_FORMAT:
+            return "mxfp8"
+        if f in INT8_FORMATS:
+            return "int8"
+        raise ValueError(f"{key}: quantization format {f!r} (its comfy_quant tensor) is not one this pack loads "
+                         f"({', '.join(KNOWN_FORMATS)}); convert the model from its fp16/bf16 file instead")
     if w.dtype == torch.uint8 and _get(sd, key, "weight_scale_2") is not None:
         return "nvfp4"
     if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -222,6 +232,42 @@ def fp8_layer_entries(key: str, w8: torch.Tensor, scale: torch.Tensor, bias=None
     if marker:
         out[f"{key}.comfy_quant"] = comfy_quant_tensor({"format": FP8_FORMAT})
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# MXFP8 and INT8 (ConvRot) layers
+# ----------------------------------------------------------------------------------------------------------
+def load_mxfp8_layer(sd: Mapping, key: str) -> dict:
+    """``{"weight": e4m3 [Np, Kp], "weight_scale": uint8 swizzled E8M0, "bias"}`` of one ComfyUI MXFP8 layer."""
+    w, s = sd[f"{key}.weight"], sd.get(f"{key}.weight_scale")
+    if s is None:
+        raise KeyError(f"{key}: an mxfp8 layer needs {key}.weight_scale (its E8M0 block scales)")
+    if w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{key}.weight: an mxfp8 weight is float8_e4m3fn, the file holds {w.dtype}")
+    if s.element_size() != 1:
+        raise ValueError(f"{key}.weight_scale: mxfp8 block scales are one byte each (uint8 E8M0), got {s.dtype}")
+    return {"weight": w, "weight_scale": s.view(torch.uint8), "bias": sd.get(f"{key}.bias")}
+
+
+def int8_convrot_group(conf: Mapping | None) -> int | None:
+    """The ConvRot group size an int8 layer's ``comfy_quant`` asks for (None without ConvRot); the keys may sit
+    under ``"params"`` as some writers put them."""
+    conf = dict(conf or {})
+    params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
+    if not conf.get("convrot", params.get("convrot", False)):
+        return None
+    return int(conf.get("convrot_groupsize", params.get("convrot_groupsize", 256)))
+
+
+def load_int8_layer(sd: Mapping, key: str, metadata: Mapping | None = None) -> dict:
+    """``{"weight": int8 [N, K], "weight_scale": float32, "bias", "convrot_group"}`` of one ComfyUI int8 layer."""
+    w, s = sd[f"{key}.weight"], sd.get(f"{key}.weight_scale")
+    if s is None:
+        raise KeyError(f"{key}: an int8 layer needs {key}.weight_scale")
+    if w.dtype != torch.int8:
+        raise ValueError(f"{key}.weight: an int8 layer's weight is int8, the file holds {w.dtype}")
+    return {"weight": w, "weight_scale": s.float(), "bias": sd.get(f"{key}.bias"),
+            "convrot_group": int8_convrot_group(layer_conf(sd, key, metadata))}
 
 
 # ----------------------------------------------------------------------------------------------------------

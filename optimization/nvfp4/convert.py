@@ -1,4 +1,4 @@
-"""Streaming bf16/fp16/fp32/fp8 safetensors -> NVFP4 (or FP8) converter, ComfyUI's checkpoint format.
+"""Streaming bf16/fp16/fp32/fp8 safetensors -> NVFP4, MXFP8 or FP8 converter, ComfyUI's checkpoint format.
 
 Tensor by tensor: each source tensor is read with ``safe_open``, quantized on ``device`` and appended to the
 output through ``StreamingSafetensorsWriter`` (header planned up front, temp file, ``os.replace``), so peak
@@ -17,13 +17,15 @@ from typing import Callable
 import torch
 
 from . import format as fmt
-from .checkpoint import (FP8_FORMAT, NVFP4_FORMAT, PACK_METADATA_KEY, StreamingSafetensorsWriter,
+from .checkpoint import (FP8_FORMAT, MXFP8_FORMAT, NVFP4_FORMAT, PACK_METADATA_KEY, StreamingSafetensorsWriter,
                          comfy_quant_tensor, quantization_metadata, read_comfy_quant)
+from .mxfp8 import MX_BLOCK, quantize_mxfp8
 from .surgery import make_keep_rule
 
 _AUX = ("weight_scale", "weight_scale_2", "input_scale", "scale_weight", "scale_input", "comfy_quant",
         "weights_scaling_factor", "weights_scaling_factor_2", "activation_scaling_factor")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+TARGETS = ("nvfp4", "mxfp8", "fp8")
 
 
 @dataclass
@@ -89,7 +91,7 @@ def convert_file(src: str, dst: str, target: str = "nvfp4", keep=None, device: s
                  recipe: str = "comfy", keep_dtype: torch.dtype | None = None,
                  progress: Callable[[int, int, str], None] | None = None,
                  check_interrupt: Callable[[], None] | None = None) -> ConversionSummary:
-    """Convert ``src`` to ``dst`` (NVFP4 or FP8 E4M3 per-tensor, ComfyUI format). See the module docstring.
+    """Convert ``src`` to ``dst`` (NVFP4, MXFP8 or FP8 E4M3 per-tensor, ComfyUI format). See the module docstring.
 
     ``keep``: keep rule (None = defaults, see ``linear.make_keep_rule``). ``keep_dtype``: cast kept/copied
     floating tensors to this dtype (None = unchanged; fp8 weights of kept layers are dequantized to bf16).
@@ -97,8 +99,8 @@ def convert_file(src: str, dst: str, target: str = "nvfp4", keep=None, device: s
     output file is then left untouched).
     """
     from safetensors import safe_open
-    if target not in ("nvfp4", "fp8"):
-        raise ValueError(f"target must be 'nvfp4' or 'fp8', got {target!r}")
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     t0 = time.time()
     rule = make_keep_rule(keep)
     summary = ConversionSummary(source=str(src), output=str(dst), target=target,
@@ -136,6 +138,7 @@ def convert_file(src: str, dst: str, target: str = "nvfp4", keep=None, device: s
         plan, work = [], []   # work items: (kind, key_or_layer)
         marker_nv = comfy_quant_tensor({"format": NVFP4_FORMAT, "nibble_order": fmt.NIBBLE_ORDER})
         marker_f8 = comfy_quant_tensor({"format": FP8_FORMAT})
+        marker_mx = comfy_quant_tensor({"format": MXFP8_FORMAT})
         for k in keys:
             if k == "scaled_fp8" or k.endswith(".scaled_fp8"):
                 continue
@@ -156,6 +159,11 @@ def convert_file(src: str, dst: str, target: str = "nvfp4", keep=None, device: s
                              (f"{layer}.weight_scale", torch.float8_e4m3fn, fmt.swizzled_scale_shape(pr, pc // 16)),
                              (f"{layer}.weight_scale_2", torch.float32, ()),
                              (f"{layer}.comfy_quant", torch.uint8, tuple(marker_nv.shape))]
+                elif target == "mxfp8":
+                    pr, pc = fmt.roundup(n, MX_BLOCK), fmt.roundup(kk, MX_BLOCK)
+                    plan += [(f"{layer}.weight", torch.float8_e4m3fn, (pr, pc)),
+                             (f"{layer}.weight_scale", torch.uint8, fmt.swizzled_scale_shape(pr, pc // MX_BLOCK)),
+                             (f"{layer}.comfy_quant", torch.uint8, tuple(marker_mx.shape))]
                 else:
                     plan += [(f"{layer}.weight", torch.float8_e4m3fn, (n, kk)),
                              (f"{layer}.weight_scale", torch.float32, ()),
@@ -176,8 +184,8 @@ def convert_file(src: str, dst: str, target: str = "nvfp4", keep=None, device: s
                 plan.append((k, dtype, shape))
                 work.append(("copy", k))
 
-        qlayers = {l: {"format": NVFP4_FORMAT if target == "nvfp4" else FP8_FORMAT}
-                   for l, a in layers.items() if a == "quantize"}
+        layer_format = {"nvfp4": NVFP4_FORMAT, "mxfp8": MXFP8_FORMAT, "fp8": FP8_FORMAT}[target]
+        qlayers = {l: {"format": layer_format} for l, a in layers.items() if a == "quantize"}
         qlayers.update({l: {"format": NVFP4_FORMAT} for l, a in layers.items() if a == "nvfp4_passthrough"})
         out_meta = dict(meta)
         out_meta["_quantization_metadata"] = quantization_metadata(qlayers)
@@ -212,6 +220,11 @@ def convert_file(src: str, dst: str, target: str = "nvfp4", keep=None, device: s
                         writer.write(f"{name}.weight_scale", t.block_scale)
                         writer.write(f"{name}.weight_scale_2", t.global_scale.reshape(()))
                         writer.write(f"{name}.comfy_quant", marker_nv)
+                    elif target == "mxfp8":
+                        q, sc = quantize_mxfp8(w)
+                        writer.write(f"{name}.weight", q)
+                        writer.write(f"{name}.weight_scale", sc)
+                        writer.write(f"{name}.comfy_quant", marker_mx)
                     else:
                         w8, s = fmt.quantize_fp8_per_tensor(w)
                         writer.write(f"{name}.weight", w8)

@@ -8,6 +8,8 @@ GPU: the layers build the ``Site`` and run the kernel the decision names.
 
 NVFP4 paths: ``fp4_tensorcore`` (sm_100 / sm_120, FP4 GEMM), ``fp8_speed`` (sm_89 / sm_90, FP8 GEMM on per-token FP8
 activations), ``fidelity`` (bf16 activations x the 4-bit weight, by M below), ``reference`` (exact fp32, any device).
+ComfyUI's other layouts: ``mxfp8`` (``MXFP8Linear``: the policy's speed paths run an FP8 GEMM, fidelity the exactly
+dequantized weight) and ``int8`` (``Int8Linear``, ConvRot: the exact integer reference on every device for now).
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from typing import Callable
 NVFP4_PATHS = ("fp4_tensorcore", "fp8_speed", "fidelity", "reference")
 FP8_MODES = ("cast", "scaled_mm")
 FIDELITY_KERNELS = ("auto", "fused", "rs", "dequant")    # NVFP4Linear.fidelity_kernel: auto, or force one
+MXFP8_REQUESTS = ("auto", "fp8", "dequantize", "reference")
+INT8_REQUESTS = ("auto", "reference")
 
 # Thresholds on M (rows of the input), measured on H100 (docs/PERFORMANCE.md §8):
 W4A16_MAX_M = 256    # up to here a fused W4A16 kernel (reads the 4-bit weight); beyond, dequantize + cuBLAS is faster
@@ -35,6 +39,12 @@ KERNEL_DOC = {
     "dequant_cublas": "weight dequantized to bf16 (Triton, kept in L2), one cuBLAS GEMM",
     "fp8_cast": "FP8 weight cast to the compute dtype, one GEMM",
     "fp8_scaled_mm": "activations FP8 per token, torch._scaled_mm",
+    "mxfp8_fp8_rowwise": "MXFP8 weight as FP8 per channel (power-of-two shifts), activations FP8 per token, "
+                         "torch._scaled_mm",
+    "mxfp8_dequant": "MXFP8 weight dequantized exactly to the compute dtype, one GEMM",
+    # CPU reference only: torch._int_mm (int8 tensor cores, sm_80+) would run the same integer product on a GPU,
+    # but it has not been run on one yet, so every device takes this kernel for now
+    "int8_reference": "ConvRot: activations rotated and quantized to int8 per token, exact integer matmul, rescaled",
 }
 
 
@@ -55,6 +65,7 @@ class Site:
     fp4_gemm: Callable[[], tuple[bool, str]] = lambda: (False, "no FP4 GEMM")  # FP4 tensor cores + torch support
     wgmma: Callable[[], bool] = field(default=_no)   # the sm_90 wgmma kernel takes this call (self-tested)
     rs: Callable[[], bool] = field(default=_no)      # the sm_90 RS kernel takes this call (self-tested, no autograd)
+    fp8: Callable[[], bool] = field(default=_no)     # the device has an FP8 GEMM (the policy's fp8_gemm)
 
 
 @dataclass(frozen=True)
@@ -81,6 +92,12 @@ def decide(fmt: str, request: str, m: int, site: Site, fidelity_kernel: str = "a
             return Decision(request, "fp8_scaled_mm", "scaled_mm mode on CUDA")
         why = "cast mode" if request == "cast" else ("not CUDA" if not site.cuda else "features not multiples of 16")
         return Decision(request, "fp8_cast", why)
+    if fmt == "mxfp8":
+        return _mxfp8(request, site)
+    if fmt == "int8":
+        if request not in INT8_REQUESTS:
+            raise ValueError(f"INT8 path must be one of {INT8_REQUESTS}, got {request!r}")
+        return Decision("reference", "int8_reference", "CPU reference only (torch._int_mm not yet run on a GPU)")
     path, why = _nvfp4_path(request, site)
     if path == "reference":
         return Decision(path, "reference", why)
@@ -105,6 +122,23 @@ def _nvfp4_path(request: str, site: Site) -> tuple[str, str]:
     if path == "fp8_speed" and not site.dims16:
         path, why = "fidelity", f"{why}, features not multiples of 16 (FP8 operands)"
     return path, why
+
+
+def _mxfp8(request: str, site: Site) -> Decision:
+    if request not in MXFP8_REQUESTS:
+        raise ValueError(f"MXFP8 path must be one of {MXFP8_REQUESTS}, got {request!r}")
+    if not site.cuda or request == "reference":
+        return Decision("reference", "reference", "not a CUDA device" if not site.cuda else "layer setting")
+    if request == "auto":
+        nv = site.policy_path()
+        request, why = ("fp8" if nv in ("fp4_tensorcore", "fp8_speed") else
+                        "dequantize" if nv == "fidelity" else "reference"), f"hardware policy ({nv})"
+    else:
+        why = "layer setting"
+    if request == "fp8" and not (site.fp8() and site.dims16):
+        request, why = "dequantize", f"{why}, no FP8 GEMM here" if site.dims16 else f"{why}, features not multiples of 16"
+    kernel = {"fp8": "mxfp8_fp8_rowwise", "dequantize": "mxfp8_dequant", "reference": "reference"}[request]
+    return Decision(request, kernel, why)
 
 
 def _fidelity_kernel(m: int, site: Site, forced: str) -> tuple[str, str]:
@@ -139,7 +173,7 @@ RANGE_STARTS = (1, WGMMA_MIN_M, W4A16_MAX_M + 1, RS_MIN_M, RS_AUTO_M)
 
 
 def kernel_table(site: Site, requests=(("nvfp4", "auto"),) + tuple(("nvfp4", p) for p in NVFP4_PATHS)
-                 + tuple(("fp8", m) for m in FP8_MODES)) -> list[str]:
+                 + tuple(("fp8", m) for m in FP8_MODES) + (("mxfp8", "auto"), ("int8", "auto"))) -> list[str]:
     """One line per (format, request): the kernel of each M range at ``site`` and why."""
     lines = []
     for fmt, request in requests:

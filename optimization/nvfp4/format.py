@@ -22,7 +22,8 @@ Storage conventions of this pack (the *internal* convention, identical to ComfyU
 
 Two quantization recipes are provided, each bit-exact with its library on CPU:
 
-* ``recipe="comfy"`` (default): comfy-kitchen's eager ``quantize_nvfp4``: ``s = (amax/6)/g`` clamped to
+* ``recipe="comfy"`` (default): comfy-kitchen's ``QuantizedTensor.from_float``: ``g`` computed in the source dtype
+  (``global_scale_comfy``), then its eager ``quantize_nvfp4``: ``s = (amax/6)/g`` clamped to
   <= 448 and rounded to E4M3; an all-zero block (or one whose scale underflows E4M3) is stored as zeros;
   elements ``x / (g*s)`` clamped to +-6 and rounded to nearest even; the sign of -0.0 is kept.
 * ``recipe="modelopt"``: nvidia-modelopt's ``NVFP4QTensor.quantize``: ``s = amax/(6*g)``, zero scales set
@@ -183,6 +184,17 @@ def global_scale_for(x: torch.Tensor) -> torch.Tensor:
     return torch.where(g > 0, g, torch.ones_like(g))
 
 
+def global_scale_comfy(x: torch.Tensor) -> torch.Tensor:
+    """comfy-kitchen's global scale (``TensorCoreNVFP4Layout.quantize`` without a scale): ``amax(|x|) / (6 * 448)``
+    divided in x's own dtype, then float32, so a bf16 or fp16 weight's scale is rounded to that dtype (bf16 0.00086212
+    where float32 gives 0.00086031). Where that rounding reaches 0 (an all-zero tensor, or an fp16 amax below
+    ~8e-5, which comfy-kitchen would store as NaN or all zeros) the float32 rule ``global_scale_for`` is used."""
+    lo, hi = x.detach().aminmax()
+    amax = torch.maximum(-lo, hi)                   # |x|'s max without an |x| copy; negation is exact
+    g = (amax / (F4_E2M1_MAX * F8_E4M3_MAX)).float()
+    return torch.where((g > 0) & torch.isfinite(g), g, global_scale_for(x))
+
+
 @dataclass
 class NVFP4Tensor:
     """A quantized 2-D tensor in the pack's internal convention (see the module docstring)."""
@@ -244,13 +256,15 @@ def quantize_nvfp4(w: torch.Tensor, global_scale: torch.Tensor | float | None = 
     Returns ``(packed uint8 [Rp, Kp/2], block_scale e4m3, global_scale fp32 0-d)`` where ``Rp``/``Kp`` are R/K
     rounded up to ``pad_rows``/16 and the block scales are swizzled ``[roundup(Rp,128), roundup(Kp/16,4)]``
     (or flat ``[Rp, Kp/16]`` with ``swizzle=False``). ``return_tensor=True`` gives an ``NVFP4Tensor``.
+    Without ``global_scale`` the recipe's own rule sets it: ``global_scale_comfy`` (source dtype) or, for
+    ``modelopt``, ``global_scale_for`` (float32).
     Works on any device with plain torch ops (the CPU result is the reference).
     """
     if w.dim() != 2:
         raise ValueError(f"NVFP4 quantizes 2-D tensors, got shape {tuple(w.shape)}")
     rows, cols = w.shape
     if global_scale is None:
-        g = global_scale_for(w)
+        g = global_scale_comfy(w) if recipe == "comfy" else global_scale_for(w)
     else:
         g = torch.as_tensor(global_scale, dtype=torch.float32).to(w.device).reshape(())
     pr, pc = roundup(rows, max(pad_rows, 1)), roundup(cols, BLOCK)

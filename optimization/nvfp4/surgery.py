@@ -7,8 +7,10 @@ from typing import Callable, Mapping
 
 import torch
 
-from .checkpoint import detect_layer_format, load_fp8_layer, load_nvfp4_layer
+from .checkpoint import detect_layer_format, load_fp8_layer, load_int8_layer, load_mxfp8_layer, load_nvfp4_layer
+from .int8 import Int8Linear, dequantize_int8
 from .linear import FP8Linear, NVFP4Linear
+from .mxfp8 import MXFP8Linear, dequantize_mxfp8
 
 DEFAULT_KEEP_PATTERNS = (
     r"(^|\.)[^.]*(embed|embedding)[^.]*(\.|$)",                      # embeddings (x_embedder, pos_embed, ...)
@@ -58,19 +60,20 @@ def replace_linears(model: torch.nn.Module, state_dict: Mapping[str, torch.Tenso
     """Swap every ``nn.Linear`` of ``model`` for the format ``state_dict`` holds for it and load its tensors.
 
     NVFP4 keys -> ``NVFP4Linear`` with ``path`` ("auto": the hardware policy of the device each layer runs on);
-    FP8 weights -> ``FP8Linear``; plain weights are copied into the existing ``nn.Linear``.
+    FP8 weights -> ``FP8Linear``; ComfyUI's ``mxfp8`` -> ``MXFP8Linear`` and ``int8_tensorwise`` (ConvRot) ->
+    ``Int8Linear`` (each ``path="auto"``); plain weights are copied into the existing ``nn.Linear``.
     ``keep_high_precision=None`` (default) honours the file's choice for every layer; ``"default"`` applies the
     default keep rule, or give a callable / list of patterns (see ``make_keep_rule``): a layer the rule selects is
     loaded as a plain ``nn.Linear`` in ``dtype`` even if the file holds it quantized (dequantized exactly).
     ``prefix`` is prepended to module names to form state-dict keys. ``load_rest=True`` then loads every
     other matching key with ``load_state_dict(strict=False)``. Returns a report
-    ``{"nvfp4": [...], "fp8": [...], "plain": [...], "kept": [...], "missing": [...]}``.
+    ``{"nvfp4": [...], "fp8": [...], "mxfp8": [...], "int8": [...], "plain": [...], "kept": [...], "missing": [...]}``.
     """
     if keep_high_precision is None:
         keep = lambda name, module: False  # noqa: E731 - honour the file
     else:
         keep = make_keep_rule(None if keep_high_precision == "default" else keep_high_precision)
-    report = {"nvfp4": [], "fp8": [], "plain": [], "kept": [], "missing": []}
+    report = {"nvfp4": [], "fp8": [], "mxfp8": [], "int8": [], "plain": [], "kept": [], "missing": []}
     used = set()
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear):
@@ -104,6 +107,32 @@ def replace_linears(model: torch.nn.Module, state_dict: Mapping[str, torch.Tenso
                                      input_scale=d["input_scale"])
             _set_module(model, name, new)
             report["fp8"].append(name)
+        elif kind == "mxfp8":
+            d = load_mxfp8_layer(state_dict, key)
+            shape = (module.out_features, module.in_features)
+            if keep(name, module):
+                _load_plain(module, dequantize_mxfp8(d["weight"], d["weight_scale"], shape=shape), d["bias"], dtype,
+                            device)
+                report["kept"].append(name)
+                continue
+            new = MXFP8Linear.from_mxfp8(d["weight"].to(device), d["weight_scale"].to(device), shape, d["bias"],
+                                         dtype=dtype)
+            _set_module(model, name, new)
+            report["mxfp8"].append(name)
+        elif kind == "int8":
+            d = load_int8_layer(state_dict, key, metadata)
+            if keep(name, module):
+                w = dequantize_int8(d["weight"], d["weight_scale"], d["convrot_group"])
+                _load_plain(module, w, d["bias"], dtype, device)
+                report["kept"].append(name)
+                continue
+            new = Int8Linear.from_int8(d["weight"].to(device), d["weight_scale"].to(device), d["bias"],
+                                       d["convrot_group"], dtype=dtype)
+            if (new.out_features, new.in_features) != (module.out_features, module.in_features):
+                raise ValueError(f"{key}.weight: int8 shape {(new.out_features, new.in_features)}, the model's "
+                                 f"linear is {(module.out_features, module.in_features)}")
+            _set_module(model, name, new)
+            report["int8"].append(name)
         else:
             _load_plain(module, state_dict[key + ".weight"], state_dict.get(key + ".bias"), None, device)
             report["plain"].append(name)

@@ -89,7 +89,7 @@ class Policy:
         site = dispatch.Site(
             cuda=gpu, triton=gpu, policy_path=lambda: self.nvfp4_gemm,
             fp4_gemm=lambda: (self.profile in _FP4_TENSOR_CORES, f"no FP4 tensor cores on {self.profile}"),
-            wgmma=lambda: hopper, rs=lambda: hopper)
+            wgmma=lambda: hopper, rs=lambda: hopper, fp8=lambda: gpu and self.fp8_gemm)
         return dispatch.kernel_table(site)
 
 

@@ -7,8 +7,9 @@
   derived from the shapes, so the tiny golden models load through the same path.
 * Anything else (the SeedVR2 VAE, FLUX, ...) is rejected with an error naming the file, what was expected
   and what was found.
-* fp16/bf16/fp32 weights load as they are (``dtype=`` casts on request). fp8 e4m3 weights and NVFP4
-  (``weight_scale`` keys) go through ``optimization.nvfp4.surgery.replace_linears``. GGUF linears whose weight is
+* fp16/bf16/fp32 weights load as they are (``dtype=`` casts on request). fp8 e4m3 weights, NVFP4 and ComfyUI's
+  ``mxfp8`` / ``int8_tensorwise`` ConvRot layers (``weight_scale`` keys, ``comfy_quant`` markers) go through
+  ``optimization.nvfp4.surgery.replace_linears``. GGUF linears whose weight is
   quantized become ``GGUFLinear`` (blocks kept, dequantized per forward on the device the layer runs on); the
   file's other tensors are dequantized exactly and load like those of any file.
 """
@@ -34,6 +35,8 @@ StateDict = Dict[str, torch.Tensor]
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
 _PREFIXES = ("module.", "model.diffusion_model.", "diffusion_model.", "model.", "dit.")
 _CORE_KEYS = ("vid_in.proj.weight", "txt_in.weight", "emb_in.proj_out.weight")
+# a quantized layer's scales keep their stored precision whatever ``dtype`` the floating weights are cast to
+_QUANT_AUX = (".weight_scale", ".weight_scale_2", ".input_scale", ".pre_quant_scale")
 
 
 class DiTCheckpointError(ValueError):
@@ -262,7 +265,7 @@ def load_dit(
         dtype = torch.bfloat16  # a GGUF file's dense tensors are F32 by the converter's habit, not a precision choice
     if dtype is not None:
         sd = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype not in _FP8
-                  and not k.endswith("rope.freqs") else v)
+                  and not k.endswith(("rope.freqs",) + _QUANT_AUX) else v)
               for k, v in sd.items()}
 
     linear_names = set()
@@ -273,14 +276,16 @@ def load_dit(
               if k.rpartition(".")[0] not in linear_names}
         _log.info("%s: %d GGUF linears (blocks dequantized per forward)", source, len(linear_names))
     elif is_quantized(sd):
-        report = replace_linears(model, sd, nvfp4_path, keep_high_precision=keep_high_precision,
-                                 dtype=dtype or torch.bfloat16)
+        try:
+            report = replace_linears(model, sd, nvfp4_path, keep_high_precision=keep_high_precision,
+                                     dtype=dtype or torch.bfloat16)
+        except (KeyError, ValueError) as exc:   # a layer the file holds in a layout we cannot read: name the file
+            raise DiTCheckpointError(f"{source}: {exc.args[0] if exc.args else exc}") from exc
         if report.get("missing"):
             raise DiTCheckpointError(f"{source}: no weights for linear layers {report['missing'][:8]}")
-        linear_names = {n for kind in ("nvfp4", "fp8", "plain", "kept") for n in report.get(kind, [])}
-        _log.info("%s: %d NVFP4, %d FP8, %d plain linears (%d kept high precision)", source,
-                  len(report.get("nvfp4", [])), len(report.get("fp8", [])), len(report.get("plain", [])),
-                  len(report.get("kept", [])))
+        kinds = ("nvfp4", "fp8", "mxfp8", "int8", "plain", "kept")
+        linear_names = {n for kind in kinds for n in report.get(kind, [])}
+        _log.info("%s: linears %s", source, ", ".join(f"{len(report[k])} {k}" for k in kinds if report.get(k)))
 
     def owned_by_linear(key: str) -> bool:
         return key.rpartition(".")[0] in linear_names
