@@ -68,6 +68,7 @@ class TrainConfig(LoraTargetSpec):
     blocks_to_swap: int = 0              # -1: the memory plan's choice (memory_plan.py); without a plan, none
     # kept activations of selective checkpointing under "auto", from the memory plan; negative: measure free memory
     selective_budget_gib: float = -1.0
+    vram_budget_gib: float = 0.0         # the memory plan's VRAM (0: what ComfyUI can free on the GPU)
     caption_dropout: float = 0.0         # share of samples trained on the empty caption (seeded per step)
     ema_decay: float = 0.0               # 0: no EMA; else the LoRA's average is saved as <name>_ema.safetensors
     validation_share: float = 0.0        # held-out share of the dataset (when no validation dataset is given)
