@@ -154,6 +154,8 @@ def test_validation_dataset_input_and_best_tracker(T, tmp_path):
         holdout_indices(1, 0.5, 1)
     ds, val = dataset(T, tmp_path, "t", n=2), dataset(T, tmp_path, "v", n=1, caption="held out")
     mp = tiny_flux_patcher()
+    with pytest.raises(ValueError, match="keep_best needs a validation loss.*Fix: set validation_share"):
+        trainer(T, mp, cfg(T, tmp_path, keep_best=True), ds)
     tr = trainer(T, mp, cfg(T, tmp_path, steps=2), ds, validation=val)
     first = tr.validation_loss()
     assert first == tr.validation_loss() and len(tr.data) == 2

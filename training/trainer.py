@@ -145,6 +145,9 @@ class FluxLoraTrainer:
             held = holdout_indices(len(dataset), cfg.validation_share, cfg.seed)
             validation = dataset.subset(held)
             dataset = dataset.subset(sorted(set(range(len(dataset))) - set(held)))
+        if cfg.keep_best and validation is None:
+            raise ValueError("keep_best needs a validation loss, and this run has no validation images. Fix: set "
+                             "validation_share above 0, connect a validation dataset, or turn keep_best off.")
         if regularization is not None and len(regularization) == 0:
             raise ValueError("the regularisation dataset is empty. Fix: add images to it, or disconnect it.")
         self.dm, self.cfg, self.data, self.reg = dm, cfg, dataset, regularization
