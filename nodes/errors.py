@@ -20,6 +20,7 @@ from ..models.seedvr2.video.container import VideoFileError
 from ..optimization.gguf.format import GGUFError
 from ..optimization.gguf.reader import GGUFPackageMissing
 from ..training.data import DatasetError
+from ..training.memory_plan import TrainMemoryError
 from ..training.save import OutputNameError
 
 SHORT_MODULE = "seedvr2bw"
@@ -27,7 +28,7 @@ SHORT_MODULE = "seedvr2bw"
 USER_ERRORS = (
     SeedVR2InputError, SeedVR2MemoryError, SeedVR2Cancelled, DiTCheckpointError, DiTInterrupted, NotASeedVR2VAE, VAECancelled,
     ModelFileError, MissingEmbeddingError, VideoFileError, GGUFError, GGUFPackageMissing, DatasetError,
-    OutputNameError,
+    OutputNameError, TrainMemoryError,
 )
 
 for _cls in USER_ERRORS:

@@ -17,6 +17,7 @@ from ..training.data import DatasetSpec, collect_items, encode_dataset
 from ..training.optim import OPTIMIZERS, SCHEDULERS
 from ..training.objective import TIMESTEP_SAMPLINGS
 from ..training.lora import LAYER_TYPES, is_flux_diffusion_model
+from ..training.memory_plan import GiB, DeviceBudget, PlanRequest, flux_dims, plan_training
 from ..training.plot import render_loss_curve
 from ..training.save import check_overwrite, resolve_output_name
 from ..training.trainer import BASE_PRECISIONS, FluxLoraTrainer, TrainConfig
@@ -122,12 +123,30 @@ class FluxLoraSettingsNode(io.ComfyNode):
                 io.Int.Input("preview_every", default=0, min=0, max=100000),
                 io.String.Input("preview_seeds", default="1"),
                 io.Boolean.Input("tensorboard", default=False),
-                io.Int.Input("blocks_to_swap", default=0, min=0, max=57),
+                io.Int.Input("blocks_to_swap", default=-1, min=-1, max=57,
+                             tooltip="FLUX blocks kept in host RAM and streamed to the GPU. -1: the memory plan's "
+                                     "choice from the free VRAM (0 when everything fits)."),
                 io.Combo.Input("selective_checkpointing", options=["auto", "on", "off"], default="auto",
                                optional=True,
                                tooltip="Keep each block's GEMM/attention outputs and recompute only the rest: "
                                        "faster, ~0.25 GiB per block at 1024². auto: as many blocks as fit in free "
                                        "GPU memory. off: full per-block checkpointing (least memory)."),
+                io.Float.Input("caption_dropout", default=0.0, min=0.0, max=1.0, step=0.01, optional=True,
+                               tooltip="Share of samples trained on the empty caption (works with cached text)."),
+                io.Float.Input("ema_decay", default=0.0, min=0.0, max=0.99999, step=0.0001, optional=True,
+                               tooltip="0: off. Else an average of the LoRA is saved as <name>_ema.safetensors "
+                                       "(e.g. 0.999)."),
+                io.Float.Input("validation_share", default=0.0, min=0.0, max=0.5, step=0.05, optional=True,
+                               tooltip="Share of the dataset held out for validation loss (unless a validation "
+                                       "dataset is connected to the train node)."),
+                io.Int.Input("validation_every", default=0, min=0, max=100000, optional=True,
+                             tooltip="Steps between validations (0: at the end only)."),
+                io.Boolean.Input("keep_best", default=False, optional=True,
+                                 tooltip="Keep <name>-best.safetensors: the LoRA of the lowest validation loss."),
+                io.Float.Input("reg_weight", default=1.0, min=0.0, max=100.0, step=0.05, optional=True,
+                               tooltip="Loss weight of the regularisation images (train node's reg_dataset)."),
+                io.Float.Input("vram_budget_gib", default=0.0, min=0.0, max=1024.0, step=0.5, optional=True,
+                               tooltip="VRAM the memory plan may use. 0: what ComfyUI can free on the GPU."),
             ],
             outputs=[LoraTrainingSettings.Output(display_name="settings")],
         )
@@ -137,7 +156,8 @@ class FluxLoraSettingsNode(io.ComfyNode):
                 grad_accumulation, max_grad_norm, timestep_sampling, shift, guidance, base_precision,
                 gradient_checkpointing, double_blocks, single_blocks, per_type_ranks, seed, save_every, keep_last,
                 preview_every, preview_seeds, tensorboard, blocks_to_swap,
-                selective_checkpointing="auto") -> io.NodeOutput:
+                selective_checkpointing="auto", caption_dropout=0.0, ema_decay=0.0, validation_share=0.0,
+                validation_every=0, keep_best=False, reg_weight=1.0, vram_budget_gib=0.0) -> io.NodeOutput:
         if optimizer == "prodigy" and learning_rate < 0.1:
             log.warning("[FluxLoraTrain] Prodigy adapts its own step: learning_rate should be 1.0 (got %g)",
                         learning_rate)
@@ -151,7 +171,9 @@ class FluxLoraSettingsNode(io.ComfyNode):
                           type_ranks=_parse_type_ranks(per_type_ranks), seed=seed, save_every=save_every,
                           keep_last=keep_last, preview_every=preview_every, preview_seeds=seeds or (1,),
                           tensorboard_dir="tb" if tensorboard else "", blocks_to_swap=blocks_to_swap,
-                          selective_checkpointing=selective_checkpointing)
+                          selective_checkpointing=selective_checkpointing, caption_dropout=caption_dropout,
+                          ema_decay=ema_decay, validation_share=validation_share, validation_every=validation_every,
+                          keep_best=keep_best, reg_weight=reg_weight, vram_budget_gib=vram_budget_gib)
         cfg.validate()
         return io.NodeOutput(cfg)
 
@@ -179,6 +201,10 @@ class FluxLoraTrainNode(io.ComfyNode):
                 io.Boolean.Input("overwrite", default=False, optional=True,
                                  tooltip="Replace an existing LoRA of this name (without it, training stops with "
                                          "an error rather than replace it, unless 'resume' continues it)."),
+                LoraDataset.Input("validation_dataset", optional=True,
+                                  tooltip="Images for the validation loss (instead of a held-out share)."),
+                LoraDataset.Input("reg_dataset", optional=True,
+                                  tooltip="Regularisation (prior-preservation) images, trained at reg_weight."),
             ],
             outputs=[
                 ComboName.Output(display_name="lora_name"),
@@ -191,7 +217,8 @@ class FluxLoraTrainNode(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, vae, clip, dataset, settings, output_name, resume, overwrite=False) -> io.NodeOutput:
+    def execute(cls, model, vae, clip, dataset, settings, output_name, resume, overwrite=False,
+                validation_dataset=None, reg_dataset=None) -> io.NodeOutput:
         import comfy.model_management as mm
         import comfy.utils
         import folder_paths
@@ -208,17 +235,24 @@ class FluxLoraTrainNode(io.ComfyNode):
         if cfg.tensorboard_dir:
             rel = os.path.relpath(os.path.join(out_dir, base), lora_dir)
             cfg.tensorboard_dir = os.path.join(folder_paths.get_output_directory(), "flux_lora_tb", rel)
+        plan = _memory_plan(dm, cfg, dataset, model.load_device)   # before anything is encoded or loaded
+        log.info("%s", plan.line())
+        cfg = plan.apply(cfg)
         cache_dir = os.path.join(folder_paths.get_output_directory(), "flux_lora_cache")
         pbar = comfy.utils.ProgressBar(cfg.steps, node_id=node_id)
-        data = encode_dataset(dataset, vae, clip, cache_dir=cache_dir,
-                              check_interrupt=mm.throw_exception_if_processing_interrupted)
+
+        def encode(spec):
+            return None if spec is None else encode_dataset(
+                spec, vae, clip, cache_dir=cache_dir, check_interrupt=mm.throw_exception_if_processing_interrupted)
+        data, val, reg = encode(dataset), encode(validation_dataset), encode(reg_dataset)
         mm.load_models_gpu([model], force_full_load=True)
         device = model.load_device
         if device.type == "cpu":
             cfg.compute_dtype = "fp32"
         if cfg.base_precision == "bf16" and dm.dtype not in (torch.bfloat16,):
             log.info("[FluxLoraTrain] base stored as %s; training computes in bf16", dm.dtype)
-        trainer = FluxLoraTrainer(dm, cfg, data, latent_format=model.model.latent_format, device=device, vae=vae)
+        trainer = FluxLoraTrainer(dm, cfg, data, latent_format=model.model.latent_format, device=device, vae=vae,
+                                  validation=val, regularization=reg)
         info = {"num_images": len(data), "resolution": dataset.resolution,
                 "buckets": {f"{k[-1] * 8}x{k[-2] * 8}": len(v) for k, v in data.buckets.items()},
                 "captions": {}}
@@ -248,13 +282,37 @@ class FluxLoraTrainNode(io.ComfyNode):
                                dataset_info=info)
         finally:
             trainer.close()
-        plot = render_loss_curve(trainer.losses)
+        plot = render_loss_curve(trainer.losses, validation=trainer.best.history)
         if trainer.previews:
             previews = torch.cat([p for _, p in trainer.previews]).clamp(0, 1)
         else:
             previews = torch.zeros(1, 64, 64, 3)
         lora_name = os.path.relpath(path, lora_dir).replace(os.sep, "/")
         return io.NodeOutput(lora_name, path, plot, previews, ui={"text": [f"saved {lora_name} ({trainer.step} steps)"]})
+
+
+def _memory_plan(dm, cfg, spec, device):
+    """The run's memory plan from the VRAM ComfyUI can free on ``device`` (or the settings' budget) and free host
+    RAM; raises ``TrainMemoryError`` before anything is loaded when nothing fits."""
+    from ..optimization.runtime.device import available_host_bytes
+    from ..optimization.runtime.policy import get_policy
+    vram = None
+    if device.type == "cuda":
+        from .staging import comfy_budget
+        vram = comfy_budget(device)
+    if cfg.vram_budget_gib > 0:   # also on the CPU: a budget to plan for (tests, dry runs)
+        vram = int(cfg.vram_budget_gib * GiB) if vram is None else min(vram, int(cfg.vram_budget_gib * GiB))
+    pol = get_policy(device) if device.type == "cuda" else None
+    budget = DeviceBudget(vram=vram, host=available_host_bytes() if vram is not None else 0,
+                          fp8_tensorcores=bool(pol and pol.fp8_gemm),
+                          nvfp4=bool(pol and pol.nvfp4_gemm != "reference"))
+    images = len(collect_items(spec))
+    req = PlanRequest(resolution=spec.resolution, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, rank=cfg.rank,
+                      base_precision=cfg.base_precision, blocks_to_swap=cfg.blocks_to_swap,
+                      selective=str(cfg.selective_checkpointing).lower(),
+                      gradient_checkpointing=cfg.gradient_checkpointing,
+                      cache_bytes=images * 16 * (spec.resolution // 8) ** 2 * 4)
+    return plan_training(flux_dims(dm), req, budget)
 
 
 NODES = [FluxLoraDatasetNode, FluxLoraSettingsNode, FluxLoraTrainNode]

@@ -237,7 +237,7 @@ def test_image_batch_dataset(comfy, tmp_path):
     T = training_pkg()
     imgs = torch.rand(2, 64, 64, 3)
     ds = T.encode_dataset(T.DatasetSpec(images=imgs, captions=["a", "b"], resolution=64), FakeVAE(), FakeCLIP())
-    assert len(ds) == 2 and set(ds.conds) == {"a", "b"}
+    assert len(ds) == 2 and set(ds.conds) == {"a", "b", ""}  # "": the empty caption, for caption dropout
 
 
 @pytest.mark.parametrize("mode", ["fp8", "nvfp4"])

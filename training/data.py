@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-CACHE_VERSION = "fluxlora-cache-1"
+CACHE_VERSION = "fluxlora-cache-2"   # 2: the empty caption is encoded too (caption dropout)
+EMPTY_CAPTION = ""
 
 
 class DatasetError(ValueError):
@@ -212,6 +213,12 @@ class EncodedDataset:
     def __len__(self):
         return len(self.items)
 
+    def subset(self, indices) -> "EncodedDataset":
+        """The items at ``indices`` (their conditioning shared, not copied): a held-out validation share."""
+        idx = sorted(int(i) for i in indices)
+        return EncodedDataset([self.items[i] for i in idx], [self.latents[i] for i in idx], self.conds, self.pooled,
+                              self.cache_path, self.from_cache)
+
 
 def encode_dataset(spec: DatasetSpec, vae, clip, cache_dir: str | None = None, progress=None,
                    check_interrupt=None) -> EncodedDataset:
@@ -224,7 +231,8 @@ def encode_dataset(spec: DatasetSpec, vae, clip, cache_dir: str | None = None, p
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:24]
     cache_dir = cache_dir or spec.cache_dir
     path = Path(cache_dir) / f"fluxlora_{key}.safetensors" if cache_dir else None
-    caps = sorted(set(it.caption for it in items))
+    # the empty caption is encoded with the rest, so caption dropout works with cached conditioning
+    caps = sorted(set(it.caption for it in items) | {EMPTY_CAPTION})
     if path is not None and path.is_file():
         from safetensors.torch import load_file
         try:

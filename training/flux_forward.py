@@ -248,8 +248,10 @@ class FluxTrainForward:
     """
 
     def __init__(self, dm, gradient_checkpointing: bool = True, block_runner=None, compile_blocks: bool = False,
-                 selective: str = "off"):
+                 selective: str = "off", selective_budget: int | None = None):
         self.dm = dm
+        # "auto" keeps blocks' outputs within this many bytes (the memory plan's figure); None: measure free memory
+        self.selective_budget = selective_budget
         # selective checkpointing (selective_checkpoint.py): "on" every block, "auto" as many as fit in free GPU
         # memory (decided once per input shape), "off" none
         self.selective = selective
@@ -374,16 +376,21 @@ class FluxTrainForward:
             blocks = list(self.dm.double_blocks) + list(self.dm.single_blocks)
             if self.selective == "on":
                 n, why = len(blocks), "selective_checkpointing=on"
-            elif x_t.device.type != "cuda":
+            elif x_t.device.type != "cuda" and self.selective_budget is None:
                 n, why = 0, f"auto: device {x_t.device.type}"
             else:
                 p = getattr(self.dm, "patch_size", 2)
                 b, t_img, t_txt = x_t.shape[0], (x_t.shape[-2] // p) * (x_t.shape[-1] // p), context.shape[1]
                 elem = x_t.element_size()
                 costs = [sc.saved_bytes(blk, b, t_img, t_txt, elem) for blk in blocks]
-                free = sc.free_device_bytes(x_t.device)
-                n = sc.plan_selective_blocks(costs, free, len(blocks) * b * (t_img + t_txt) * self.dm.hidden_size * elem)
-                why = f"auto: {sum(costs[:n]) / 2**30:.1f} GiB kept of {free / 2**30:.1f} GiB free"
+                if self.selective_budget is not None:
+                    n = sc.blocks_within(costs, self.selective_budget)
+                    why = f"memory plan: {sum(costs[:n]) / 2**30:.2f} of {self.selective_budget / 2**30:.2f} GiB kept"
+                else:
+                    free = sc.free_device_bytes(x_t.device)
+                    n = sc.plan_selective_blocks(costs, free,
+                                                 len(blocks) * b * (t_img + t_txt) * self.dm.hidden_size * elem)
+                    why = f"auto: {sum(costs[:n]) / 2**30:.1f} GiB kept of {free / 2**30:.1f} GiB free"
             self._selective_n[key] = n
             logging.getLogger(__name__).info(
                 "[FluxLoraTrain] selective checkpointing for input %s: %d of %d blocks keep their GEMM/attention "

@@ -243,11 +243,14 @@ class FluxLoraNetwork(nn.Module):
         return ctx()
 
     # ---- kohya state dict ----
-    def kohya_state_dict(self, dtype=torch.bfloat16) -> dict:
+    def kohya_state_dict(self, dtype=torch.bfloat16, weights: dict | None = None) -> dict:
+        """kohya keys of the LoRA's weights, or of ``weights`` (this network's ``state_dict`` names -> tensors, e.g.
+        an EMA of them) where given."""
         sd = {}
         for name, m in self.loras.items():
-            sd[f"{name}.lora_down.weight"] = m.lora_down.weight.detach().to("cpu", dtype).contiguous()
-            sd[f"{name}.lora_up.weight"] = m.lora_up.weight.detach().to("cpu", dtype).contiguous()
+            for part in ("lora_down", "lora_up"):
+                w = getattr(m, part).weight if weights is None else weights[f"loras.{name}.{part}.weight"]
+                sd[f"{name}.{part}.weight"] = w.detach().to("cpu", dtype).contiguous()
             sd[f"{name}.alpha"] = torch.tensor(float(m.alpha), dtype=dtype)
         return sd
 

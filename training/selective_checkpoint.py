@@ -99,7 +99,11 @@ def plan_selective_blocks(costs: list, free_bytes: int, boundary_bytes: int) -> 
     """How many blocks (in run order) keep their GEMM/attention outputs within ``free_bytes``: what full
     checkpointing needs on top of the model (the block boundary tensors kept for the backward and one block's
     recompute, estimated as 3x the largest block's saved outputs) and HEADROOM_BYTES stay free."""
-    budget = free_bytes - boundary_bytes - 3 * max(costs, default=0) - HEADROOM_BYTES
+    return blocks_within(costs, free_bytes - boundary_bytes - 3 * max(costs, default=0) - HEADROOM_BYTES)
+
+
+def blocks_within(costs: list, budget: int) -> int:
+    """How many of the first blocks' ``costs`` (in run order) add up to at most ``budget`` bytes."""
     n, used = 0, 0
     for c in costs:
         if used + c > budget:

@@ -14,6 +14,8 @@ from ..optimization.blockswap import (BlockSwapConfig, BlockSwapRunner, get_pinn
                                       spread_indices)
 from ..optimization.runtime import knobs
 from .cuda_graph import GraphedLossAndGrads
+from .data import EMPTY_CAPTION
+from .ema import LoraEMA
 from .flux_forward import FluxTrainForward
 from .frozen_base import FrozenBase, outside_inference_mode
 from .lora import FluxLoraNetwork, LoraTargetSpec, is_flux_diffusion_model
@@ -23,6 +25,7 @@ from .quant import QuantizedBase
 from .save import atomic_save_safetensors, atomic_torch_save, kohya_metadata, prune_checkpoints
 from .selective_checkpoint import ENV as SELECTIVE_ENV
 from .selective_checkpoint import MODES as SELECTIVE_MODES
+from .validation import BestTracker, ValidationSet, holdout_indices
 
 log = logging.getLogger(__name__)
 BASE_PRECISIONS = ("auto", "bf16", "fp8", "nvfp4")
@@ -62,7 +65,16 @@ class TrainConfig(LoraTargetSpec):
     # experimental, off by default: torch.compile'd block forwards (bf16 only so far: the fp8 base fails to compile
     # and falls back; a tiny model failed with cuDNN attention). auto/on = on for CUDA without BlockSwap
     compile_blocks: str = "off"          # auto | on | off; env SEEDVR2BW_TRAIN_COMPILE
-    blocks_to_swap: int = 0
+    blocks_to_swap: int = 0              # -1: the memory plan's choice (memory_plan.py); without a plan, none
+    # kept activations of selective checkpointing under "auto", from the memory plan; negative: measure free memory
+    selective_budget_gib: float = -1.0
+    vram_budget_gib: float = 0.0         # the memory plan's VRAM (0: what ComfyUI can free on the GPU)
+    caption_dropout: float = 0.0         # share of samples trained on the empty caption (seeded per step)
+    ema_decay: float = 0.0               # 0: no EMA; else the LoRA's average is saved as <name>_ema.safetensors
+    validation_share: float = 0.0        # held-out share of the dataset (when no validation dataset is given)
+    validation_every: int = 0            # steps between validations (0: at the end only)
+    keep_best: bool = False              # keep <name>-best.safetensors, the lowest validation loss so far
+    reg_weight: float = 1.0              # loss weight of the regularisation (prior-preservation) images
     output_name: str = "flux_lora"
     output_dir: str = ""
     save_every: int = 0
@@ -93,6 +105,16 @@ class TrainConfig(LoraTargetSpec):
                 bad(f"unknown {name} setting {getattr(self, name)!r}", f"use one of {', '.join(CUDA_GRAPH_MODES)}")
         if self.base_precision not in BASE_PRECISIONS:
             bad(f"unknown base precision {self.base_precision!r}", f"use one of {', '.join(BASE_PRECISIONS)}")
+        for name, lo, hi in (("caption_dropout", 0.0, 1.0), ("reg_weight", 0.0, 1000.0)):
+            if not lo <= float(getattr(self, name)) <= hi:
+                bad(f"{name} must be between {lo:g} and {hi:g} (got {getattr(self, name)})", f"set {name} in range")
+        if not (self.ema_decay == 0 or 0 < self.ema_decay < 1):
+            bad(f"ema_decay must be 0 (off) or between 0 and 1 (got {self.ema_decay})", "use e.g. 0.999, or 0")
+        if not 0 <= self.validation_share < 1:
+            bad(f"validation_share must be at least 0 and below 1 (got {self.validation_share})", "use e.g. 0.1")
+        if self.validation_every < 0 or self.blocks_to_swap < -1:
+            bad(f"validation_every must be 0 or more and blocks_to_swap -1 (auto) or more (got "
+                f"{self.validation_every}, {self.blocks_to_swap})", "use 0 for 'at the end' / 'no swapping'")
         if self.learning_rate <= 0:
             bad(f"learning rate must be positive (got {self.learning_rate})", "use e.g. 1e-4 (AdamW) or 1.0 (Prodigy)")
         if not str(self.output_name).strip() or any(c in self.output_name for c in "\\:*?\"<>|"):
@@ -106,7 +128,9 @@ def _dtype(name):
 class FluxLoraTrainer:
     @outside_inference_mode
     def __init__(self, dm, cfg: TrainConfig, dataset, latent_format=None, device=None, vae=None,
-                 blockswap_backend=None, blockswap_pool=None):
+                 blockswap_backend=None, blockswap_pool=None, validation=None, regularization=None):
+        """``validation``: a dataset evaluated instead of a held-out share; ``regularization``: prior-preservation
+        images, one batch of them per micro-step at ``cfg.reg_weight``."""
         if not is_flux_diffusion_model(dm):
             raise TypeError(
                 f"FLUX LoRA training needs a FLUX model, got {type(dm).__module__}.{type(dm).__name__}. "
@@ -114,7 +138,21 @@ class FluxLoraTrainer:
         cfg.validate()
         if len(dataset) == 0:
             raise ValueError("the dataset is empty. Fix: add images to the dataset folder.")
-        self.dm, self.cfg, self.data = dm, cfg, dataset
+        if cfg.caption_dropout > 0 and EMPTY_CAPTION not in dataset.conds:
+            raise ValueError("caption_dropout needs the empty caption's conditioning, which this dataset lacks "
+                             "(encoded by an older version). Fix: encode the dataset again (encode_dataset).")
+        if validation is None and cfg.validation_share > 0:
+            held = holdout_indices(len(dataset), cfg.validation_share, cfg.seed)
+            validation = dataset.subset(held)
+            dataset = dataset.subset(sorted(set(range(len(dataset))) - set(held)))
+        if cfg.keep_best and validation is None:
+            raise ValueError("keep_best needs a validation loss, and this run has no validation images. Fix: set "
+                             "validation_share above 0, connect a validation dataset, or turn keep_best off.")
+        if regularization is not None and len(regularization) == 0:
+            raise ValueError("the regularisation dataset is empty. Fix: add images to it, or disconnect it.")
+        self.dm, self.cfg, self.data, self.reg = dm, cfg, dataset, regularization
+        self.val = ValidationSet(validation, cfg.seed) if validation is not None else None
+        self.best = BestTracker()
         self.latent_format = latent_format
         self.vae = vae
         self.device = torch.device(device) if device is not None else next(
@@ -122,6 +160,7 @@ class FluxLoraTrainer:
         self.dtype = _dtype(cfg.compute_dtype)
         self.gen = torch.Generator().manual_seed(int(cfg.seed))
         self.base = self.network = self.quant = self.block_runner = self.forward = self.graphed = self.tb = None
+        self.ema = None
         self._closed = False
         try:
             self._build(blockswap_backend, blockswap_pool)
@@ -139,7 +178,7 @@ class FluxLoraTrainer:
         self.network.attach()
         if cfg.base_precision in ("fp8", "nvfp4"):
             self.quant = QuantizedBase(dm, cfg.base_precision)
-        if cfg.blocks_to_swap:
+        if cfg.blocks_to_swap > 0:
             if not cfg.gradient_checkpointing:
                 raise ValueError("blocks to swap needs gradient checkpointing (a swapped block's weights are only "
                                  "on the GPU while it runs). Fix: turn gradient checkpointing on.")
@@ -151,13 +190,17 @@ class FluxLoraTrainer:
         self.forward = FluxTrainForward(dm, cfg.gradient_checkpointing, self.block_runner,
                                         compile_blocks=self.gpu_feature("compile_blocks", COMPILE_ENV,
                                                                         "compiled block forwards"),
-                                        selective=self._selective_mode())
+                                        selective=self._selective_mode(),
+                                        selective_budget=None if cfg.selective_budget_gib < 0
+                                        else int(cfg.selective_budget_gib * 2**30))
         self.sdpa_backends, why = preferred_backends(self.device)
         log.info("[FluxLoraTrain] attention (SDPA) kernel order: %s", why)
         self.graphed = self._make_graphed()
         self.optimizer = build_optimizer(self.network.parameters(), cfg.optimizer, cfg.learning_rate,
                                          weight_decay=cfg.weight_decay, prodigy_d_coef=cfg.prodigy_d_coef)
         self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, cfg.steps, cfg.warmup_steps)
+        if cfg.ema_decay > 0:
+            self.ema = LoraEMA(self.network.named_parameters(), cfg.ema_decay)
         self.step = 0
         self.losses: list[float] = []
         self.step_times: list[float] = []
@@ -170,20 +213,29 @@ class FluxLoraTrainer:
                 log.warning("TensorBoard logging off: %s (pip install tensorboard to enable it)", exc)
 
     # ---------------- data ----------------
-    def _sample_batch(self):
-        keys = sorted(self.data.buckets)
-        sizes = torch.tensor([len(self.data.buckets[k]) for k in keys], dtype=torch.float64)
+    def _sample_batch(self, data=None, micro: int = 0):
+        data = data if data is not None else self.data
+        keys = sorted(data.buckets)
+        sizes = torch.tensor([len(data.buckets[k]) for k in keys], dtype=torch.float64)
         b = keys[int(torch.multinomial(sizes, 1, generator=self.gen))]
-        idxs = self.data.buckets[b]
+        idxs = data.buckets[b]
         pick = torch.randint(len(idxs), (self.cfg.batch_size,), generator=self.gen).tolist()
         sel = [idxs[i] for i in pick]
-        x0 = torch.stack([self.data.latents[i] for i in sel])
-        caps = [self.data.items[i].caption for i in sel]
-        conds = [self.data.conds[c] for c in caps]
+        x0 = torch.stack([data.latents[i] for i in sel])
+        caps = [data.items[i].caption for i in sel]
+        if self.cfg.caption_dropout > 0 and data is self.data:
+            caps = [EMPTY_CAPTION if d else c for c, d in zip(caps, self.dropped(micro, len(caps)))]
+        conds = [data.conds[c] for c in caps]
         T = max(c.shape[0] for c in conds)
         ctx = torch.stack([torch.nn.functional.pad(c, (0, 0, 0, T - c.shape[0])) for c in conds])
-        y = torch.stack([self.data.pooled[c] for c in caps])
+        y = torch.stack([data.pooled[c] for c in caps])
         return x0, ctx, y
+
+    def dropped(self, micro: int, n: int) -> list:
+        """Which of the ``n`` samples of micro-step ``micro`` of the coming step train on the empty caption: from a
+        generator seeded by (seed, step, micro), so a resumed run drops the same ones without extra state."""
+        g = torch.Generator().manual_seed((int(self.cfg.seed) * 1_000_003 + self.step * 1009 + micro) % 2**63)
+        return (torch.rand(n, generator=g, dtype=torch.float64) < self.cfg.caption_dropout).tolist()
 
     def process_in(self, lat):
         """A dataset latent as the model takes it (ComfyUI's ``latent_format.process_in``)."""
@@ -245,7 +297,7 @@ class FluxLoraTrainer:
             if g is not None and p.grad is None:
                 p.grad = g if owned else g.clone()
 
-    def _micro_step(self, inputs, last: bool) -> torch.Tensor:
+    def _micro_step(self, inputs, last: bool, weight: float = 1.0) -> torch.Tensor:
         """One forward/backward; LoRA gradients accumulated; the loss as a device tensor (no sync here: the
         optimizer's launches then overlap the step's GPU work). An out-of-memory error with selectively
         checkpointed blocks for this shape is retried once with full per-block checkpointing (logged)."""
@@ -253,6 +305,9 @@ class FluxLoraTrainer:
             try:
                 # gradients are added only once the whole backward has succeeded
                 loss, grads = (self.graphed or self.loss_and_grads)(*inputs)
+                if weight != 1.0:   # new tensors: safe to keep even when they came from a graph's static outputs
+                    grads = [None if g is None else g * weight for g in grads]
+                    loss = loss * weight
                 self._accumulate(grads, last)
                 return loss.clone() if self.graphed is not None else loss   # a static output: replays overwrite it
             except torch.cuda.OutOfMemoryError:
@@ -268,23 +323,29 @@ class FluxLoraTrainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         total = None
+        # each micro-step: a training batch, then (prior preservation) a regularisation batch at its own weight
+        parts = [(self.data, 1.0)] + ([(self.reg, cfg.reg_weight)] if self.reg is not None and cfg.reg_weight else [])
         for micro in range(cfg.grad_accum):
-            x0, ctx, y = self._sample_batch()
-            x0 = self.process_in(x0)
-            noise = torch.randn(x0.shape, generator=self.gen, dtype=torch.float32)
-            seq = (x0.shape[-2] // 2) * (x0.shape[-1] // 2)
-            sigma = sample_sigmas(x0.shape[0], cfg.timestep_sampling, self.gen, sigmoid_scale=cfg.sigmoid_scale,
-                                  shift=cfg.shift, image_seq_len=seq)
-            x_t, target = noisy_input(x0, noise, sigma)
-            dev, dt = self.device, self.dtype
-            inputs = (x_t.to(dev, dt), sigma.to(dev), ctx.to(dev, dt), y.to(dev, dt), target.to(dev))
-            loss = self._micro_step(inputs, last=micro == cfg.grad_accum - 1)
-            total = loss if total is None else total + loss
+            for k, (data, weight) in enumerate(parts):
+                x0, ctx, y = self._sample_batch(data, micro)
+                x0 = self.process_in(x0)
+                noise = torch.randn(x0.shape, generator=self.gen, dtype=torch.float32)
+                seq = (x0.shape[-2] // 2) * (x0.shape[-1] // 2)
+                sigma = sample_sigmas(x0.shape[0], cfg.timestep_sampling, self.gen, sigmoid_scale=cfg.sigmoid_scale,
+                                      shift=cfg.shift, image_seq_len=seq)
+                x_t, target = noisy_input(x0, noise, sigma)
+                dev, dt = self.device, self.dtype
+                inputs = (x_t.to(dev, dt), sigma.to(dev), ctx.to(dev, dt), y.to(dev, dt), target.to(dev))
+                last = micro == cfg.grad_accum - 1 and k == len(parts) - 1
+                loss = self._micro_step(inputs, last=last, weight=weight)
+                total = loss if total is None else total + loss
         if cfg.max_grad_norm and cfg.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.network.parameters(), cfg.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update()
         total = float(total)   # the step's one host sync
         self.step += 1
         self.losses.append(total)
@@ -293,6 +354,37 @@ class FluxLoraTrainer:
             self.tb.add_scalar("loss", total, self.step)
             self.tb.add_scalar("lr", self.current_lr(), self.step)
         return total
+
+    @outside_inference_mode
+    @torch.no_grad()
+    def validation_loss(self) -> float | None:
+        """Mean loss over the validation set's fixed (image, sigma, noise) pairs with the LoRA as it is now; None
+        without a validation set."""
+        if self.val is None:
+            return None
+        total = 0.0
+        dev, dt = self.device, self.dtype
+        with self.network.cast_cache(self.dtype), sdpa_priority(self.sdpa_backends):
+            for x0, ctx, y, noise, sigma in self.val.samples():
+                x_t, target = noisy_input(self.process_in(x0), noise, sigma)
+                pred = self.forward(x_t.to(dev, dt), sigma.to(dev), ctx.to(dev, dt), y.to(dev, dt), self.cfg.guidance)
+                total += float(flow_loss(pred, target.to(dev), self.cfg.loss_type))
+        return total / len(self.val)
+
+    def validate(self, dataset_info=None) -> float | None:
+        """Validates now, records the result and, with ``keep_best``, saves ``<name>-best.safetensors`` when it is
+        the lowest so far."""
+        loss = self.validation_loss()
+        if loss is None:
+            return None
+        if self.best.record(self.step, loss) and self.cfg.keep_best:
+            self.save_lora(self._out("-best.safetensors"), dataset_info,
+                           {"ss_validation_loss": repr(loss), "ss_best_step": self.step})
+        if self.tb is not None:
+            self.tb.add_scalar("validation_loss", loss, self.step)
+        log.info("[FluxLoraTrain] step %d validation loss %.5f (best %.5f at step %d)", self.step, loss,
+                 self.best.best[1], self.best.best[0])
+        return loss
 
     def current_lr(self) -> float:
         g = self.optimizer.param_groups[0]
@@ -303,9 +395,14 @@ class FluxLoraTrainer:
         return os.path.join(self.cfg.output_dir, f"{self.cfg.output_name}{suffix}")
 
     def save_lora(self, path=None, dataset_info=None, extra=None) -> str:
+        """Writes the LoRA (and, with an EMA, its average as ``<file>_ema.safetensors`` beside it)."""
         path = path or self._out(".safetensors")
         md = kohya_metadata(self.cfg, self.network, self.step, dataset_info, extra)
-        return atomic_save_safetensors(self.network.kohya_state_dict(_dtype(self.cfg.save_dtype)), path, md)
+        dtype = _dtype(self.cfg.save_dtype)
+        if self.ema is not None:
+            atomic_save_safetensors(self.network.kohya_state_dict(dtype, self.ema.weights()), ema_path(path),
+                                    {**md, "ss_ema_decay": str(self.ema.decay)})
+        return atomic_save_safetensors(self.network.kohya_state_dict(dtype), path, md)
 
     def state_dict(self) -> dict:
         st = {
@@ -314,10 +411,13 @@ class FluxLoraTrainer:
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "losses": list(self.losses),
+            "validation": self.best.state_dict(),
             "generator": self.gen.get_state(),
             "torch_rng": torch.get_rng_state(),
             "config": asdict(self.cfg),
         }
+        if self.ema is not None:
+            st["ema"] = self.ema.state_dict()
         if torch.cuda.is_available() and self.device.type == "cuda":
             st["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         return st
@@ -325,7 +425,9 @@ class FluxLoraTrainer:
     @outside_inference_mode
     def load_state_dict(self, st: dict):
         saved = st.get("config", {})
-        for k in [f.name for f in fields(LoraTargetSpec)] + ["optimizer"]:
+        # the held-out images follow the seed, so it must match when a share is held out
+        held = ["seed"] if self.cfg.validation_share else []
+        for k in [f.name for f in fields(LoraTargetSpec)] + ["optimizer", "ema_decay", "validation_share"] + held:
             if k in saved and saved[k] != getattr(self.cfg, k):
                 raise ValueError(f"the resume state was trained with {k}={saved[k]!r}, this run has "
                                  f"{getattr(self.cfg, k)!r}. Fix: use the same setting, or another output name "
@@ -335,6 +437,12 @@ class FluxLoraTrainer:
         self.scheduler.load_state_dict(st["scheduler"])
         self.step = int(st["step"])
         self.losses = list(st.get("losses", []))
+        self.best.load_state_dict(st.get("validation", {}))
+        if self.ema is not None:
+            if "ema" not in st:
+                raise ValueError("the resume state has no EMA of the LoRA (it was trained without one). Fix: set "
+                                 "ema_decay to 0 to continue it, or use another output name to start fresh.")
+            self.ema.load_state_dict(st["ema"])
         self.gen.set_state(st["generator"])
         torch.set_rng_state(st["torch_rng"])
         if "cuda_rng" in st and self.device.type == "cuda":
@@ -355,6 +463,7 @@ class FluxLoraTrainer:
         p = self.save_lora(self._out(f"-step{self.step:08d}.safetensors"), dataset_info)
         self.save_state()
         prune_checkpoints(self._out("-step" + "[0-9]" * 8 + ".safetensors"), self.cfg.keep_last)
+        prune_checkpoints(self._out("-step" + "[0-9]" * 8 + "_ema.safetensors"), self.cfg.keep_last)
         return p
 
     # ---------------- previews ----------------
@@ -409,6 +518,9 @@ class FluxLoraTrainer:
                 if check_interrupt is not None:
                     check_interrupt()
                 loss = self.train_step()
+                if self.val is not None and (self.step == cfg.steps or (
+                        cfg.validation_every and self.step % cfg.validation_every == 0)):
+                    self.validate(dataset_info)
                 if on_step is not None:
                     on_step(self.step, cfg.steps, loss, self.step_times[-1], self)
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
@@ -450,6 +562,12 @@ class FluxLoraTrainer:
             self.base.restore()
         if self.tb is not None:
             self.tb.close()
+
+
+def ema_path(lora_path: str) -> str:
+    """``<name>.safetensors`` -> ``<name>_ema.safetensors``: where a LoRA's EMA is saved."""
+    root, ext = os.path.splitext(lora_path)
+    return f"{root}_ema{ext or '.safetensors'}"
 
 
 def _make_block_runner(dm, n, device, backend=None, pool=None):

@@ -207,3 +207,46 @@ def test_training_workflow_runs_over_http(comfy_server, comfy_inprocess):
     with_lora = _images(comfy_server.output_dir, entry["outputs"], str(_ids(tiny_ui_workflow())["SaveImage"]))
     base = _images(comfy_server.output_dir, entry["outputs"], "114")
     assert np.abs(with_lora - base).max() > 0
+
+
+# ------------------------------------------------------------------------------------------ #29: controls, memory plan
+def _node(prompt: dict, class_type: str) -> str:
+    return next(k for k, n in prompt.items() if n["class_type"] == class_type)
+
+
+def test_training_controls_through_the_executor(rig):
+    """Caption dropout, EMA, a separate validation dataset with keep-best and regularisation images, set on the
+    nodes: the EMA and best files are written beside the LoRA and every file loads."""
+    comfy, use_folders = rig
+    loras = use_folders()
+    prompt = train_only(_api(comfy, tiny_ui_workflow("controls/c", steps=3)))
+    st = prompt[_node(prompt, "SeedVR2BW_FluxLoraSettings")]["inputs"]
+    st.update(caption_dropout=0.5, ema_decay=0.9, validation_every=1, keep_best=True, reg_weight=0.5)
+    ds = _node(prompt, "SeedVR2BW_FluxLoraDataset")
+    prompt["120"] = copy.deepcopy(prompt[ds])    # the same images serve as validation and regularisation sets
+    train = prompt[_node(prompt, "SeedVR2BW_FluxLoraTrain")]["inputs"]
+    train["validation_dataset"], train["reg_dataset"] = ["120", 0], ["120", 0]
+    res = comfy.run(prompt)
+    assert res.success, json.dumps(res.error)[:3000]
+    for name in ("c.safetensors", "c_ema.safetensors", "c-best.safetensors"):
+        sd = _lora_tensors(loras / "controls" / name)
+        assert len([k for k in sd if k.endswith(".lora_down.weight")]) == 13, name
+    from safetensors import safe_open
+    with safe_open(str(loras / "controls" / "c-best.safetensors"), "pt") as f:
+        assert 1 <= int(f.metadata()["ss_best_step"]) <= 3
+
+
+def test_a_plan_that_cannot_fit_fails_before_loading(rig):
+    comfy, use_folders = rig
+    loras = use_folders()
+    prompt = train_only(_api(comfy, tiny_ui_workflow("noroom/x", steps=1)))
+    prompt[_node(prompt, "SeedVR2BW_FluxLoraSettings")]["inputs"]["vram_budget_gib"] = 0.001
+    cache = Path(comfy.folder_paths.get_output_directory()) / "flux_lora_cache"
+    before = sorted(cache.glob("*")) if cache.is_dir() else []
+    res = comfy.run(prompt)
+    assert not res.success and res.status == "execution_error"
+    msg = res.error["exception_message"]
+    assert "does not fit in 0.0 GiB" in msg and "Fix:" in msg and "blocks swapped" in msg, msg
+    assert res.error["exception_type"].endswith("TrainMemoryError")
+    assert not (loras / "noroom").exists()
+    assert (sorted(cache.glob("*")) if cache.is_dir() else []) == before   # nothing encoded either
