@@ -69,9 +69,9 @@ class Staging:
     """Both models staged for runs outside ComfyUI (the CLI, the benchmarks): the DiT through its ``DiTStager``, the
     VAE as a ``StagedModel`` (its host copy pinned once too); ``hooks`` put each on the GPU for its phases only."""
 
-    def __init__(self, dit: torch.nn.Module, vae: torch.nn.Module, pool=None):
-        self.dit = DiTStager(dit, pool=pool)
-        self.vae = StagedModel(vae, blocks_attr=None, pool=pool)
+    def __init__(self, dit: torch.nn.Module, vae: torch.nn.Module, pool=None, small_bytes: int = SMALL_TENSOR_BYTES):
+        self.dit = DiTStager(dit, pool=pool, small_bytes=small_bytes)
+        self.vae = StagedModel(vae, blocks_attr=None, pool=pool, small_bytes=small_bytes)
         self.vae_bytes = sum(self.vae.block_bytes) + self.vae.other_bytes
         self.vae_on = False
 
