@@ -28,7 +28,7 @@ from ..models.seedvr2.vae import load_vae
 from ..optimization.attention import CHOICES as ATTENTION_CHOICES
 from ..optimization.attention import backend_unavailable_reason
 from ..optimization.runtime.policy import get_policy
-from .staging import ModelStager, plan_run
+from .staging import ModelStager, dit_stager, plan_run
 from .types import CATEGORY, BlockSwapConfig, SeedVR2DiT, SeedVR2VAE
 
 _log = logging.getLogger(__name__)
@@ -255,6 +255,10 @@ class SeedVR2LoadDiT(io.ComfyNode):
                   getattr(cfg, "variant", "?"), dtype, backend, f"; {policy.summary()}")
         handle = SeedVR2DiTModel(patcher=patcher, embeddings=emb, dtype=dtype, attention=backend, path=path,
                                  variant=getattr(cfg, "variant", "?"), blockswap=blockswap)
+        if device.type == "cuda":
+            # the host copy packed and pinned once here, so no upscale run pays for it
+            pinned = dit_stager(handle).staged.pin(device)
+            _log.info("[SeedVR2-BW] DiT host copy: %.2f GiB pinned", pinned / 2**30)
         return io.NodeOutput(handle)
 
 

@@ -96,3 +96,18 @@ def test_model_without_blocks_stages_its_children():
     assert all(torch.equal(p, r) for p, r in zip(enc.parameters(), ref))
     staged.release()
     assert not hasattr(enc, "block_runner")
+
+
+def test_pin_at_load_then_phases_pin_nothing_more():
+    m, ref = make()
+    pool = PinnedPool(1 << 30)
+    staged = StagedModel(m, pool=pool, small_bytes=0)
+    be = FakeBackend()
+    assert staged.pin("cpu", backend=be) == pool.pinned_bytes > 0
+    pins = len([e for e in be.log if e[0] == "pin"])
+    staged.to_device("cpu", (0, 3), backend=be)
+    with torch.no_grad():
+        x = torch.randn(2, 32)
+        assert torch.equal(m(x), ref(x))
+    staged.release()
+    assert len([e for e in be.log if e[0] == "pin"]) == pins

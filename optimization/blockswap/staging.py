@@ -97,6 +97,14 @@ class StagedModel:
         return self.pool.owner_pinned_bytes(self.owner) if self._pool is not None else 0
 
     # ------------------------------------------------------------------ staging
+    def pin(self, device, backend: Optional[Backend] = None) -> int:
+        """Pin the host arenas now (e.g. when the model is loaded) instead of at the first ``to_device``; returns
+        the bytes pinned (the pool's cap may leave some pageable)."""
+        backend = backend or make_backend(device)
+        self.device = backend.device
+        self._pin(backend, ())
+        return self.pinned_bytes()
+
     def _pin(self, backend: Backend, first: Sequence[str]) -> None:
         """Register every arena with the pool once (``first`` -- the swapped units -- before the others, so a cap
         leaves the once-per-run resident copies pageable rather than the every-pass swapped ones)."""
