@@ -40,23 +40,24 @@ class BlockSwap(io.ComfyNode):
                         "fewer bytes). Connect to the DiT loader's 'blockswap' input.",
             inputs=[
                 io.Int.Input("blocks_to_swap", default=-1, min=-1, max=64,
-                             tooltip="Blocks kept in system RAM (7B: 36 blocks, 3B: 32). -1 = auto: as few as "
-                                     "needed for the model to fit into free VRAM minus the reserve."),
+                             tooltip="Blocks kept in system RAM (7B: 36 blocks, 3B: 32). -1 = auto: the run's memory "
+                                     "plan streams as few as the VRAM this run may use allows (logged)."),
                 io.Int.Input("prefetch", default=1, min=1, max=4,
                              tooltip="Swapped blocks copied ahead of the one computing. 1 is enough when a "
                                      "block's compute takes longer than its copy."),
                 io.Int.Input("buffers", default=2, min=2, max=6,
                              tooltip="GPU ring buffers, each the size of one block (raised to prefetch+1)."),
                 io.Boolean.Input("swap_io_components", default=False,
-                                 tooltip="Also stream the embeddings and patch in/out layers (saves ~0.2 GB)."),
+                                 tooltip="Also stream the embeddings and patch in/out layers (saves ~0.2 GB). The "
+                                         "SeedVR2 upscaler's memory plan keeps them on the GPU."),
                 io.Float.Input("pinned_cap_gb", default=0.0, min=0.0, max=1024.0, step=0.5,
                                tooltip="Cap on pinned (page-locked) RAM for this model. 0 = the pack's pinned "
                                        "pool (Windows 40 % of RAM, WSL 1 GB, Linux half of RAM but at least 8 GB "
                                        "left free; SEEDVR2BW_PINNED_POOL_BYTES). Blocks beyond the cap are copied "
                                        "from pageable memory (slower)."),
                 io.Float.Input("reserve_gb", default=0.0, min=0.0, max=64.0, step=0.25,
-                               tooltip="VRAM kept free for activations when blocks_to_swap = -1. "
-                                       "0 = max(2 GB, 10 % of VRAM). Raise it for long/large batches."),
+                               tooltip="VRAM kept for the DiT's activations when blocks_to_swap = -1, at least. "
+                                       "0 = the memory plan's estimate for the chunk size (logged)."),
             ],
             outputs=[BlockSwapConfig.Output(display_name="blockswap")],
         )

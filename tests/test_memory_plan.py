@@ -155,3 +155,11 @@ def test_staged_run_equals_resident_run_with_the_same_tiles():
         assert torch.equal(out, ref)
     streamed = {e[2][0] for e in be.log if e[0] == "copy" and e[2][1] != "resident"}
     assert streamed == {f"blocks.{i}" for i in m.swapped}
+
+
+def test_a_blockswap_reserve_is_kept_for_activations():
+    _, plain = mem(budget=12)
+    s = P.UpscaleSettings(resolution=720, batch_size=21)
+    run = P.plan(frames(21), s)
+    m = plan_memory(run, s, BF16_7B, VAE, 12 * GiB, host_available=HOST, reserve=5 * GiB)
+    assert m.dit_activation_bytes == 5 * GiB and len(m.swapped) > len(plain.swapped)

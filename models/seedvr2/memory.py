@@ -186,10 +186,12 @@ def _choose_tile(kind: str, mode: str, tile_px: int, overlap_px: int, ph: int, p
 def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_bytes: int,
                 budget: Optional[int], host_available: Optional[int] = None, blocks_to_swap="auto",
                 buffers: int = 2, vae_dtype: torch.dtype = torch.bfloat16,
-                vae_config: VAEConfig = SEEDVR2_VAE, channels: int = 3) -> MemoryPlan:
+                vae_config: VAEConfig = SEEDVR2_VAE, channels: int = 3,
+                reserve: Optional[int] = None) -> MemoryPlan:
     """The plan of ``run`` (``pipeline.plan``) within ``budget`` bytes of VRAM (None: unknown, e.g. the CPU) and
     ``host_available`` bytes of RAM (None: asked from the system). ``blocks_to_swap``: "auto" or a count (a
-    BlockSwap node's setting, kept as given). Raises ``SeedVR2MemoryError`` before any work when nothing fits."""
+    BlockSwap node's setting, kept as given); ``reserve``: the least VRAM kept for the DiT's activations (the
+    BlockSwap node's; None: the estimate alone). Raises ``SeedVR2MemoryError`` before any work when nothing fits."""
     ph, pw = run.model
     th, tw = run.target
     host_available = available_host_bytes() if host_available is None else host_available
@@ -224,7 +226,7 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
     n = len(dit.block_bytes)
     options = [(dit.block_extra, None)] + ([((0,) * n, "fidelity")] if any(dit.block_extra) else [])
     while True:
-        act = dit_activation_bytes(dit_tokens(min(batch, run.chunk_frames), ph, pw), dit.dim)
+        act = max(dit_activation_bytes(dit_tokens(min(batch, run.chunk_frames), ph, pw), dit.dim), reserve or 0)
         for extra, path in options:
             if blocks_to_swap == "auto":
                 bs = plan_blockswap(dit.block_bytes, dit.other_bytes, budget - margin, act, buffers=buffers,
