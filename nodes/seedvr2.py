@@ -257,7 +257,7 @@ class SeedVR2LoadDiT(io.ComfyNode):
                                  variant=getattr(cfg, "variant", "?"), blockswap=blockswap)
         if device.type == "cuda":
             # the host copy packed and pinned once here, so no upscale run pays for it
-            pinned = dit_stager(handle).staged.pin(device)
+            pinned = dit_stager(handle).staged.pin(device, cap=blockswap.pinned_cap_bytes if blockswap else None)
             _log.info("[SeedVR2-BW] DiT host copy: %.2f GiB pinned", pinned / 2**30)
         return io.NodeOutput(handle)
 

@@ -111,3 +111,12 @@ def test_pin_at_load_then_phases_pin_nothing_more():
         assert torch.equal(m(x), ref(x))
     staged.release()
     assert len([e for e in be.log if e[0] == "pin"]) == pins
+
+
+def test_a_pinned_cap_for_the_model_is_kept():
+    m, _ = make()
+    pool = PinnedPool(1 << 30)
+    staged = StagedModel(m, pool=pool, small_bytes=0)
+    one = staged.unit_bytes("blocks.0")
+    staged.pin("cpu", backend=FakeBackend(), cap=2 * one + 8192)
+    assert 0 < pool.pinned_bytes <= 2 * one + 8192

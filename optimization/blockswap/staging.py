@@ -97,11 +97,12 @@ class StagedModel:
         return self.pool.owner_pinned_bytes(self.owner) if self._pool is not None else 0
 
     # ------------------------------------------------------------------ staging
-    def pin(self, device, backend: Optional[Backend] = None) -> int:
+    def pin(self, device, backend: Optional[Backend] = None, cap: Optional[int] = None) -> int:
         """Pin the host arenas now (e.g. when the model is loaded) instead of at the first ``to_device``; returns
-        the bytes pinned (the pool's cap may leave some pageable)."""
+        the bytes pinned (the pool's cap, and ``cap`` for this model, may leave some pageable)."""
         backend = backend or make_backend(device)
         self.device = backend.device
+        self.pool.set_owner_cap(self.owner, cap)
         self._pin(backend, ())
         return self.pinned_bytes()
 
@@ -129,6 +130,8 @@ class StagedModel:
         self.device = backend.device
         config = config or BlockSwapConfig(blocks_to_swap=len(swapped))
         swapped_names = [self.block_names[i] for i in sorted(set(swapped))]
+        if not self._pinned_for:
+            self.pool.set_owner_cap(self.owner, config.pinned_cap_bytes)
         self._pin(backend, swapped_names)
         stream = backend.current_stream()
         with torch.no_grad():
