@@ -120,3 +120,19 @@ def test_a_pinned_cap_for_the_model_is_kept():
     one = staged.unit_bytes("blocks.0")
     staged.pin("cpu", backend=FakeBackend(), cap=2 * one + 8192)
     assert 0 < pool.pinned_bytes <= 2 * one + 8192
+
+
+def test_a_model_built_under_inference_mode_stages_and_streams():
+    """ComfyUI builds models under torch.inference_mode: their tensors are inference tensors, and device views
+    bound to them must be too (a normal view raises 'Inference tensors do not track version counter')."""
+    with torch.inference_mode():
+        m, ref = make()
+        staged = StagedModel(m, pool=PinnedPool(1 << 30), small_bytes=0)
+        be = FakeBackend()
+        staged.pin("cpu", backend=be)
+    for swapped in [(1, 4), (), tuple(range(8))]:
+        with torch.inference_mode():
+            staged.to_device("cpu", swapped, backend=be)
+            x = torch.randn(2, 32)
+            assert torch.equal(m(x), ref(x))
+            staged.release()

@@ -111,8 +111,16 @@ class HostArena:
             flat = flat.view(dtype)
         return flat.view(shape)
 
+    @property
+    def inference(self) -> bool:
+        """Whether the module's tensors are inference tensors (a model built under ``torch.inference_mode``, as
+        ComfyUI's loaders do); views bound to them must be inference tensors too, or using them raises."""
+        return any(r.tensor.is_inference() for r in self.records)
+
     def device_views(self, slot: torch.Tensor) -> list[torch.Tensor]:
-        return [self.view(slot, r.offset, r.nbytes, r.dtype, r.shape) for r in self.records]
+        """Views of a device buffer laid out like the arena, of the same inference-ness as the module's tensors."""
+        with torch.inference_mode(self.inference):
+            return [self.view(slot, r.offset, r.nbytes, r.dtype, r.shape) for r in self.records]
 
     def bind(self, views: list[torch.Tensor]) -> None:
         for r, v in zip(self.records, views):
@@ -123,8 +131,10 @@ class HostArena:
             r.tensor.data = v
             # anything autograd saved from this block (the weight or a view of it, e.g. W.t()) aliases the ring
             # slot that is about to be refilled: bump the version so such a backward raises instead of silently
-            # using another block's weights (training must use per-block checkpointing)
-            _increment_version(r.tensor)
+            # using another block's weights (training must use per-block checkpointing); inference tensors have
+            # no version and no autograd
+            if not r.tensor.is_inference():
+                _increment_version(r.tensor)
 
     def restore_to(self, device: Optional[torch.device]) -> None:
         """Move the tensors to `device` and drop the arena. For a CPU device nothing is copied: the tensors keep

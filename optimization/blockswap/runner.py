@@ -328,8 +328,7 @@ class BlockSwapRunner:
         if not unit.bound:
             views = unit.views.get(slot.index)
             if views is None:
-                with torch.inference_mode(False):   # normal (not inference) tensors: usable by training too
-                    views = unit.views[slot.index] = unit.arena.device_views(slot.buf)
+                views = unit.views[slot.index] = unit.arena.device_views(slot.buf)
             unit.arena.bind(views)
             unit.bound = True
         unit.uses = 1

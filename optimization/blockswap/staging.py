@@ -141,8 +141,7 @@ class StagedModel:
                 n = self.unit_bytes(name)
                 buf = backend.alloc((n + ALIGN - 1) // ALIGN * ALIGN)
                 backend.copy_async(buf[:n], arena.buffer[:n], stream, tag=(name, "resident"))
-                with torch.inference_mode(False):
-                    arena.bind(arena.device_views(buf))
+                arena.bind(arena.device_views(buf))
                 self._buffers.append(buf)
             for t, host in self.rest:
                 t.data = host.to(self.device, non_blocking=True)
