@@ -10,8 +10,8 @@ Each file is loaded by ComfyUI's ``UNETLoader`` (``nodes.UNETLoader().load_unet(
 detection, ``comfy_quant`` layers as comfy-kitchen ``QuantizedTensor`` weights in ``mixed_precision_ops``). Then, layer
 by layer: the weight ComfyUI dequantizes (``QuantizedTensor.dequantize()``) against the pack's dequantization of the
 file's bytes (``optimization/nvfp4/format.dequantize_nvfp4``, ``mxfp8.dequantize_mxfp8``, cast to ComfyUI's dtype);
-every other parameter and persistent buffer against the file's tensor in ComfyUI's dtype (an RMSNorm's ``weight`` against the
-file's ``scale``, its older name). Compared bit for bit.
+every other parameter and persistent buffer against the file's tensor in ComfyUI's dtype (an RMSNorm's ``weight``
+against the file's ``scale``, its older name). Compared bit for bit.
 
 ``unet_config``: ComfyUI's model detection told the model's dimensions. ComfyUI's SeedVR2 detection knows only the
 full-size 3B and 7B (it looks for ``blocks.31`` / ``blocks.36`` and fixes the widths), so a tiny SeedVR2 file needs
@@ -83,7 +83,6 @@ def _ours(sd, layer: str, fmt: str, shape):
 
 def load_and_compare(rig, unet_name: str, unet_config: dict | None) -> dict:
     import comfy.model_detection as detection
-    import torch
     from comfy.quant_ops import QuantizedTensor
 
     from seedvr2bw.optimization.nvfp4 import checkpoint
