@@ -1,4 +1,4 @@
-"""Node that converts a bf16/fp16/fp32/fp8 safetensors model (SeedVR2 DiT, FLUX, ...) to NVFP4 (or FP8).
+"""Node that converts a bf16/fp16/fp32/fp8 safetensors model (SeedVR2 DiT, FLUX, ...) to NVFP4 (or MXFP8, FP8).
 
 Streams tensor by tensor (peak RAM about one tensor), shows ComfyUI's progress bar, can be interrupted (the
 output file is then left untouched: it is written to a temp file and renamed into place at the end), and
@@ -13,6 +13,7 @@ import torch
 from comfy_api.latest import io
 
 from ..models.seedvr2.files import KIND_EMBEDDING, KIND_OTHER_VAE, KIND_SEEDVR2_VAE, file_kind
+from ..optimization.nvfp4.convert import TARGETS, convert_file
 from ..optimization.nvfp4.surgery import DEFAULT_KEEP_PATTERNS
 from .seedvr2 import FOLDER_KEY, register_folders
 from .types import CATEGORY
@@ -89,14 +90,17 @@ class ConvertToNVFP4(io.ComfyNode):
             node_id="SeedVR2BW_ConvertToNVFP4",
             display_name="Convert Model to NVFP4 (SeedVR2-BW)",
             category=CATEGORY,
-            description="Streams a bf16/fp16/fp32/fp8 .safetensors model to NVFP4 (or FP8 E4M3) in ComfyUI's "
+            description="Streams a bf16/fp16/fp32/fp8 .safetensors model to NVFP4 (or MXFP8, FP8 E4M3) in ComfyUI's "
                         "quantized format. Embeddings, norms, modulation and first/last layers stay high precision.",
             inputs=[
                 io.Combo.Input("model", options=_model_files() or ["(no .safetensors found)"],
                                tooltip="Source model (SEEDVR2 / diffusion_models / checkpoints folder)."),
                 io.String.Input("output_name", default="",
-                                tooltip="File name for the result (same folder). Empty: <source>_nvfp4.safetensors"),
-                io.Combo.Input("format", options=["nvfp4", "fp8"], default="nvfp4"),
+                                tooltip="File name for the result (same folder). Empty: <source>_<format>.safetensors"),
+                io.Combo.Input("format", options=list(TARGETS), default="nvfp4",
+                               tooltip="nvfp4: 4-bit, 16-element blocks (ComfyUI's TensorCoreNVFP4Layout); mxfp8: "
+                                       "FP8 E4M3 with a power-of-two scale per 32 elements (TensorCoreMXFP8Layout, "
+                                       "ComfyUI with comfy-kitchen); fp8: FP8 E4M3 with one scale per tensor."),
                 io.String.Input("keep_patterns", default="", multiline=True,
                                 tooltip="Extra regular expressions (one per line) of layer names to keep in high "
                                         "precision, added to the defaults."),
@@ -128,8 +132,6 @@ class ConvertToNVFP4(io.ComfyNode):
                 device: str, overwrite: bool) -> io.NodeOutput:
         import comfy.model_management as mm
         import comfy.utils
-
-        from ..optimization.nvfp4.convert import convert_file
 
         src = _resolve(model)
         kind = file_kind(src)

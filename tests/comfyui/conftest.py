@@ -22,6 +22,11 @@ from comfy_env import SETUP_CMD, find_comfy_dir, need  # noqa: E402
 from rig.server import ComfyServer, make_pack_folder  # noqa: E402
 
 UI_OUT = REPO / "test-output" / "ui"
+# the second rig, ComfyUI 0.19.3 (tests/rig/setup_comfyui_next.sh, from ../shared where it is there)
+NEXT_TARBALL = REPO.parent / "shared" / "comfyui_0.19.3" / "comfyui-0.19.3-seedvr2.tar.gz"
+NEXT_TREE = REPO / ".comfyui-0.19.3" / "ComfyUI"
+NEXT_PYTHON = REPO / ".venv-comfyui-0.19.3" / "bin" / "python"
+NEXT_SETUP = "bash tests/rig/setup_comfyui_next.sh   (bash scripts/run_tests.sh runs it)"
 
 
 @pytest.fixture(scope="session")
@@ -67,6 +72,30 @@ def comfy_server(comfy_dir, pack_parent, tmp_path_factory):
     alive = srv.alive()
     srv.stop()
     assert alive, f"the ComfyUI server died during the session:\n{srv.log_tail()}"
+
+
+@pytest.fixture(scope="session")
+def next_rig():
+    """(tree, python) of ComfyUI 0.19.3; skipped with the reason where ../shared has no 0.19.3 (a user's fresh clone),
+    failed under CI where the tree is there but not set up."""
+    if not NEXT_TARBALL.is_file():
+        pytest.skip(f"no ComfyUI 0.19.3 here ({NEXT_TARBALL} is absent: ../shared is not beside this clone)")
+    need(NEXT_TREE.joinpath("comfyui_version.py").is_file() and NEXT_PYTHON.is_file(),
+         f"the ComfyUI 0.19.3 rig is not set up in {NEXT_TREE.parent}; run: {NEXT_SETUP}")
+    return NEXT_TREE, NEXT_PYTHON
+
+
+@pytest.fixture(scope="session")
+def next_server(next_rig, pack_parent, tmp_path_factory):
+    """A ComfyUI 0.19.3 server (its own venv) with the pack, one for the session."""
+    tree, python = next_rig
+    srv = ComfyServer(tree, custom_node_dirs=[pack_parent], workdir=tmp_path_factory.mktemp("server_0193"),
+                      python=str(python))
+    srv.start(timeout=300)
+    yield srv
+    alive = srv.alive()
+    srv.stop()
+    assert alive, f"the ComfyUI 0.19.3 server died during the tests:\n{srv.log_tail()}"
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """The Convert-to-NVFP4 node through ComfyUI's executor: its model list (models/SEEDVR2 included, each file once,
-no VAE), its errors (a VAE file, a bad keep pattern) and its caching (run again when the output was deleted)."""
+no VAE), its errors (a VAE file, a bad keep pattern), its caching (run again when the output was deleted) and its
+mxfp8 output (ComfyUI's layout, the bytes of the pack's quantize_mxfp8)."""
 from __future__ import annotations
 
 import sys
@@ -33,9 +34,9 @@ def folders(comfy_inprocess, tmp_path_factory):
     return {"seedvr2": seedvr2, "dm": dm}
 
 
-def _prompt(model: str, keep: str = "", output_name: str = "") -> dict:
+def _prompt(model: str, keep: str = "", output_name: str = "", format: str = "nvfp4") -> dict:
     return {"1": {"class_type": NODE, "inputs": {
-        "model": model, "output_name": output_name, "format": "nvfp4", "keep_patterns": keep,
+        "model": model, "output_name": output_name, "format": format, "keep_patterns": keep,
         "use_default_keep": True, "device": "cpu", "overwrite": False}}}
 
 
@@ -83,3 +84,24 @@ def test_runs_again_when_its_output_was_deleted(comfy_inprocess, folders):
     assert load_file(str(out))["blocks.0.mlp.proj_in.weight"].dtype == torch.uint8
     rewritten = out.stat().st_mtime_ns
     assert comfy_inprocess.run(prompt()).success and out.stat().st_mtime_ns == rewritten  # cached again
+
+
+def test_mxfp8_output_is_comfyuis_layout(comfy_inprocess, folders):
+    from seedvr2bw.optimization.nvfp4.checkpoint import read_comfy_quant
+    from seedvr2bw.optimization.nvfp4.mxfp8 import quantize_mxfp8
+    options = comfy_inprocess.node_classes[NODE].INPUT_TYPES()["required"]["format"][1]["options"]
+    assert options == ["nvfp4", "mxfp8", "fp8"], options
+    res = comfy_inprocess.run(_prompt("diffusion_models/toy_cache.safetensors", keep="proj_out", format="mxfp8"))
+    assert res.success, res.error
+    text = res.outputs["1"]["text"][0]
+    assert "toy_cache_mxfp8.safetensors (mxfp8): 1 layers quantized" in text and "blocks.0.mlp.proj_out" in text, text
+    out = load_file(str(folders["dm"] / "toy_cache_mxfp8.safetensors"))
+    src = load_file(str(folders["dm"] / "toy_cache.safetensors"))
+    assert read_comfy_quant(out["blocks.0.mlp.proj_in.comfy_quant"])["format"] == "mxfp8"
+    q, scales = quantize_mxfp8(src["blocks.0.mlp.proj_in.weight"])
+    assert out["blocks.0.mlp.proj_in.weight"].dtype == torch.float8_e4m3fn
+    assert torch.equal(out["blocks.0.mlp.proj_in.weight"].view(torch.uint8), q.view(torch.uint8))
+    assert out["blocks.0.mlp.proj_in.weight_scale"].dtype == torch.uint8
+    assert torch.equal(out["blocks.0.mlp.proj_in.weight_scale"], scales)
+    assert torch.equal(out["blocks.0.mlp.proj_out.weight"], src["blocks.0.mlp.proj_out.weight"])  # kept
+    assert "blocks.0.mlp.proj_out.comfy_quant" not in out

@@ -11,37 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rig.server import PACK_FOLDER_NAME, ComfyServer
+from rig.server import PACK_FOLDER_NAME
 
-from .conftest import REPO, need
+from .conftest import REPO
 from .test_flux_training import _ids, _images, _server_models, tiny_ui_workflow, with_base_branch
 from .ui_to_api import from_object_info, ui_to_api
-
-TARBALL = REPO.parent / "shared" / "comfyui_0.19.3" / "comfyui-0.19.3-seedvr2.tar.gz"
-TREE = REPO / ".comfyui-0.19.3" / "ComfyUI"
-PYTHON = REPO / ".venv-comfyui-0.19.3" / "bin" / "python"
-SETUP = "bash tests/rig/setup_comfyui_next.sh   (bash scripts/run_tests.sh runs it)"
-
-
-@pytest.fixture(scope="module")
-def next_rig():
-    if not TARBALL.is_file():
-        pytest.skip(f"no ComfyUI 0.19.3 here ({TARBALL} is absent: ../shared is not beside this clone)")
-    need(TREE.joinpath("comfyui_version.py").is_file() and PYTHON.is_file(),
-         f"the ComfyUI 0.19.3 rig is not set up in {TREE.parent}; run: {SETUP}")
-    return TREE, PYTHON
-
-
-@pytest.fixture(scope="module")
-def next_server(next_rig, pack_parent, tmp_path_factory):
-    tree, python = next_rig
-    srv = ComfyServer(tree, custom_node_dirs=[pack_parent], workdir=tmp_path_factory.mktemp("server_0193"),
-                      python=str(python))
-    srv.start(timeout=300)
-    yield srv
-    alive = srv.alive()
-    srv.stop()
-    assert alive, f"the ComfyUI 0.19.3 server died during the tests:\n{srv.log_tail()}"
 
 
 def test_every_pack_node_registers_in_0193(next_server, pack_node_ids):
@@ -114,17 +88,23 @@ def _tiny_seedvr2(next_server) -> None:
     Image.fromarray((rng.random((24, 40, 3)) * 255).astype(np.uint8)).save(next_server.input_dir / "example.png")
 
 
-@pytest.mark.parametrize("name", ["seedvr2_image_upscale.json", "seedvr2_video_upscale.json"])
-def test_seedvr2_workflows_over_http_in_0193(next_server, name):
+def seedvr2_prompt(next_server, name: str, **upscale) -> dict:
+    """The example workflow ``workflows/<name>`` as an API prompt on the tiny models, the upscaler's inputs updated."""
     _tiny_seedvr2(next_server)
     wf = json.loads((REPO / "workflows" / name).read_text())
     prompt = ui_to_api(wf, from_object_info(next_server.object_info()))
     ids = {n["type"]: str(n["id"]) for n in wf["nodes"]}
     prompt[ids["SeedVR2BW_LoadDiT"]]["inputs"]["model"] = "seedvr2_tiny_3b.safetensors"
     prompt[ids["SeedVR2BW_LoadVAE"]]["inputs"]["model"] = "ema_vae_tiny.safetensors"
-    prompt[ids["SeedVR2BW_Upscale"]]["inputs"].update({"resolution": 16, "batch_size": 5, "temporal_overlap": 1})
+    prompt[ids["SeedVR2BW_Upscale"]]["inputs"].update(upscale)
     if "RepeatImageBatch" in ids:
         prompt[ids["RepeatImageBatch"]]["inputs"]["amount"] = 6
+    return prompt
+
+
+@pytest.mark.parametrize("name", ["seedvr2_image_upscale.json", "seedvr2_video_upscale.json"])
+def test_seedvr2_workflows_over_http_in_0193(next_server, name):
+    prompt = seedvr2_prompt(next_server, name, resolution=16, batch_size=5, temporal_overlap=1)
     entry = next_server.run_prompt(prompt, timeout=600)
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000]
     outs = [o for o in entry["outputs"].values() if o.get("images")]
@@ -134,13 +114,7 @@ def test_seedvr2_workflows_over_http_in_0193(next_server, name):
 def test_error_type_is_short_in_0193(next_server):
     """0.19.3's error panel prints ``type.__module__ + "." + name``: the pack's types say ``seedvr2bw.<Name>``, not the
     folder path of the pack, so the message that follows is not cut off."""
-    _tiny_seedvr2(next_server)
-    wf = json.loads((REPO / "workflows" / "seedvr2_image_upscale.json").read_text())
-    prompt = ui_to_api(wf, from_object_info(next_server.object_info()))
-    ids = {n["type"]: str(n["id"]) for n in wf["nodes"]}
-    prompt[ids["SeedVR2BW_LoadDiT"]]["inputs"]["model"] = "seedvr2_tiny_3b.safetensors"
-    prompt[ids["SeedVR2BW_LoadVAE"]]["inputs"]["model"] = "ema_vae_tiny.safetensors"
-    prompt[ids["SeedVR2BW_Upscale"]]["inputs"].update({"resolution": 16, "batch_size": 4})
+    prompt = seedvr2_prompt(next_server, "seedvr2_image_upscale.json", resolution=16, batch_size=4)
     entry = next_server.run_prompt(prompt, timeout=600)
     errors = [data for event, data in entry["status"]["messages"] if event == "execution_error"]
     assert errors, json.dumps(entry["status"])[:3000]

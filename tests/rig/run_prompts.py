@@ -7,6 +7,9 @@ ComfyUI that cannot share the test process (another version, with its own venv):
 "model_dirs": {kind: folder}, "prompts": [prompt, ...]}``; the model folders are registered first (a LoRA a prompt
 writes lands in ``model_dirs["loras"]``). ``result.json``: the ComfyUI version and one entry per prompt with
 success, status, error and outputs, as ``RunResult`` has them; prompts run in order, one after the other.
+
+``boot(job)``, ``run_all(comfy, prompts)`` and ``write_result(path, out)`` are what the other scripts of this kind
+(``load_quantized.py``, ``free_check.py``) share.
 """
 from __future__ import annotations
 
@@ -15,24 +18,46 @@ import os
 import sys
 
 
-def main(job_path: str, result_path: str) -> int:
+def load_job(job_path: str) -> dict:
     with open(job_path) as f:
-        job = json.load(f)
+        return json.load(f)
+
+
+def boot(job: dict):
+    """The ComfyUI of ``job["comfy_dir"]`` in this process, with the job's custom nodes and model folders."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from rig.comfy_inprocess import ComfyInProcess
     comfy = ComfyInProcess(job["comfy_dir"], custom_node_dirs=job.get("custom_node_dirs", ()),
                            output_dir=job["output_dir"], input_dir=job["input_dir"], temp_dir=job["temp_dir"])
     for kind, folder in job.get("model_dirs", {}).items():
         comfy.folder_paths.add_model_folder_path(kind, folder, is_default=True)
-    import comfyui_version
-    out = {"comfyui_version": comfyui_version.__version__, "results": []}
-    for prompt in job["prompts"]:
+    return comfy
+
+
+def comfyui_version() -> str:
+    import comfyui_version as v
+    return v.__version__
+
+
+def run_all(comfy, prompts: list) -> list[dict]:
+    out = []
+    for prompt in prompts:
         r = comfy.run(prompt)
-        out["results"].append({"success": r.success, "status": r.status, "error": r.error, "outputs": r.outputs,
-                               "events": sorted({str(e) for e in r.event_names()}), "seconds": r.seconds})
+        out.append({"success": r.success, "status": r.status, "error": r.error, "outputs": r.outputs,
+                    "events": sorted({str(e) for e in r.event_names()}), "seconds": r.seconds})
+    return out
+
+
+def write_result(result_path: str, out: dict) -> None:
     with open(result_path + ".tmp", "w") as f:
         json.dump(out, f, default=str)
     os.replace(result_path + ".tmp", result_path)
+
+
+def main(job_path: str, result_path: str) -> int:
+    job = load_job(job_path)
+    comfy = boot(job)
+    write_result(result_path, {"comfyui_version": comfyui_version(), "results": run_all(comfy, job["prompts"])})
     return 0
 
 
