@@ -245,8 +245,8 @@ class FluxLoraTrainNode(io.ComfyNode):
             return None if spec is None else encode_dataset(
                 spec, vae, clip, cache_dir=cache_dir, check_interrupt=mm.throw_exception_if_processing_interrupted)
         data, val, reg = encode(dataset), encode(validation_dataset), encode(reg_dataset)
-        mm.load_models_gpu([model], force_full_load=True)
         device = model.load_device
+        _host_model(model, device)
         if device.type == "cpu":
             cfg.compute_dtype = "fp32"
         if cfg.base_precision == "bf16" and dm.dtype not in (torch.bfloat16,):
@@ -289,6 +289,17 @@ class FluxLoraTrainNode(io.ComfyNode):
             previews = torch.zeros(1, 64, 64, 3)
         lora_name = os.path.relpath(path, lora_dir).replace(os.sep, "/")
         return io.NodeOutput(lora_name, path, plot, previews, ui={"text": [f"saved {lora_name} ({trainer.step} steps)"]})
+
+
+def _host_model(model, device):
+    """The model's weights in host RAM, unpatched, and ComfyUI's GPU emptied: the trainer stages the base onto the
+    GPU as the memory plan says (resident blocks copied in, the others streamed, nothing copied back), so a card
+    smaller than the model never holds it whole."""
+    import comfy.model_management as mm
+    mm.free_memory(1e30, device)   # the models ComfyUI holds there (this one too) go back to their offload device
+    if getattr(model, "patches", None):
+        log.warning("[FluxLoraTrain] the connected model carries weight patches (e.g. a LoRA applied to it); the "
+                    "LoRA trains on the model as loaded, without them")
 
 
 def _memory_plan(dm, cfg, spec, device):

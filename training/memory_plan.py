@@ -197,8 +197,10 @@ def _evaluate(dims, req, dev, precision, swap, batch, resolution, selective_cap=
     else:
         acts = int(NO_CKPT_FACTOR * sum(kept))
     need = int(fixed + acts + HEADROOM)
-    host = int(sum(weights[i] for i in swapped) + req.cache_bytes + HOST_MARGIN
-               + (sum(dims.block_params()) * dims.stored_bytes if precision != "as_loaded" else 0))
+    # the model's host copy is already in RAM; a quantized base adds its quantized blocks there (made on the host,
+    # staging.py), the base as loaded its swapped blocks' pinned arenas (conservatively: staging repacks in place)
+    host = int(req.cache_bytes + HOST_MARGIN + (sum(weights[i] for i in swapped) if precision == "as_loaded"
+                                                else sum(weights) + sum(dims.block_params()) * dims.stored_bytes))
     if dev.vram is not None and need > dev.vram:
         return None
     if dev.host and host > dev.host:
@@ -241,8 +243,8 @@ def _candidates(dims, req, dev, resolution, precisions=None, swaps=None, batches
         found = []
         for p in precisions:
             for s in swaps:
-                # BlockSwap streams the base as loaded and needs checkpointing (trainer.py refuses the rest)
-                if s and (p != "as_loaded" or not req.gradient_checkpointing):
+                # BlockSwap needs checkpointing (trainer.py refuses the rest); it streams any base precision
+                if s and not req.gradient_checkpointing:
                     continue
                 plan = _evaluate(dims, req, dev, p, min(s, n_blocks), b, resolution)
                 if plan is not None:

@@ -17,8 +17,9 @@ never a weight gradient. Only that is training-specific; the formats come from t
   where Triton runs, else by the exact ``format.dequantize_nvfp4`` (bit-identical results); the GEMM runs in
   the compute dtype.
 
-The high-precision weight is moved to the CPU while training (so the GPU holds the quantized copy only)
-and put back by ``restore``.
+The quantized tensors are non-persistent buffers of the Linear (so BlockSwap arenas and the trainer's staging move
+them with their block, in their stored formats); the high-precision weight waits in host RAM while training (moved
+there from the GPU, or left where it is when the model is on the host: no copy) and is put back by ``restore``.
 """
 from __future__ import annotations
 
@@ -98,9 +99,18 @@ class FP8LinearFn(torch.autograd.Function):
 
 # Compiled block forwards (flux_forward.compile_block_forwards) call these opaquely: Inductor cannot lower the
 # row-wise _scaled_mm inside the autograd function, nor the pack's raw Triton launches; the graph breaks here.
+def _fp8_operands(lin):
+    """(e4m3 weight, scale): the quantized buffers, or the weight itself where ComfyUI stored it in fp8."""
+    b = lin._buffers
+    q = b.get("_q_weight")
+    return (lin._parameters["weight"] if q is None else q), b["_q_scale"]
+
+
 @torch.compiler.disable
 def _fp8_forward(self, x):
-    return FP8LinearFn.apply(x, self._q_weight, self._q_scale, self.bias, self._q_tensorcores, self._q_scale_rows)
+    q, s = _fp8_operands(self)
+    d = self.__dict__
+    return FP8LinearFn.apply(x, q, s, self.bias, d["_q_tensorcores"], d["_q_scale_rows"])
 
 
 @torch.compiler.disable
@@ -114,7 +124,7 @@ def _fp8_with_lora(self, x2, lora):
     if bias is not None and bias.dtype != x2.dtype:
         bias = bias.to(x2.dtype)
     scale_n, scale_k = self._q_scale_rows
-    return fp8_lora_linear(x2, self._q_weight, scale_n, scale_k, bias, down_t, up_t, lora.scale)[0]
+    return fp8_lora_linear(x2, _fp8_operands(self)[0], scale_n, scale_k, bias, down_t, up_t, lora.scale)[0]
 
 
 # ---------------- NVFP4 ----------------
@@ -159,8 +169,9 @@ class _NVFP4LinearFn(torch.autograd.Function):
 
 @torch.compiler.disable
 def _nvfp4_forward(self, x):
-    t = self._q_nvfp4
-    return _NVFP4LinearFn.apply(x, t.packed, t.block_scale, t.global_scale, t.shape, self.bias)
+    b = self._buffers
+    return _NVFP4LinearFn.apply(x, b["_q_packed"], b["_q_block_scale"], b["_q_global_scale"],
+                                self.__dict__["_q_shape"], self.bias)
 
 
 # ---------------- apply / restore ----------------
@@ -172,17 +183,20 @@ def block_linears(dm):
                     yield f"{kind}.{i}.{name}", mod
 
 
-_Q_ATTRS = ("_q_weight", "_q_scale", "_q_scale_rows", "_q_tensorcores", "_q_nvfp4")
+# instance attributes (derived from the scale, on the compute device) and buffers (what BlockSwap and staging move
+# with the block, in the stored formats) of a quantized Linear
+_Q_ATTRS = ("_q_scale_rows", "_q_tensorcores", "_q_shape")
+_Q_BUFFERS = ("_q_weight", "_q_scale", "_q_packed", "_q_block_scale", "_q_global_scale")
 
 
 def quantized_weight(lin):
     """What the frozen base computes ``lin`` with: the ``NVFP4Tensor`` (nvfp4), ``(e4m3 weight, scale)`` (fp8), or
     None where ``lin`` is not quantized (kept in high precision, or restored)."""
-    d = lin.__dict__
-    if "_q_nvfp4" in d:
-        return d["_q_nvfp4"]
-    if "_q_weight" in d:
-        return d["_q_weight"], d["_q_scale"]
+    b = lin._buffers
+    if "_q_packed" in b:
+        return NVFP4Tensor(b["_q_packed"], b["_q_block_scale"], b["_q_global_scale"], lin.__dict__["_q_shape"])
+    if "_q_scale" in b:
+        return _fp8_operands(lin)
     return None
 
 
@@ -191,10 +205,22 @@ def uses_fp8_tensorcores(lin) -> bool:
     return bool(lin.__dict__.get("_q_tensorcores", False))
 
 
-class QuantizedBase:
-    """Quantizes the frozen block Linears of ``dm`` in place; ``restore()`` undoes it exactly."""
+def _put(lin, name, t):
+    # non-persistent: the model's state dict stays as loaded while training
+    lin.register_buffer(name, t, persistent=False)
 
-    def __init__(self, dm, mode: str, offload_device="cpu"):
+
+class QuantizedBase:
+    """Quantizes the frozen block Linears of ``dm`` in place; ``restore()`` undoes it exactly.
+
+    The quantized tensors are non-persistent buffers of each Linear, made where its weight lives: on the host for a
+    model ComfyUI keeps in RAM (then staging / BlockSwap move them, in their stored formats, with their block), on
+    the GPU for a model already there. ``device``: the compute device (FP8 tensor-core decision, scale rows);
+    ``work_device``: where each Linear is quantized, one at a time (the GPU: a host model is quantized without
+    ever holding more than one of its bf16 weights there). The high-precision weight goes to ``offload_device``
+    (no copy when it is already there) until ``restore``."""
+
+    def __init__(self, dm, mode: str, offload_device="cpu", device=None, work_device=None):
         if mode not in ("fp8", "nvfp4"):
             raise ValueError(f"unknown base precision {mode!r}")
         self.mode = mode
@@ -202,40 +228,52 @@ class QuantizedBase:
         fp8_gemm = {}  # device -> get_policy(device).fp8_gemm, asked once per device
         for name, lin in block_linears(dm):
             w = lin.weight
-            dev = w.device
+            home = w.device
+            dev = torch.device(device) if device is not None else home
+            work = torch.device(work_device) if work_device is not None else home
             if mode == "nvfp4" and w.shape[1] % 16:
                 continue  # kept in high precision, like the pack's keep rule for K % 16 != 0
             with torch.no_grad():
                 if mode == "fp8":
                     if w.dtype == E4M3:  # ComfyUI loaded it in fp8 already: use it as stored
                         sw = getattr(lin, "scale_weight", None)
-                        q, s = w.data, (sw.float().reshape(()) if sw is not None else torch.ones((), device=dev))
+                        s = sw.float().reshape(()).to(home) if sw is not None else torch.ones((), device=home)
                         moved = None
                     else:
-                        q, s = fmt.quantize_fp8_per_tensor(w.data)
+                        q, s = fmt.quantize_fp8_per_tensor(w.data.to(work))
+                        _put(lin, "_q_weight", q.to(home))
                         moved = w.data.to(offload_device)
+                    _put(lin, "_q_scale", s.reshape(()).to(home))
                     if dev not in fp8_gemm:
                         fp8_gemm[dev] = dev.type == "cuda" and get_policy(dev).fp8_gemm
-                    lin._q_weight, lin._q_scale = q, s.reshape(()).to(dev)
                     lin._q_tensorcores = fp8_gemm[dev] and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
-                    lin._q_scale_rows = fp8_scale_rows(q, lin._q_scale) if lin._q_tensorcores else None
+                    lin._q_scale_rows = fp8_scale_rows(w, s.to(dev)) if lin._q_tensorcores else None
                     attach_base(lin, _fp8_forward, _fp8_with_lora)
                 else:
-                    src = w.data if w.dtype not in (E4M3, E5M2) else w.data.float() * (
-                        getattr(lin, "scale_weight", torch.ones(())).float().to(dev))
-                    lin._q_nvfp4 = fmt.quantize_nvfp4(src, return_tensor=True)
+                    src = w.data.to(work)
+                    if w.dtype in (E4M3, E5M2):
+                        src = src.float() * getattr(lin, "scale_weight", torch.ones(())).float().to(work)
+                    t = fmt.quantize_nvfp4(src, return_tensor=True)
+                    for key, v in (("_q_packed", t.packed), ("_q_block_scale", t.block_scale),
+                                   ("_q_global_scale", t.global_scale)):
+                        _put(lin, key, v.to(home))
+                    lin._q_shape = t.shape
                     moved = w.data.to(offload_device)
                     attach_base(lin, _nvfp4_forward)
                 if moved is not None:
-                    w.data = torch.empty(0, dtype=w.dtype, device=dev)
-            self.saved.append((lin, moved, dev))
+                    w.data = torch.empty(0, dtype=w.dtype, device=home)
+            self.saved.append((lin, moved, home))
 
     def restore(self):
+        """The high-precision weights back (the same tensors where they were offloaded to their own device: no
+        copy), the quantized buffers and attributes removed."""
         for lin, moved, dev in self.saved:
             if moved is not None:
                 lin.weight.data = moved.to(dev)
             for a in _Q_ATTRS:
-                if a in lin.__dict__:
-                    del lin.__dict__[a]
+                lin.__dict__.pop(a, None)
+            for b in _Q_BUFFERS:
+                if b in lin._buffers:
+                    delattr(lin, b)
             detach_base(lin)  # the class forward comes back unless a LoRA still uses the instance forward
         self.saved = []

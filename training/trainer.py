@@ -10,8 +10,6 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from ..optimization.attention.sdpa_priority import preferred_backends, sdpa_priority
-from ..optimization.blockswap import (BlockSwapConfig, BlockSwapRunner, get_pinned_pool, make_backend,
-                                      spread_indices)
 from ..optimization.runtime import knobs
 from .cuda_graph import GraphedLossAndGrads
 from .data import EMPTY_CAPTION
@@ -25,6 +23,7 @@ from .quant import QuantizedBase
 from .save import atomic_save_safetensors, atomic_torch_save, kohya_metadata, prune_checkpoints
 from .selective_checkpoint import ENV as SELECTIVE_ENV
 from .selective_checkpoint import MODES as SELECTIVE_MODES
+from .staging import TrainStaging, on_device
 from .validation import BestTracker, ValidationSet, holdout_indices
 
 log = logging.getLogger(__name__)
@@ -128,9 +127,12 @@ def _dtype(name):
 class FluxLoraTrainer:
     @outside_inference_mode
     def __init__(self, dm, cfg: TrainConfig, dataset, latent_format=None, device=None, vae=None,
-                 blockswap_backend=None, blockswap_pool=None, validation=None, regularization=None):
+                 blockswap_backend=None, blockswap_pool=None, validation=None, regularization=None,
+                 blockswap_config=None):
         """``validation``: a dataset evaluated instead of a held-out share; ``regularization``: prior-preservation
-        images, one batch of them per micro-step at ``cfg.reg_weight``."""
+        images, one batch of them per micro-step at ``cfg.reg_weight``. A model in host RAM (or any model with
+        blocks to swap, or a given ``blockswap_backend``) is staged onto ``device`` (``staging.py``: nothing copied
+        back at the end); ``blockswap_config``: ring / prefetch / small-tensor settings of that staging."""
         if not is_flux_diffusion_model(dm):
             raise TypeError(
                 f"FLUX LoRA training needs a FLUX model, got {type(dm).__module__}.{type(dm).__name__}. "
@@ -160,15 +162,15 @@ class FluxLoraTrainer:
         self.dtype = _dtype(cfg.compute_dtype)
         self.gen = torch.Generator().manual_seed(int(cfg.seed))
         self.base = self.network = self.quant = self.block_runner = self.forward = self.graphed = self.tb = None
-        self.ema = None
+        self.ema = self.staging = None
         self._closed = False
         try:
-            self._build(blockswap_backend, blockswap_pool)
+            self._build(blockswap_backend, blockswap_pool, blockswap_config)
         except BaseException:
             self.close()   # a half-built trainer leaves the model as it found it
             raise
 
-    def _build(self, blockswap_backend, blockswap_pool):
+    def _build(self, blockswap_backend, blockswap_pool, blockswap_config):
         cfg, dm = self.cfg, self.dm
         # ComfyUI's models hold inference tensors: normal aliases of them while training (no copy)
         self.base = FrozenBase(dm)
@@ -176,17 +178,20 @@ class FluxLoraTrainer:
             torch.manual_seed(int(cfg.seed))
             self.network = FluxLoraNetwork(dm, cfg, dtype=_dtype(cfg.lora_dtype), device=self.device)
         self.network.attach()
+        if cfg.blocks_to_swap > 0 and not cfg.gradient_checkpointing:
+            raise ValueError("blocks to swap needs gradient checkpointing (a swapped block's weights are only "
+                             "on the GPU while it runs). Fix: turn gradient checkpointing on.")
+        stage = blockswap_backend is not None or (self.device.type == "cuda" and (
+            cfg.blocks_to_swap > 0 or not on_device(dm, self.device)))
         if cfg.base_precision in ("fp8", "nvfp4"):
-            self.quant = QuantizedBase(dm, cfg.base_precision)
-        if cfg.blocks_to_swap > 0:
-            if not cfg.gradient_checkpointing:
-                raise ValueError("blocks to swap needs gradient checkpointing (a swapped block's weights are only "
-                                 "on the GPU while it runs). Fix: turn gradient checkpointing on.")
-            if self.quant is not None:
-                raise ValueError("blocks to swap works with the base as loaded / bf16, not with fp8/nvfp4 base "
-                                 "precision here. Fix: use one of the two.")
-            self.block_runner = _make_block_runner(dm, cfg.blocks_to_swap, self.device, blockswap_backend,
-                                                   blockswap_pool)
+            # before staging, so the arenas hold the quantized formats; each Linear is quantized on the compute
+            # device where it is a GPU (the bf16 weight goes there one at a time), else where it lives
+            self.quant = QuantizedBase(dm, cfg.base_precision, device=self.device,
+                                       work_device=self.device if self.device.type == "cuda" else None)
+        if stage:
+            self.staging = TrainStaging(dm, self.device, cfg.blocks_to_swap, blockswap_backend, blockswap_pool,
+                                        blockswap_config)
+            self.block_runner = self.staging.block_runner
         self.forward = FluxTrainForward(dm, cfg.gradient_checkpointing, self.block_runner,
                                         compile_blocks=self.gpu_feature("compile_blocks", COMPILE_ENV,
                                                                         "compiled block forwards"),
@@ -554,10 +559,11 @@ class FluxLoraTrainer:
             self.network.detach()
         if self.forward is not None:
             self.forward.close()
+        if self.staging is not None:
+            self.staging.close()
+        self.block_runner = None
         if self.quant is not None:
             self.quant.restore()
-        if self.block_runner is not None:
-            self.block_runner.close(restore_device=self.device)
         if self.base is not None:
             self.base.restore()
         if self.tb is not None:
@@ -569,21 +575,3 @@ def ema_path(lora_path: str) -> str:
     root, ext = os.path.splitext(lora_path)
     return f"{root}_ema{ext or '.safetensors'}"
 
-
-def _make_block_runner(dm, n, device, backend=None, pool=None):
-    """BlockSwap for training: ``n`` of the 57 FLUX blocks (spread evenly) live in pinned host RAM and are
-    streamed through a GPU ring by ``optimization.blockswap.BlockSwapRunner`` (its module hooks load a block
-    before it runs, forward and backward-recompute alike; LoRA parameters stay on the GPU)."""
-    blocks = [(f"double_blocks.{i}", b) for i, b in enumerate(dm.double_blocks)] + \
-             [(f"single_blocks.{i}", b) for i, b in enumerate(dm.single_blocks)]
-    idx = spread_indices(len(blocks), int(n))
-    cfg = BlockSwapConfig(blocks_to_swap=len(idx))
-    device = torch.device(device)
-    backend = backend or make_backend(device)
-    pool = pool or get_pinned_pool(device)
-    units = [(blocks[i][0], blocks[i][1], "block") for i in idx]
-    runner = BlockSwapRunner(units, cfg, backend, pool, swapped_indices=idx, num_blocks=len(blocks))
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    log.info("[FluxLoraTrain] BlockSwap: %d of %d blocks in host RAM", len(idx), len(blocks))
-    return runner

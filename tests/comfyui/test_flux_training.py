@@ -250,3 +250,29 @@ def test_a_plan_that_cannot_fit_fails_before_loading(rig):
     assert res.error["exception_type"].endswith("TrainMemoryError")
     assert not (loras / "noroom").exists()
     assert (sorted(cache.glob("*")) if cache.is_dir() else []) == before   # nothing encoded either
+
+
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+def test_quantized_base_through_the_executor(rig, precision):
+    """A quantized base made on the host (the train node no longer loads the model onto the device): the LoRA is
+    written with every key, and the model ComfyUI holds samples again afterwards (exact restore: test_training_staging)."""
+    comfy, use_folders = rig
+    loras = use_folders()
+    wf = tiny_ui_workflow(f"quant/{precision}")
+    prompt = with_base_branch(_api(comfy, wf))
+    prompt[_node(prompt, "SeedVR2BW_FluxLoraSettings")]["inputs"]["base_precision"] = precision
+    res = comfy.run(prompt)
+    assert res.success, json.dumps(res.error)[:3000]
+    sd = _lora_tensors(loras / "quant" / f"{precision}.safetensors")
+    assert len([k for k in sd if k.endswith(".lora_down.weight")]) == 13
+    need, todo = set(), ["114"]   # the base branch and what it reads, without the train node
+    while todo:
+        k = todo.pop()
+        if k not in need:
+            need.add(k)
+            todo += [v[0] for v in prompt[k]["inputs"].values() if isinstance(v, list) and len(v) == 2]
+    base_only = copy.deepcopy({k: prompt[k] for k in need})
+    base_only["112"]["inputs"]["seed"] = 12345   # a new seed: sampled again, not taken from ComfyUI's cache
+    again = comfy.run(base_only)
+    assert again.success, json.dumps(again.error)[:3000]
+    assert _images(Path(comfy.folder_paths.get_output_directory()), again.outputs, "114").shape == (64, 64, 3)
