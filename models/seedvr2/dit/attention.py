@@ -10,7 +10,7 @@ scatters them into the packed segments (one pass) and ``layout.vid_pos`` reads t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import nn
@@ -31,6 +31,9 @@ class AttentionContext:
     vid_rope: Optional[RopeTable]
     txt_rope: Optional[RopeTable]  # 3B only (text is rotated too)
     backend: str
+    # Sequence parallel (dit/sequence_parallel.py): this rank holds only some windows, so the text copies of the
+    # others join through this function (packed attention output -> text output), not through the local mean.
+    txt_combine: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
 class NaSwinAttention(nn.Module):
@@ -92,6 +95,8 @@ class NaSwinAttention(nn.Module):
         vid_out = self.proj_out.for_vid()(out[lay.vid_pos])
         if not need_txt:
             return vid_out, None
+        if ctx.txt_combine is not None:
+            return vid_out, self.proj_out.for_txt()(ctx.txt_combine(out))
         # text: mean over its copies in the windows of its sample
         txt_out = torch.cat([out[p].mean(1) for p in lay.txt_pos]) if len(lay.txt_pos) > 1 else out[lay.txt_pos[0]].mean(1)
         return vid_out, self.proj_out.for_txt()(txt_out)
