@@ -6,6 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import DATA
+from dit_files import write_comfy_layout_dit, write_gguf_dit
 from seedvr2bw.models.seedvr2.dit import load_dit
 from seedvr2bw.models.seedvr2.embeddings import MissingEmbeddingError, load_text_embeddings
 
@@ -19,10 +20,8 @@ def conditioning(seed: int):
 
 def comfy_file(path, prefix: str = ""):
     """The tiny 3B DiT in fp16 with the conditioning baked in, as ComfyUI's converter writes it."""
-    sd = {prefix + k: v.half() for k, v in load_file(DATA / "golden" / "dit_3b_tiny_weights.safetensors").items()}
     pos, neg = conditioning(0)
-    sd[prefix + "positive_conditioning"], sd[prefix + "negative_conditioning"] = pos, neg
-    save_file(sd, str(path))
+    write_comfy_layout_dit(path, pos, neg, prefix=prefix)
     return pos, neg
 
 
@@ -77,18 +76,10 @@ def test_wrong_dim_names_the_file_and_tensor(tmp_path):
 
 
 def test_gguf_with_baked_conditioning(tmp_path):
-    gguf = pytest.importorskip("gguf", reason="the `gguf` package (requirements-test.txt) writes the test file")
+    pytest.importorskip("gguf", reason="the `gguf` package (requirements-test.txt) writes the test file")
     path = tmp_path / "seedvr2_ema_3b-Q8_0.gguf"
     pos, neg = conditioning(2)
-    w = gguf.GGUFWriter(str(path), "seedvr2")
-    for k, v in load_file(DATA / "golden" / "dit_3b_tiny_weights.safetensors").items():
-        w.add_tensor(k, v.numpy())
-    w.add_tensor("positive_conditioning", pos.numpy())
-    w.add_tensor("negative_conditioning", neg.numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf_dit(path, "3b", None, extra={"positive_conditioning": pos, "negative_conditioning": neg})
     assert load_dit(path, dtype=torch.float32).config.variant == "3b"
     emb = load_text_embeddings(str(path))
     assert torch.equal(emb.positive, pos.float()) and torch.equal(emb.negative, neg.float())

@@ -14,27 +14,24 @@ under power-of-two block scales), int8 0.006 (per channel, after the rotation; t
 the output), nvfp4 0.095; and the MXFP8 model equals its dequantized dense twin to 1e-6.
 """
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import DATA
+from dit_files import INT8_GROUP as GROUP
+from dit_files import golden_weights, write_int8_dit
 from seedvr2bw.models.seedvr2.dit import load_dit
 from seedvr2bw.models.seedvr2.dit.loader import DiTCheckpointError
 from seedvr2bw.optimization.nvfp4 import checkpoint as ckpt
 from seedvr2bw.optimization.nvfp4.convert import convert_file
-from seedvr2bw.optimization.nvfp4.int8 import Int8Linear, quantize_int8_convrot
+from seedvr2bw.optimization.nvfp4.int8 import Int8Linear
 from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear
 from seedvr2bw.optimization.nvfp4.mxfp8 import MXFP8Linear
-from seedvr2bw.optimization.nvfp4.surgery import make_keep_rule
-
-from nvfp4_refs import comfy_kitchen
 
 GOLDEN = DATA / "golden"
 MANIFEST = json.loads((GOLDEN / "manifest.json").read_text())
-GROUP = 64
 # the measured error (module docstring) with some room
 TOLERANCE = {"mxfp8": 0.035, "int8": 0.012, "nvfp4": 0.12}
 LAYER = {"mxfp8": MXFP8Linear, "int8": Int8Linear, "nvfp4": NVFP4Linear}
@@ -44,39 +41,6 @@ def rel_l2(a, ref) -> float:
     return float((a.double() - ref.double()).norm() / ref.double().norm())
 
 
-def _weights(variant):
-    return GOLDEN / MANIFEST["dit"]["tiny_models"][variant]["weights_file"]
-
-
-def _int8_convrot(w):
-    if comfy_kitchen is None:
-        return quantize_int8_convrot(w, GROUP)
-    from comfy_kitchen.tensor import QuantizedTensor, get_layout_class
-    with comfy_kitchen.registry.use_backend("eager"):
-        qt = QuantizedTensor.from_float(w, "TensorWiseINT8Layout", is_weight=True, per_channel=True, convrot=True,
-                                        convrot_groupsize=GROUP)
-    qdata, scale = get_layout_class("TensorWiseINT8Layout").get_plain_tensors(qt)
-    q, s = quantize_int8_convrot(w, GROUP)
-    assert torch.equal(q, qdata) and torch.equal(s, scale)
-    return qdata, scale
-
-
-def write_int8_dit(path, variant):
-    sd = load_file(_weights(variant))
-    keep = make_keep_rule(None)
-    out = {}
-    for key, value in sd.items():
-        layer = key[: -len(".weight")]
-        if key.endswith(".weight") and value.dim() == 2 and value.shape[1] % GROUP == 0 and not keep(
-                layer, SimpleNamespace(in_features=value.shape[1])):
-            q, s = _int8_convrot(value)
-            out.update({key: q, f"{layer}.weight_scale": s, f"{layer}.comfy_quant": ckpt.comfy_quant_tensor(
-                {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": GROUP})})
-        else:
-            out[key] = value
-    ckpt.save_state_dict(str(path), out)
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("comfy_layouts")
@@ -84,7 +48,7 @@ def files(tmp_path_factory):
     for variant in ("3b", "7b"):
         for layout in ("nvfp4", "mxfp8"):
             p = made[(variant, layout)] = d / f"{variant}_{layout}.safetensors"
-            convert_file(str(_weights(variant)), str(p), target=layout)
+            convert_file(str(golden_weights(variant)), str(p), target=layout)
         made[(variant, "int8")] = d / f"{variant}_int8.safetensors"
         write_int8_dit(made[(variant, "int8")], variant)
     return made
@@ -139,7 +103,7 @@ def test_mxfp8_dit_equals_its_dequantized_twin(files):
             dense[f"{name}.weight"] = m.dequantize_weight()
             if m.bias is not None:
                 dense[f"{name}.bias"] = m.bias
-    full = {k: v for k, v in load_file(_weights("3b")).items()}
+    full = {k: v for k, v in load_file(golden_weights("3b")).items()}
     full.update(dense)
     twin = load_dit(full, dtype=torch.float32)
     a, _ = run(model, "3b", "image")

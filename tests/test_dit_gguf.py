@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import DATA
+from dit_files import write_gguf_dit
 from seedvr2bw.models.seedvr2.dit import load_dit
 from seedvr2bw.models.seedvr2.files import ModelFileError
 from seedvr2bw.optimization.gguf import GGUFLinear, dequantize
@@ -29,24 +30,6 @@ TOLERANCE = {GT.Q8_0: 0.015, GT.Q5_1: 0.1, GT.Q4_0: 0.2}
 
 def rel_l2(a, ref) -> float:
     return float((a.double() - ref.double()).norm() / ref.double().norm())
-
-
-def write_gguf_dit(path, variant: str, qtype) -> dict:
-    """The tiny golden DiT as a GGUF file, the way numz's files are made: official key names, 2-D linear weights
-    quantized where their rows fit whole blocks, everything else F32. Returns the fp32 state dict."""
-    sd = load_file(GOLDEN / MANIFEST["dit"]["tiny_models"][variant]["weights_file"])
-    w = gguf.GGUFWriter(str(path), "seedvr2")
-    for key, value in sd.items():
-        arr = value.float().numpy()
-        if arr.ndim == 2 and arr.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
-            w.add_tensor(key, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(key, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return sd
 
 
 def run(model, variant: str, case: str):

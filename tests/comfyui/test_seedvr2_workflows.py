@@ -110,15 +110,9 @@ def test_model_lists_show_only_files_of_their_kind(comfy_inprocess, tiny, tmp_pa
     folder = Path(tiny["dit_3b"]).parent
     shutil.copy(tiny["vae"], folder / "seedvr2_named_like_a_dit.safetensors")
     shutil.copy(tiny["dit_7b"], folder / "vae_named_like_a_vae.safetensors")
-    gguf = pytest.importorskip("gguf", reason="the `gguf` package writes the GGUF file")
-    from safetensors.torch import load_file
-    w = gguf.GGUFWriter(str(folder / "seedvr2_tiny_3b-F32.gguf"), "seedvr2")
-    for k, v in load_file(str(tiny["dit_3b"])).items():
-        w.add_tensor(k, v.numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    pytest.importorskip("gguf", reason="the `gguf` package writes the GGUF file")
+    from dit_files import write_gguf_dit
+    write_gguf_dit(folder / "seedvr2_tiny_3b-F32.gguf", "3b", None)   # the tiny 3B's golden weights, all F32
     try:
         dit, vae = _options(comfy_inprocess, "SeedVR2BW_LoadDiT"), _options(comfy_inprocess, "SeedVR2BW_LoadVAE")
         assert "flux_tiny.safetensors" not in dit + vae
@@ -466,14 +460,12 @@ def test_comfy_layout_dit_runs_without_pos_emb(comfy_inprocess, tiny, tmp_path):
     """A ComfyUI-layout DiT (conditioning baked in as positive_/negative_conditioning) in a folder without
     pos_emb.pt loads and upscales: the loader node takes the embedding from the file."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from dit_files import write_comfy_layout_dit
     fp = comfy_inprocess.folder_paths
     folder = tmp_path / "comfy_layout"
     folder.mkdir()
-    sd = {k: v.half() for k, v in load_file(str(tiny["dit_3b"])).items()}
-    sd["positive_conditioning"] = torch.load(tiny["pos"]).half()
-    sd["negative_conditioning"] = torch.load(tiny["neg"]).half()
-    save_file(sd, str(folder / "seedvr2_comfy_layout_3b.safetensors"))
+    write_comfy_layout_dit(folder / "seedvr2_comfy_layout_3b.safetensors", torch.load(tiny["pos"]).half(),
+                           torch.load(tiny["neg"]).half())
     shutil.copy(tiny["vae"], folder / "ema_vae_tiny.safetensors")
     paths = fp.folder_names_and_paths["seedvr2"][0]
     saved = list(paths)
