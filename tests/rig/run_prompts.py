@@ -6,7 +6,7 @@ ComfyUI that cannot share the test process (another version, with its own venv):
 ``job.json``: ``{"comfy_dir", "custom_node_dirs": [...], "output_dir", "input_dir", "temp_dir",
 "model_dirs": {kind: folder}, "prompts": [prompt, ...]}``; the model folders are registered first (a LoRA a prompt
 writes lands in ``model_dirs["loras"]``). ``result.json``: the ComfyUI version and one entry per prompt with
-success, status, error and outputs, as ``RunResult`` has them; prompts run in order, one after the other.
+success, status, error, node_errors and outputs, as ``RunResult`` has them; prompts run in order, one after the other.
 
 ``boot(job)``, ``run_all(comfy, prompts)`` and ``write_result(path, out)`` are what the other scripts of this kind
 (``load_quantized.py``, ``free_check.py``) share.
@@ -43,7 +43,8 @@ def run_all(comfy, prompts: list) -> list[dict]:
     out = []
     for prompt in prompts:
         r = comfy.run(prompt)
-        out.append({"success": r.success, "status": r.status, "error": r.error, "outputs": r.outputs,
+        out.append({"success": r.success, "status": r.status, "error": r.error, "node_errors": r.node_errors,
+                    "outputs": r.outputs,
                     "events": sorted({str(e) for e in r.event_names()}), "seconds": r.seconds})
     return out
 
