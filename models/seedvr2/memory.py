@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ...optimization.blockswap.config import plan_blockswap, spread_indices
+from ...optimization.blockswap.config import gpu_bytes, plan_blockswap, spread_indices
 from ...optimization.runtime.device import available_host_bytes
 from .pipeline import MAX_OUTPUT_SIDE, RunPlan, SeedVR2InputError, UpscaleSettings, next_4n1
 from .vae.config import SEEDVR2_VAE, VAEConfig
@@ -234,14 +234,14 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
                 ok, swapped, gpu = bs.fits, tuple(bs.swapped_indices), bs.gpu_bytes
             else:
                 swapped = tuple(spread_indices(n, int(blocks_to_swap)))
-                gpu = _gpu_bytes(dit, extra, swapped, buffers)
+                gpu, _ = gpu_bytes(dit.block_bytes, dit.other_bytes, swapped, buffers, extra)
                 ok = gpu + act <= budget - margin
             if ok:
                 break
         if ok:
             break
         if min(batch, run.chunk_frames) <= 1:
-            raise SeedVR2MemoryError(_impossible(run, dit, budget, margin, act, gpu))
+            raise SeedVR2MemoryError(_impossible(run, dit, budget, margin, act, gpu, buffers))
         batch = next_4n1(min(batch, run.chunk_frames)) - 4
     if path:
         notes.append("fp8_speed's FP8 weight copies do not fit: NVFP4 runs on the fidelity path")
@@ -253,19 +253,12 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
                       stays, None if conv >= CONV_BAND_MAX else conv)
 
 
-def _gpu_bytes(dit: DiTFootprint, extra, swapped, buffers) -> int:
-    s = set(swapped)
-    resident = sum(b + extra[i] for i, b in enumerate(dit.block_bytes) if i not in s)
-    ring = buffers * (max(dit.block_bytes[i] for i in s) + max(extra[i] for i in s)) if s else 0
-    return dit.other_bytes + resident + ring
-
-
-def _impossible(run: RunPlan, dit: DiTFootprint, budget: int, margin: int, act: int, gpu: int) -> str:
+def _impossible(run: RunPlan, dit: DiTFootprint, budget: int, margin: int, act: int, gpu: int, buffers: int) -> str:
     ph, pw = run.model
     need = gpu + act + margin
     # the largest output (shortest edge, 16 px steps) whose single-frame chunk fits with every block streamed
-    ring = 2 * (max(dit.block_bytes) + max(dit.block_extra))
-    room = budget - margin - dit.other_bytes - ring - ACT_FIXED
+    streamed, _ = gpu_bytes(dit.block_bytes, dit.other_bytes, range(len(dit.block_bytes)), buffers, dit.block_extra)
+    room = budget - margin - streamed - ACT_FIXED
     fit_tokens = max(0, room // (ACT_PER_TOKEN_DIM * dit.dim))
     scale = (fit_tokens / max(1, dit_tokens(1, ph, pw))) ** 0.5
     short = int(min(run.target) * min(1.0, scale)) // 16 * 16

@@ -97,6 +97,19 @@ class BlockSwapPlan:
                 f"GPU {self.gpu_bytes / GiB:.2f} of {self.budget_bytes / GiB:.2f} GiB budget): {self.reason}")
 
 
+def gpu_bytes(block_bytes: Sequence[int], other_bytes: int, swapped: Sequence[int], buffers: int = 2,
+              block_extra: Optional[Sequence[int]] = None, io_bytes: Sequence[int] = ()) -> tuple[int, int]:
+    """(bytes on the GPU, of which ring slots) with the blocks at ``swapped`` streamed: the resident blocks and what
+    they derive (``block_extra``), ``other_bytes`` unless the I/O components (``io_bytes``) stream too, and ``buffers``
+    slots of the largest streamed unit plus its derived bytes."""
+    extra = list(block_extra) if block_extra is not None else [0] * len(block_bytes)
+    s = set(swapped)
+    largest = max([block_bytes[i] for i in s] + list(io_bytes), default=0)
+    resident = sum(b + extra[i] for i, b in enumerate(block_bytes) if i not in s)
+    ring = buffers * (largest + max((extra[i] for i in s), default=0)) if (s or io_bytes) else 0
+    return resident + (0 if io_bytes else int(other_bytes)) + ring, ring
+
+
 def plan_blockswap(block_bytes: Sequence[int], other_bytes: int, free_vram: int, reserve: int,
                    buffers: int = 2, io_bytes: Optional[Sequence[int]] = None,
                    allow_io_swap: bool = False, block_extra: Optional[Sequence[int]] = None) -> BlockSwapPlan:
@@ -121,12 +134,8 @@ def plan_blockswap(block_bytes: Sequence[int], other_bytes: int, free_vram: int,
 
     def cost(s: int, io_swapped: bool):
         idx = spread_indices(n, s)
-        swapped = set(idx)
-        largest = max([block_bytes[i] for i in idx] + (list(io_bytes or []) if io_swapped else []), default=0)
-        resident = sum(b + extra[i] for i, b in enumerate(block_bytes) if i not in swapped)
-        ring = buffers * (largest + max((extra[i] for i in idx), default=0)) if (idx or io_swapped) else 0
-        other = 0 if io_swapped else int(other_bytes)
-        return idx, resident + other + ring, ring, sum(block_bytes[i] for i in idx)
+        gpu, ring = gpu_bytes(block_bytes, other_bytes, idx, buffers, extra, io_bytes if io_swapped else ())
+        return idx, gpu, ring, sum(block_bytes[i] for i in idx)
 
     for io_swapped in ([False, True] if allow_io_swap and io_bytes else [False]):
         for s in range(1, n + 1):
