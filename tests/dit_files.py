@@ -25,6 +25,20 @@ MANIFEST = json.loads((GOLDEN / "manifest.json").read_text())
 INT8_GROUP = 64  # the tiny model's K is 64 or 256: ConvRot groups of 64 here (256 in the real files)
 
 
+def run_golden_case(model, variant: str, case: str):
+    """(output, golden output) of ``model`` on one golden DiT case, shaped alike."""
+    inp = load_file(GOLDEN / MANIFEST["dit"]["cases"][case]["inputs_file"])
+    with torch.no_grad():
+        out = model(inp["vid"].reshape(-1, inp["vid"].shape[-1]), inp["txt"], inp["vid_shape"], inp["txt_shape"],
+                    inp["timestep"])
+    ref = load_file(GOLDEN / MANIFEST["dit"]["tiny_models"][variant]["results"][case]["outputs_file"])["out"]
+    return out.reshape(ref.shape), ref
+
+
+def rel_l2(a, ref) -> float:
+    return float((a.double() - ref.double()).norm() / ref.double().norm())
+
+
 def golden_weights(variant: str) -> Path:
     return GOLDEN / MANIFEST["dit"]["tiny_models"][variant]["weights_file"]
 

@@ -13,15 +13,15 @@ the formats' own errors: the rel-L2 of the quantized block weights themselves is
 under power-of-two block scales), int8 0.006 (per channel, after the rotation; the activations' int8 adds to it in
 the output), nvfp4 0.095; and the MXFP8 model equals its dequantized dense twin to 1e-6.
 """
-import json
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import DATA
 from dit_files import INT8_GROUP as GROUP
 from dit_files import golden_weights, write_int8_dit
+from dit_files import rel_l2
+from dit_files import run_golden_case as run
 from seedvr2bw.models.seedvr2.dit import load_dit
 from seedvr2bw.models.seedvr2.dit.loader import DiTCheckpointError
 from seedvr2bw.optimization.nvfp4 import checkpoint as ckpt
@@ -30,15 +30,9 @@ from seedvr2bw.optimization.nvfp4.int8 import Int8Linear
 from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear
 from seedvr2bw.optimization.nvfp4.mxfp8 import MXFP8Linear
 
-GOLDEN = DATA / "golden"
-MANIFEST = json.loads((GOLDEN / "manifest.json").read_text())
 # the measured error (module docstring) with some room
 TOLERANCE = {"mxfp8": 0.035, "int8": 0.012, "nvfp4": 0.12}
 LAYER = {"mxfp8": MXFP8Linear, "int8": Int8Linear, "nvfp4": NVFP4Linear}
-
-
-def rel_l2(a, ref) -> float:
-    return float((a.double() - ref.double()).norm() / ref.double().norm())
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +46,6 @@ def files(tmp_path_factory):
         made[(variant, "int8")] = d / f"{variant}_int8.safetensors"
         write_int8_dit(made[(variant, "int8")], variant)
     return made
-
-
-def run(model, variant, case):
-    inp = load_file(GOLDEN / MANIFEST["dit"]["cases"][case]["inputs_file"])
-    with torch.no_grad():
-        out = model(inp["vid"].reshape(-1, inp["vid"].shape[-1]), inp["txt"], inp["vid_shape"], inp["txt_shape"],
-                    inp["timestep"])
-    ref = load_file(GOLDEN / MANIFEST["dit"]["tiny_models"][variant]["results"][case]["outputs_file"])["out"]
-    return out.reshape(ref.shape), ref
 
 
 @pytest.mark.parametrize("variant", ["3b", "7b"])

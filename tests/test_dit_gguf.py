@@ -6,39 +6,22 @@ whose K is a multiple of 32 quantized, the rest F32): Q8_0 0.0073-0.0087, Q5_1 0
 Those errors are the quantization's alone: the same model with the dequantized weights loaded as dense fp32
 linears gives the GGUF model's output to 1e-6.
 """
-import json
 import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import DATA
-from dit_files import write_gguf_dit
+from dit_files import rel_l2, write_gguf_dit
+from dit_files import run_golden_case as run
 from seedvr2bw.models.seedvr2.dit import load_dit
 from seedvr2bw.models.seedvr2.files import ModelFileError
 from seedvr2bw.optimization.gguf import GGUFLinear, dequantize
 
 gguf = pytest.importorskip("gguf", reason="the `gguf` package (requirements-test.txt) writes the test files")
 
-GOLDEN = DATA / "golden"
-MANIFEST = json.loads((GOLDEN / "manifest.json").read_text())
 GT = gguf.GGMLQuantizationType
 # the measured error (module docstring) with some room, per GGML type
 TOLERANCE = {GT.Q8_0: 0.015, GT.Q5_1: 0.1, GT.Q4_0: 0.2}
-
-
-def rel_l2(a, ref) -> float:
-    return float((a.double() - ref.double()).norm() / ref.double().norm())
-
-
-def run(model, variant: str, case: str):
-    inp = load_file(GOLDEN / MANIFEST["dit"]["cases"][case]["inputs_file"])
-    with torch.no_grad():
-        out = model(inp["vid"].reshape(-1, inp["vid"].shape[-1]), inp["txt"], inp["vid_shape"], inp["txt_shape"],
-                    inp["timestep"])
-    ref = load_file(GOLDEN / MANIFEST["dit"]["tiny_models"][variant]["results"][case]["outputs_file"])["out"]
-    return out.reshape(ref.shape), ref
 
 
 @pytest.mark.parametrize("variant", ["3b", "7b"])
