@@ -53,6 +53,19 @@ def make(n=8, d=32, fp8=False, seed=0):
     return m, copy.deepcopy(m)
 
 
+def add_derived_cache(model):
+    """Give each block's linear a cache derived from its weight, dropped by drop_derived() (as NVFP4Linear does)."""
+    for b in model.blocks:
+        b.lin.derived_tensors = {}
+        b.lin.drop_derived = b.lin.derived_tensors.clear
+        orig = b.lin.forward
+
+        def fwd(x, lin=b.lin, orig=orig):
+            lin.derived_tensors.setdefault("w", lin.weight.clone())
+            return orig(x)
+        b.lin.forward = fwd
+
+
 def attach(model, backend=None, pool=None, **cfg):
     backend = backend or FakeBackend()
     pool = pool or PinnedPool(1 << 30)
@@ -379,15 +392,7 @@ def test_derived_weight_caches_dropped_on_eviction():
     drop_derived()) must not keep them for a block that left the ring, or each swapped block would leave a derived
     GPU copy behind."""
     m, ref = make(n=6)
-    for b in m.blocks:
-        b.lin.derived_tensors = {}
-        b.lin.drop_derived = b.lin.derived_tensors.clear
-        orig = b.lin.forward
-
-        def fwd(x, lin=b.lin, orig=orig):
-            lin.derived_tensors.setdefault("w", lin.weight.clone())
-            return orig(x)
-        b.lin.forward = fwd
+    add_derived_cache(m)
     runner, be, _ = attach(m, blocks_to_swap=6)
     with torch.no_grad():
         x = torch.randn(2, 32)

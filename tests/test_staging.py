@@ -9,7 +9,7 @@ import torch
 from seedvr2bw.optimization.blockswap import FakeBackend, PinnedPool, BlockSwapRunner, ResidentRunner
 from seedvr2bw.optimization.blockswap.staging import StagedModel
 
-from test_blockswap_runner import make
+from test_blockswap_runner import add_derived_cache, make
 
 
 def host_ptrs(model):
@@ -69,15 +69,7 @@ def test_pinned_cap_pins_the_streamed_blocks_first():
 
 def test_derived_tensors_dropped_on_release():
     m, ref = make(n=4)
-    for b in m.blocks:
-        b.lin.derived_tensors = {}
-        b.lin.drop_derived = b.lin.derived_tensors.clear
-        orig = b.lin.forward
-
-        def fwd(x, lin=b.lin, orig=orig):
-            lin.derived_tensors.setdefault("w", lin.weight.clone())
-            return orig(x)
-        b.lin.forward = fwd
+    add_derived_cache(m)
     staged = StagedModel(m, pool=PinnedPool(1 << 30), small_bytes=0)
     staged.to_device("cpu", (), backend=FakeBackend())
     with torch.no_grad():
