@@ -212,6 +212,19 @@ def _run_with(comfy, **upscale):
     return wf, prompt
 
 
+def _run_from_folder(comfy, folder, dit_name):
+    """The image workflow with ``folder`` as the only SEEDVR2 model folder and ``dit_name`` in the DiT loader."""
+    paths = comfy.folder_paths.folder_names_and_paths["seedvr2"][0]
+    saved = list(paths)
+    paths[:] = [str(folder)]
+    try:
+        wf, prompt = _run_with(comfy)
+        prompt[str(_node_id(wf, "SeedVR2BW_LoadDiT"))]["inputs"]["model"] = dit_name
+        return comfy.run(prompt)
+    finally:
+        paths[:] = saved
+
+
 def _error_text(res) -> str:
     err = res.error or {}
     return f"{err.get('exception_type', '')}: {err.get('exception_message', '')} {err}"
@@ -323,20 +336,11 @@ def test_the_pack_leaves_process_wide_torch_settings_alone(comfy_inprocess, tiny
 
 def test_missing_embeddings_error_names_file_and_folder(comfy_inprocess, tiny, tmp_path):
     """A DiT whose folder has no pos_emb (and no SEEDVR2 folder has one): the error names file and folder."""
-    fp = comfy_inprocess.folder_paths
     lonely = tmp_path / "lonely"
     lonely.mkdir()
     shutil.copy(tiny["dit_3b"], lonely / "seedvr2_lonely_3b.safetensors")
     shutil.copy(tiny["vae"], lonely / "ema_vae_tiny.safetensors")
-    paths = fp.folder_names_and_paths["seedvr2"][0]
-    saved = list(paths)
-    paths[:] = [str(lonely)]
-    try:
-        wf, prompt = _run_with(comfy_inprocess)
-        prompt[str(_node_id(wf, "SeedVR2BW_LoadDiT"))]["inputs"]["model"] = "seedvr2_lonely_3b.safetensors"
-        res = comfy_inprocess.run(prompt)
-    finally:
-        paths[:] = saved
+    res = _run_from_folder(comfy_inprocess, lonely, "seedvr2_lonely_3b.safetensors")
     assert not res.success
     text = _error_text(res)
     assert "pos_emb.pt" in text and str(lonely) in text, text
@@ -461,19 +465,10 @@ def test_comfy_layout_dit_runs_without_pos_emb(comfy_inprocess, tiny, tmp_path):
     pos_emb.pt loads and upscales: the loader node takes the embedding from the file."""
     import torch
     from dit_files import write_comfy_layout_dit
-    fp = comfy_inprocess.folder_paths
     folder = tmp_path / "comfy_layout"
     folder.mkdir()
     write_comfy_layout_dit(folder / "seedvr2_comfy_layout_3b.safetensors", torch.load(tiny["pos"]).half(),
                            torch.load(tiny["neg"]).half())
     shutil.copy(tiny["vae"], folder / "ema_vae_tiny.safetensors")
-    paths = fp.folder_names_and_paths["seedvr2"][0]
-    saved = list(paths)
-    paths[:] = [str(folder)]
-    try:
-        wf, prompt = _run_with(comfy_inprocess)
-        prompt[str(_node_id(wf, "SeedVR2BW_LoadDiT"))]["inputs"]["model"] = "seedvr2_comfy_layout_3b.safetensors"
-        res = comfy_inprocess.run(prompt)
-    finally:
-        paths[:] = saved
+    res = _run_from_folder(comfy_inprocess, folder, "seedvr2_comfy_layout_3b.safetensors")
     assert res.success, _error_text(res)
