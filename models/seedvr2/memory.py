@@ -22,7 +22,7 @@ from ...optimization.blockswap.config import gpu_bytes, plan_blockswap, spread_i
 from ...optimization.runtime.device import available_host_bytes
 from .pipeline import MAX_OUTPUT_SIDE, RunPlan, SeedVR2InputError, UpscaleSettings, next_4n1
 from .vae.config import SEEDVR2_VAE, VAEConfig
-from .vae.tiling import estimate_decode_bytes, estimate_encode_bytes
+from .vae.tiling import choose_run_tiles
 
 _log = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -133,56 +133,6 @@ def _tiles_text(enc, dec) -> str:
     return f"{e}, {d}"
 
 
-def _tile_len(size: int, n: int, overlap: int, unit: int) -> int:
-    """The shortest tile (a multiple of ``unit``) with which ``n`` tiles overlapping by ``overlap`` cover ``size``."""
-    if n == 1:
-        return size
-    t = -(-(size + (n - 1) * overlap) // n)
-    return min(size, t + (-t) % unit)
-
-
-def _choose_tile(kind: str, mode: str, tile_px: int, overlap_px: int, ph: int, pw: int, budget: Optional[int],
-                 dtype_bytes: int, config: VAEConfig) -> tuple[tuple, int]:
-    """((tile, overlap), estimated peak) of every ``kind`` call of the run, in ``encode_tiled`` (pixels) /
-    ``decode_tiled`` (latents) units; tile is an (h, w) pair, (0, 0) means one pass. Among the tile grids whose
-    peak (``vae/tiling.py``'s measured model) fits ``budget``, the one that processes the least area (tiles of
-    different sizes cost extra work, not only memory); a given tile size or mode "off" is kept as it is."""
-    s = config.spatial_factor
-    d = 1 if kind == "encode" else s                    # pixels per unit of the call
-    unit = 2 * s // d                                    # whole 2x2 latent patches
-    h, w = ph // d, pw // d
-    est = estimate_encode_bytes if kind == "encode" else estimate_decode_bytes
-
-    def peak(th, tw):
-        return int(VAE_PEAK_FACTOR * est((th, tw), config, dtype_bytes))
-
-    ov = overlap_px // d // unit * unit
-    if mode == "off" or (budget is None and not tile_px and mode == "auto"):
-        return (0, 0), peak(h, w)
-    if tile_px or budget is None:
-        t = max(2 * unit, (tile_px or 512) // d // unit * unit)
-        if t >= h and t >= w:
-            return (0, 0), peak(h, w)
-        th, tw = min(t, h), min(t, w)
-        return ((th, tw), min(ov, t // 2)), peak(th, tw)
-    if peak(h, w) <= budget:
-        return (0, 0), peak(h, w)
-    best = None
-    for ny in range(1, 17):
-        for nx in range(1, 17):
-            th, tw = _tile_len(h, ny, ov, unit), _tile_len(w, nx, ov, unit)
-            if min(th, tw) < max(2 * unit, 2 * ov) or peak(th, tw) > budget:
-                continue
-            cost = (ny * nx * th * tw, ny * nx)
-            if best is None or cost < best[0]:
-                best = (cost, th, tw)
-    if best is None:                                      # nothing fits: the smallest tile, the caller refuses
-        t = max(2 * unit, 2 * ov)
-        return ((t, t), min(ov, t // 2)), peak(t, t)
-    _, th, tw = best
-    return ((th, tw), min(ov, min(th, tw) // 2)), peak(th, tw)
-
-
 def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_bytes: int,
                 budget: Optional[int], host_available: Optional[int] = None, blocks_to_swap="auto",
                 buffers: int = 2, vae_dtype: torch.dtype = torch.bfloat16,
@@ -204,9 +154,14 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
     elem = torch.empty((), dtype=vae_dtype).element_size()
     notes = []
     t = run.tiling
+
+    def tiles(kind, vae_budget):
+        mode, tile = (t.encode, t.encode_tile) if kind == "encode" else (t.decode, t.decode_tile)
+        return choose_run_tiles(kind, mode, tile, t.overlap, ph, pw, vae_budget, elem, vae_config, VAE_PEAK_FACTOR)
+
     if budget is None:
-        enc, enc_peak = _choose_tile("encode", t.encode, t.encode_tile, t.overlap, ph, pw, None, elem, vae_config)
-        dec, dec_peak = _choose_tile("decode", t.decode, t.decode_tile, t.overlap, ph, pw, None, elem, vae_config)
+        enc, enc_peak = tiles("encode", None)
+        dec, dec_peak = tiles("decode", None)
         return MemoryPlan(None, settings, encode_tiles=enc, decode_tiles=dec, vae_peak_bytes=(enc_peak, dec_peak),
                           host_bytes=host)
 
@@ -214,8 +169,8 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
     io = next_4n1(run.chunk_frames) * ph * pw * 3 * (elem + 4)     # a chunk's VAE input + float32 output
     vae_budget = budget - max(margin, int(VAE_MARGIN_FRACTION * budget)) - vae_bytes - io
     conv = min(CONV_BAND_MAX, max(CONV_BAND_MIN, budget // CONV_BAND_DIVISOR))
-    enc, enc_peak = _choose_tile("encode", t.encode, t.encode_tile, t.overlap, ph, pw, vae_budget, elem, vae_config)
-    dec, dec_peak = _choose_tile("decode", t.decode, t.decode_tile, t.overlap, ph, pw, vae_budget, elem, vae_config)
+    enc, enc_peak = tiles("encode", vae_budget)
+    dec, dec_peak = tiles("decode", vae_budget)
     if max(enc_peak, dec_peak) > vae_budget:
         raise SeedVR2MemoryError(
             f"the VAE needs {vae_bytes / GiB:.2f} GiB of weights plus {max(enc_peak, dec_peak) / GiB:.2f} GiB for its "

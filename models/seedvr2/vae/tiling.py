@@ -208,6 +208,57 @@ def choose_tile_size(free_vram_bytes: int, mode: str = "decode", dtype: torch.dt
     raise ValueError(f"mode must be 'decode' or 'encode', got {mode!r}")
 
 
+def _tile_len(size: int, n: int, overlap: int, unit: int) -> int:
+    """The shortest tile (a multiple of ``unit``) with which ``n`` tiles overlapping by ``overlap`` cover ``size``."""
+    if n == 1:
+        return size
+    t = -(-(size + (n - 1) * overlap) // n)
+    return min(size, t + (-t) % unit)
+
+
+def choose_run_tiles(kind: str, mode: str, tile_px: int, overlap_px: int, ph: int, pw: int, budget: Optional[int],
+                     dtype_bytes: int, config: VAEConfig = SEEDVR2_VAE, peak_factor: float = 1.0) -> tuple[tuple, int]:
+    """((tile, overlap), estimated peak) of every ``kind`` call of a run on ph x pw pixel frames (the memory plan's
+    choice, made once; ``plan_tiles`` sizes a single call from the free memory at that moment), in ``encode_tiled``
+    (pixels) / ``decode_tiled`` (latents) units; tile is an (h, w) pair, (0, 0) means one pass. Among the tile grids
+    whose peak (``estimate_*_bytes`` x ``peak_factor``) fits ``budget``, the one that processes the least area;
+    a given tile size or mode "off" is kept as it is."""
+    s = config.spatial_factor
+    d = 1 if kind == "encode" else s                    # pixels per unit of the call
+    unit = 2 * s // d                                    # whole 2x2 latent patches
+    h, w = ph // d, pw // d
+    est = estimate_encode_bytes if kind == "encode" else estimate_decode_bytes
+
+    def peak(th, tw):
+        return int(peak_factor * est((th, tw), config, dtype_bytes))
+
+    ov = overlap_px // d // unit * unit
+    if mode == "off" or (budget is None and not tile_px and mode == "auto"):
+        return (0, 0), peak(h, w)
+    if tile_px or budget is None:
+        t = max(2 * unit, (tile_px or 512) // d // unit * unit)
+        if t >= h and t >= w:
+            return (0, 0), peak(h, w)
+        th, tw = min(t, h), min(t, w)
+        return ((th, tw), min(ov, t // 2)), peak(th, tw)
+    if peak(h, w) <= budget:
+        return (0, 0), peak(h, w)
+    best = None
+    for ny in range(1, 17):
+        for nx in range(1, 17):
+            th, tw = _tile_len(h, ny, ov, unit), _tile_len(w, nx, ov, unit)
+            if min(th, tw) < max(2 * unit, 2 * ov) or peak(th, tw) > budget:
+                continue
+            cost = (ny * nx * th * tw, ny * nx)
+            if best is None or cost < best[0]:
+                best = (cost, th, tw)
+    if best is None:                                      # nothing fits: the smallest tile, the caller refuses
+        t = max(2 * unit, 2 * ov)
+        return ((t, t), min(ov, t // 2)), peak(t, t)
+    _, th, tw = best
+    return ((th, tw), min(ov, min(th, tw) // 2)), peak(th, tw)
+
+
 def plan_tiles(kind: str, mode: str, tile_px: int, overlap_px: int, height: int, width: int,
                free_bytes: Callable[[], Optional[int]], dtype: torch.dtype = torch.bfloat16,
                config: VAEConfig = SEEDVR2_VAE) -> Tuple[int, int]:
