@@ -22,6 +22,7 @@ import _pack  # noqa: F401  (registers the checkout as `seedvr2bw`)
 import torch
 
 from bench_seedvr2 import random_dit
+from bench_video import fill_gpu_to
 from bench_vae import make_random_vae
 from seedvr2bw.models.seedvr2 import pipeline as P
 from seedvr2bw.models.seedvr2.dit import SEEDVR2_3B, SEEDVR2_7B
@@ -51,12 +52,6 @@ def budget_now(dev) -> int:
     segments that also hold live tensors are not counted: an allocation may not fit them)."""
     torch.cuda.empty_cache()
     return int(torch.cuda.mem_get_info(dev)[0])
-
-
-def fill_to(budget_gib: float, dev):
-    torch.cuda.empty_cache()
-    extra = torch.cuda.mem_get_info(dev)[0] - int(budget_gib * GIB)
-    return torch.empty(extra, dtype=torch.uint8, device=dev) if extra > 0 else None
 
 
 class Phases:
@@ -150,7 +145,7 @@ def main():
                 print(f"{model} {lin} {case} resident: median {res_med:.2f} s  runs {[round(x, 2) for x in times]}",
                       flush=True)
                 for b in [float(x) for x in args.budgets.split(",") if x]:
-                    hold = fill_to(b, dev)
+                    hold = fill_gpu_to(b, dev)
                     budget = budget_now(dev)
                     samples, err, firsts = [], None, []
                     rss, pinned = [], []

@@ -74,7 +74,9 @@ def make_clip(path: str, frames: int, h: int, w: int, fps: int = 24) -> str:
 
 
 def fill_gpu_to(budget_gib: float, device) -> torch.Tensor | None:
-    """Allocates what the GPU has free beyond ``budget_gib`` (the pack then sees only the budget)."""
+    """Allocates what the GPU has free beyond ``budget_gib`` (the pack then sees only the budget); torch's cache is
+    handed back first, so cached blocks do not count as free."""
+    torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
     extra = free - int(budget_gib * GIB)
     if extra <= 0:
@@ -125,7 +127,6 @@ def single(args, src, tmp):
     dit.to("cpu")
     vae.to("cpu")
     staging = Staging(dit, vae)
-    torch.cuda.empty_cache()
     hold = fill_gpu_to(args.budget, dev) if args.budget else None
     settings = P.UpscaleSettings(resolution=args.resolution, batch_size=args.batch, temporal_overlap=0,
                                  color_correction="wavelet", seed=42)
