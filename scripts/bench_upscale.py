@@ -55,10 +55,12 @@ def budget_now(dev) -> int:
 
 
 class Phases:
-    """Wall time, allocator retries and peak memory between the pipeline's hooks."""
+    """Wall time, allocator retries and the pack's peak memory (above what was allocated at the start: the fill)
+    between the pipeline's hooks."""
 
     def __init__(self, dev):
         self.dev, self.t, self.marks = dev, {}, []
+        self.base = torch.cuda.memory_allocated(dev)
 
     def mark(self, name):
         torch.cuda.synchronize(self.dev)
@@ -70,7 +72,7 @@ class Phases:
     def spans(self):
         out = {}
         for (a, ta, ra, _), (b, tb, rb, pb) in zip(self.marks, self.marks[1:]):
-            out[b] = {"s": tb - ta, "retries": rb - ra, "peak_gib": pb / GIB}
+            out[b] = {"s": tb - ta, "retries": rb - ra, "peak_gib": (pb - self.base) / GIB}
         return out
 
 
@@ -79,8 +81,18 @@ def staged_run(frames, settings, staging, emb, dev, budget, blocks_to_swap="auto
     ph.mark("start")
     mem = staging.plan(P.plan(frames, settings), settings, dev, budget, blocks_to_swap)
     ph.mark("plan")
-    out = P.upscale(frames, staging.dit.model, staging.vae.model, emb, device=dev, dit_dtype=torch.bfloat16,
-                    vae_dtype=torch.bfloat16, output_device="cpu", hooks=staging.hooks(dev, mem, ph.mark), memory=mem)
+    try:
+        out = P.upscale(frames, staging.dit.model, staging.vae.model, emb, device=dev, dit_dtype=torch.bfloat16,
+                        vae_dtype=torch.bfloat16, output_device="cpu", hooks=staging.hooks(dev, mem, ph.mark),
+                        memory=mem)
+    except torch.OutOfMemoryError as exc:
+        # where it ran out, under which plan, and what the pack held then
+        exc.where = (f"in the phase after '{ph.marks[-1][0]}' under {mem.line()}; pack allocated "
+                     f"{(torch.cuda.memory_allocated(dev) - ph.base) / GIB:.2f} GiB, reserved by torch "
+                     f"{(torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)) / GIB:.2f} GiB unused")
+        staging.dit.release()
+        staging.vae_off()
+        raise
     ph.mark("decode")
     staging.vae_off()
     ph.mark("vae_release")
@@ -128,12 +140,15 @@ def main():
                 g = torch.Generator().manual_seed(1)
                 frames = torch.rand(n, short // 2, short * 16 // 9 // 2, 3, generator=g)   # 360x640 -> 720p
                 settings = P.UpscaleSettings(resolution=short, batch_size=P.next_4n1(n), color_correction="wavelet")
-                # resident: both models on the GPU, nothing planned or staged
+                # resident: both models on the GPU the whole time, with the plan the node makes for the whole GPU
+                # (one VAE tile grid for the run: tiles sized per call from the free memory vary run to run, and
+                # each new conv shape is autotuned by cuDNN again)
+                whole = staging.plan(P.plan(frames, settings), settings, dev, budget_now(dev))
                 vstager.to_device(dev)
                 dstager.staged.to_device(dev, ())
                 times = []
                 for i in range(args.warmup + args.runs):
-                    ref, t = resident_run(frames, settings, dit, vae, emb, dev)
+                    ref, t = resident_run(frames, settings, dit, vae, emb, dev, memory=whole)
                     if i >= args.warmup:
                         times.append(t)
                 res_med = statistics.median(times)
@@ -142,8 +157,8 @@ def main():
                 row = {"model": model, "linears": lin, "case": case, "budget_gib": None, "runs_s": times,
                        "median_s": res_med}
                 results.append(row)
-                print(f"{model} {lin} {case} resident: median {res_med:.2f} s  runs {[round(x, 2) for x in times]}",
-                      flush=True)
+                print(f"{model} {lin} {case} resident: median {res_med:.2f} s  runs {[round(x, 2) for x in times]}"
+                      f"\n    {whole.line()}", flush=True)
                 for b in [float(x) for x in args.budgets.split(",") if x]:
                     hold = fill_gpu_to(b, dev)
                     budget = budget_now(dev)
@@ -158,7 +173,7 @@ def main():
                             if i >= args.warmup:
                                 samples.append(spans)
                     except (SeedVR2MemoryError, torch.OutOfMemoryError) as exc:
-                        err = f"{type(exc).__name__}: {exc}"
+                        err = f"{type(exc).__name__} {getattr(exc, 'where', '')}: {str(exc)[:200]}"
                     del hold
                     torch.cuda.empty_cache()
                     row = {"model": model, "linears": lin, "case": case, "budget_gib": b, "error": err}

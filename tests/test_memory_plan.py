@@ -64,6 +64,17 @@ def test_fp8_copies_of_nvfp4_are_counted():
     assert m.dit_gpu_bytes + m.dit_activation_bytes + margin_bytes(m.budget) <= 12 * GiB
 
 
+def test_the_shared_scratch_weight_is_counted_with_the_activations():
+    """An fp8 file runs its cast path through one scratch weight per device: the plan keeps room for it."""
+    fp8 = DiTFootprint((227 * MiB,) * 36, (0,) * 36, 100 * MiB, 3072)
+    _, without = mem(dit=fp8, budget=8)
+    _, with_scratch = mem(dit=DiTFootprint(fp8.block_bytes, fp8.block_extra, fp8.other_bytes, fp8.dim,
+                                           scratch=288 * MiB), budget=8)
+    assert with_scratch.dit_activation_bytes == without.dit_activation_bytes + 288 * MiB
+    assert len(with_scratch.swapped) > len(without.swapped)
+    assert with_scratch.dit_gpu_bytes + with_scratch.dit_activation_bytes + margin_bytes(8 * GiB) <= 8 * GiB
+
+
 def test_nvfp4_falls_back_to_fidelity_when_fp8_copies_cannot_fit():
     big_extra = DiTFootprint((128 * MiB,) * 36, (3 * GiB,) * 36, 60 * MiB, 3072, nvfp4=True)
     _, m = mem(dit=big_extra, budget=8)

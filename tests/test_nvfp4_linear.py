@@ -242,3 +242,23 @@ def test_fp8_linear_cast_mode():
     m2 = FP8Linear(64, 32, dtype=torch.float32)
     m2.load_state_dict(sd)
     assert torch.equal(m2(x), m(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_fp8_dequantize_into_a_shared_buffer_is_bit_identical(dtype, per_row):
+    """The cast path on CUDA dequantizes into the device's one scratch buffer (no per-call weight copies to fragment
+    a tight budget): the same bits as a fresh tensor, whatever the buffer held before."""
+    m = FP8Linear.from_linear(torch.nn.Linear(64, 48), dtype=dtype)
+    if per_row:
+        m.weight_scale = torch.rand(48) + 0.5
+    buf = torch.full((48, 64), float("nan"), dtype=dtype)
+    got = m.dequantize_weight(dtype, out=buf)
+    assert got.data_ptr() == buf.data_ptr()
+    assert torch.equal(got, m.dequantize_weight(dtype))
+    # what the plan counts: a bf16 [N, K] buffer on CUDA in cast mode, nothing on the CPU or for scaled_mm
+    assert m.scratch_bytes("cuda") == 2 * 48 * 64 and m.scratch_bytes("cpu") == 0
+    m.mode = "scaled_mm"
+    assert m.scratch_bytes("cuda") == 0
+    # off CUDA (and whenever autograd keeps the weight) the layer takes a fresh buffer
+    assert m.scratch_weight(torch.randn(2, 64), dtype) is None

@@ -59,6 +59,7 @@ class DiTFootprint:
     other_bytes: int
     dim: int
     nvfp4: bool = False
+    scratch: int = 0         # the shared scratch weight quantized layers dequantize into (the largest layer's)
 
     @property
     def total(self) -> int:
@@ -76,8 +77,10 @@ def dit_footprint(model: torch.nn.Module, device, block_bytes: Sequence[int], ot
                 nvfp4 = True
                 n += int(m.derived_bytes(device))
         extra.append(n)
+    scratch = max((int(m.scratch_bytes(device)) for m in model.modules()
+                   if callable(getattr(m, "scratch_bytes", None))), default=0)
     dim = int(getattr(getattr(model, "config", None), "dim", 3072))
-    return DiTFootprint(tuple(block_bytes), tuple(extra), int(other_bytes), dim, nvfp4)
+    return DiTFootprint(tuple(block_bytes), tuple(extra), int(other_bytes), dim, nvfp4, scratch)
 
 
 def dit_tokens(frames: int, height: int, width: int) -> int:
@@ -181,7 +184,8 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
     n = len(dit.block_bytes)
     options = [(dit.block_extra, None)] + ([((0,) * n, "fidelity")] if any(dit.block_extra) else [])
     while True:
-        act = max(dit_activation_bytes(dit_tokens(min(batch, run.chunk_frames), ph, pw), dit.dim), reserve or 0)
+        act = max(dit_activation_bytes(dit_tokens(min(batch, run.chunk_frames), ph, pw), dit.dim) + dit.scratch,
+                  reserve or 0)
         for extra, path in options:
             if blocks_to_swap == "auto":
                 bs = plan_blockswap(dit.block_bytes, dit.other_bytes, budget - margin, act, buffers=buffers,

@@ -303,6 +303,11 @@ class NVFP4Linear(_QuantLinearBase):
         path = self.path if self.path != "auto" else policy.get_policy(device).nvfp4_gemm
         return self.out_features * (self.in_features + 4) if path == "fp8_speed" else 0
 
+    def scratch_bytes(self, device) -> int:
+        """The most bytes of the device's shared scratch weight one call may fill (the fidelity path's dequantize +
+        GEMM kernel; a memory plan may switch any layer to that path)."""
+        return 2 * self.out_features * self.in_features if torch.device(device).type == "cuda" else 0
+
     def fp8_weight(self, device):
         """The NVFP4 weight as FP8 E4M3 with per-output-channel scales (made once per device)."""
         key = ("fp8", str(device))
@@ -453,10 +458,28 @@ class FP8Linear(_QuantLinearBase):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
-    def dequantize_weight(self, dtype=torch.bfloat16):
+    def dequantize_weight(self, dtype=torch.bfloat16, out=None):
+        """The weight in ``dtype``; written into ``out`` (an [N, K] buffer of that dtype) when given."""
         s = self.weight_scale
         s = s.reshape(-1, 1) if s.numel() > 1 else s
-        return (self.weight.to(dtype) * s.to(dtype)) if dtype != torch.float32 else self.weight.float() * s
+        s = s.to(dtype) if dtype != torch.float32 else s
+        if out is None:
+            return self.weight.to(dtype) * s
+        return out.copy_(self.weight).mul_(s)
+
+    def scratch_weight(self, x2, dtype):
+        """[N, K] view of the device's shared scratch weight for the cast path, or None where a fresh buffer is
+        needed: off CUDA, or when autograd keeps the weight for the backward (the next layer overwrites it).
+        One buffer for every layer: per-call weight copies of different sizes fragment a tight budget."""
+        if not x2.is_cuda or (torch.is_grad_enabled() and x2.requires_grad):
+            return None
+        n, k = self.out_features, self.in_features
+        return _scratch(x2.device, dtype, n * k)[: n * k].view(n, k)
+
+    def scratch_bytes(self, device) -> int:
+        """The most bytes of the device's shared scratch weight one call may fill (the cast path on CUDA)."""
+        return 2 * self.out_features * self.in_features if torch.device(device).type == "cuda" and \
+            self.mode == "cast" else 0
 
     def decision(self, x2: torch.Tensor) -> dispatch.Decision:
         """The kernel this layer runs for the 2-D input x2 here, and why (the FP8 choice does not depend on M)."""
@@ -479,6 +502,6 @@ class FP8Linear(_QuantLinearBase):
                                  out_dtype=torch.bfloat16, bias=b).to(x.dtype)
         else:
             dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else self.compute_dtype
-            w = self.dequantize_weight(dtype)
+            w = self.dequantize_weight(dtype, out=self.scratch_weight(x2, dtype))
             y = F.linear(x2.to(dtype), w, self.bias.to(dtype) if self.bias is not None else None).to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)

@@ -11,7 +11,7 @@ from seedvr2bw.optimization.nvfp4 import kernels as K
 from seedvr2bw.optimization.nvfp4 import dispatch
 from seedvr2bw.optimization.nvfp4.emulation import expected_output
 from seedvr2bw.optimization.nvfp4.fp4_gemm import fp4_gemm_supported
-from seedvr2bw.optimization.nvfp4.linear import NVFP4Linear
+from seedvr2bw.optimization.nvfp4.linear import FP8Linear, NVFP4Linear
 from seedvr2bw.optimization.nvfp4.selftest import run_gemm_selftest
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -307,3 +307,26 @@ def test_fast_relaunch_gives_the_same_bits(m, n, k):
     assert torch.equal(ws[0].cpu(), t.to("cpu").dequantize(torch.bfloat16))
     want = x.double().cpu() @ t.to("cpu").dequantize().double().t() + b.double().cpu()
     assert ((ys[2].double().cpu() - want).norm() / want.norm()).item() < 5e-3
+
+
+@cuda
+def test_fp8_cast_layers_share_one_scratch_weight_and_match_fresh_weights():
+    """Two FP8 layers of different shapes in a row on the cast path: each output equals F.linear with a freshly
+    dequantized weight (the second layer's dequantize must not corrupt the first's GEMM), and the allocator sees
+    no new allocation once the scratch holds the largest layer."""
+    a = FP8Linear.from_linear(torch.nn.Linear(256, 512).to(torch.bfloat16)).cuda()
+    b = FP8Linear.from_linear(torch.nn.Linear(512, 384).to(torch.bfloat16)).cuda()
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        ya = a(x)
+        yb = b(ya)
+        ref_a = torch.nn.functional.linear(x, a.dequantize_weight(torch.bfloat16), a.bias)
+        ref_b = torch.nn.functional.linear(ref_a, b.dequantize_weight(torch.bfloat16), b.bias)
+        torch.cuda.synchronize()
+        assert torch.equal(ya, ref_a) and torch.equal(yb, ref_b)
+        n_before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        a(x)
+        b(ya)
+        torch.cuda.synchronize()
+        # the two outputs only: no weight-sized buffer per call
+        assert torch.cuda.memory_stats()["allocation.all.allocated"] - n_before <= 4
