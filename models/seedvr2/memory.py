@@ -32,11 +32,12 @@ MiB = 1 << 20
 # and 1.63 GiB (NVFP4, with the FP8 copies of the streamed blocks) above its weights (docs/PERFORMANCE.md §10)
 ACT_PER_TOKEN_DIM = 24
 ACT_FIXED = 512 * MiB
-MARGIN_FRACTION = 0.06      # of the budget: allocator rounding
+# Both phases free and allocate large tensors in a changing order, and torch keeps what it freed cached: up to 3.7 GiB
+# of a 12 GiB budget were found cached but unusable in the VAE phase, and 1.16 GiB of an 8 GiB budget in the 7B fp8
+# DiT step (it ran out of memory there with 6 % kept free); the VAE's measured peaks ran 3-7 % above vae/tiling.py's
+# model. Streaming a few more blocks to keep this room costs the DiT step nothing measurable (PERFORMANCE §10).
+MARGIN_FRACTION = 0.15
 MARGIN_MIN = 384 * MiB
-# The VAE phase frees and allocates gigabyte tensors in a changing order: up to 3.7 GiB of a 12 GiB budget were
-# found cached but unusable (fragmentation), and the measured peaks ran 3-7 % above vae/tiling.py's model.
-VAE_MARGIN_FRACTION = 0.15
 VAE_PEAK_FACTOR = 1.1
 # cuDNN runs a big convolution through a workspace-free fallback kernel (3.4x slower encode) when the NCDHW->NDHWC
 # copy it needs does not fit next to the activations; conv bands of budget/96 keep that copy small (exact).
@@ -170,7 +171,7 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
 
     margin = margin_bytes(budget)
     io = next_4n1(run.chunk_frames) * ph * pw * 3 * (elem + 4)     # a chunk's VAE input + float32 output
-    vae_budget = budget - max(margin, int(VAE_MARGIN_FRACTION * budget)) - vae_bytes - io
+    vae_budget = budget - margin - vae_bytes - io
     conv = min(CONV_BAND_MAX, max(CONV_BAND_MIN, budget // CONV_BAND_DIVISOR))
     enc, enc_peak = tiles("encode", vae_budget)
     dec, dec_peak = tiles("decode", vae_budget)
