@@ -174,3 +174,22 @@ def test_a_blockswap_reserve_is_kept_for_activations():
     run = P.plan(frames(21), s)
     m = plan_memory(run, s, BF16_7B, VAE, 12 * GiB, host_available=HOST, reserve=5 * GiB)
     assert m.dit_activation_bytes == 5 * GiB and len(m.swapped) > len(plain.swapped)
+
+
+def test_vae_peak_model_follows_the_bands_and_single_images():
+    """Measured on an H100: the plan's small conv bands shrink the fixed part of a VAE call's peak, and a single
+    image peaks at about 4/7 (decode) and 3/7 (encode) of a video chunk per pixel; the plan then tiles less."""
+    from seedvr2bw.models.seedvr2.vae.tiling import estimate_decode_bytes, estimate_encode_bytes
+    tile = (90, 160)
+    official, banded = estimate_decode_bytes(tile), estimate_decode_bytes(tile, conv_bytes=128 * MiB)
+    assert banded < official and abs(banded / GiB - (17.7 * 0.9216 + 0.34)) < 0.3
+    assert estimate_decode_bytes(tile, conv_bytes=512 * MiB) == official        # the official limits: as before
+    image = estimate_decode_bytes(tile, conv_bytes=128 * MiB, one_frame=True)
+    assert abs(image / GiB - (10.1 * 0.9216 + 0.34)) < 0.3
+    assert estimate_encode_bytes((720, 1280), conv_bytes=128 * MiB, one_frame=True) < \
+        0.5 * estimate_encode_bytes((720, 1280), conv_bytes=128 * MiB)
+    _, video = mem(21, 1080, budget=8, h=540, w=960)
+    _, still = mem(1, 1080, budget=8, h=540, w=960)
+    area = lambda t: t[0][0] * t[0][1] if t[0] else 10 ** 9                    # noqa: E731
+    assert area(still.decode_tiles) > area(video.decode_tiles)
+    assert area(still.encode_tiles) > area(video.encode_tiles)

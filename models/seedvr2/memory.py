@@ -158,10 +158,12 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
     elem = torch.empty((), dtype=vae_dtype).element_size()
     notes = []
     t = run.tiling
+    conv = None if budget is None else min(CONV_BAND_MAX, max(CONV_BAND_MIN, budget // CONV_BAND_DIVISOR))
 
     def tiles(kind, vae_budget):
         mode, tile = (t.encode, t.encode_tile) if kind == "encode" else (t.decode, t.decode_tile)
-        return choose_run_tiles(kind, mode, tile, t.overlap, ph, pw, vae_budget, elem, vae_config, VAE_PEAK_FACTOR)
+        return choose_run_tiles(kind, mode, tile, t.overlap, ph, pw, vae_budget, elem, vae_config, VAE_PEAK_FACTOR,
+                                conv, one_frame=run.chunk_frames == 1)
 
     if budget is None:
         enc, enc_peak = tiles("encode", None)
@@ -172,7 +174,6 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
     margin = margin_bytes(budget)
     io = next_4n1(run.chunk_frames) * ph * pw * 3 * (elem + 4)     # a chunk's VAE input + float32 output
     vae_budget = budget - margin - vae_bytes - io
-    conv = min(CONV_BAND_MAX, max(CONV_BAND_MIN, budget // CONV_BAND_DIVISOR))
     enc, enc_peak = tiles("encode", vae_budget)
     dec, dec_peak = tiles("decode", vae_budget)
     if max(enc_peak, dec_peak) > vae_budget:

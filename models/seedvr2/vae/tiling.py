@@ -152,29 +152,42 @@ def _area(tile: Pair) -> int:
     return th * tw
 
 
+# Conv bands of at most this size (the memory plan's below 48 GiB) keep the fixed part of a VAE call's peak small.
+SMALL_BANDS = 341 * 2**20
+
+
 def estimate_decode_bytes(tile_latent: Pair, config: VAEConfig = SEEDVR2_VAE, dtype_bytes: int = 2,
-                          split_size: int = 4) -> int:
+                          split_size: int = 4, conv_bytes: Optional[int] = None, one_frame: bool = False) -> int:
     """Estimated peak device memory of decoding one tile of `tile_latent` latents (int: square; or (h, w)),
     excluding weights and the output.
 
     The peak is at full resolution in the last up blocks, over the first temporal chunk (split_size + 1 frames,
     + 2 replicated head frames in the 3x3x3 convs): tensors of boc[1] channels (the spatial-only upsampler of the
-    second-to-last up block and the first ResNet of the last one). Calibrated on an H200 (bf16, torch 2.11, official
-    0.5 GiB conv/norm limits): peak = 17.5 GiB per megapixel + 1.1 GiB (tiles of 512 px, 720p, 1080p, 21 frames);
-    the model below is 5.5 such tensors + 1.25 GiB (cuDNN workspace and other fixed costs).
+    second-to-last up block and the first ResNet of the last one). With the official 0.5 GiB conv/norm limits
+    (``conv_bytes`` None) calibrated on an H200 (bf16, torch 2.11): 17.5 GiB per megapixel + 1.1 GiB (tiles of
+    512 px, 720p, 1080p, 21 frames), modelled as 5.5 such tensors + 1.25 GiB (cuDNN workspace, the band's padded
+    copy). With conv bands of ``conv_bytes`` <= SMALL_BANDS, measured on an H100 through the memory plan (one pass
+    and 672x720 to 480x288 px tiles of 720p x 21, bands 64-341 MiB): 17.7 GiB per megapixel + 0.34 GiB within 1.3 %,
+    modelled as 5.3 tensors + 0.34 GiB. A single image (``one_frame``) peaked at 4/7 of that per pixel (H100,
+    1920x1088 in 992x1088 tiles: 10.1 GiB per megapixel), modelled as 4 frames.
     """
     px = _area(tile_latent) * config.spatial_factor ** 2
-    frames = split_size + 1 + 2
-    return int(5.5 * config.block_out_channels[1] * frames * px * dtype_bytes + 1.25 * GIB)
+    frames = 4 if one_frame else split_size + 1 + 2
+    tensors, fixed = (5.3, 0.34) if conv_bytes is not None and conv_bytes <= SMALL_BANDS else (5.5, 1.25)
+    return int(tensors * config.block_out_channels[1] * frames * px * dtype_bytes + fixed * GIB)
 
 
 def estimate_encode_bytes(tile_px: Pair, config: VAEConfig = SEEDVR2_VAE, dtype_bytes: int = 2,
-                          split_size: int = 4) -> int:
+                          split_size: int = 4, conv_bytes: Optional[int] = None, one_frame: bool = False) -> int:
     """Estimated peak device memory of encoding one pixel tile (int: square; or (h, w)): the first down block at
     full resolution over the first chunk (split_size + 1 frames, + 2 head frames), boc[0] channels. Measured on an
-    H200 (bf16): about 10.6 GiB per megapixel + 0.3 GiB; the model is 6.5 tensors + 0.5 GiB."""
-    frames = split_size + 1 + 2
-    return int(6.5 * config.block_out_channels[0] * frames * _area(tile_px) * dtype_bytes + 0.5 * GIB)
+    H200 (bf16, official limits): about 10.6 GiB per megapixel + 0.3 GiB, modelled as 6.5 tensors + 0.5 GiB; with
+    conv bands <= SMALL_BANDS (H100, as for decoding: one pass to 368x720 px tiles): 9.6 GiB per megapixel +
+    0.23 GiB within 3 %, modelled as 5.8 tensors + 0.3 GiB. A single image (``one_frame``: 1920x1088 in one pass,
+    4.0 GiB per megapixel) is modelled as 3 frames (the image and the 2 replicated head frames)."""
+    frames = 3 if one_frame else split_size + 1 + 2
+    tensors, fixed = (5.8, 0.3) if conv_bytes is not None and conv_bytes <= SMALL_BANDS else (6.5, 0.5)
+    return int(tensors * config.block_out_channels[0] * frames * _area(tile_px) * dtype_bytes + fixed * GIB)
 
 
 def choose_tile_size(free_vram_bytes: int, mode: str = "decode", dtype: torch.dtype = torch.bfloat16,
@@ -217,7 +230,8 @@ def _tile_len(size: int, n: int, overlap: int, unit: int) -> int:
 
 
 def choose_run_tiles(kind: str, mode: str, tile_px: int, overlap_px: int, ph: int, pw: int, budget: Optional[int],
-                     dtype_bytes: int, config: VAEConfig = SEEDVR2_VAE, peak_factor: float = 1.0) -> tuple[tuple, int]:
+                     dtype_bytes: int, config: VAEConfig = SEEDVR2_VAE, peak_factor: float = 1.0,
+                     conv_bytes: Optional[int] = None, one_frame: bool = False) -> tuple[tuple, int]:
     """((tile, overlap), estimated peak) of every ``kind`` call of a run on ph x pw pixel frames (the memory plan's
     choice, made once; ``plan_tiles`` sizes a single call from the free memory at that moment), in ``encode_tiled``
     (pixels) / ``decode_tiled`` (latents) units; tile is an (h, w) pair, (0, 0) means one pass. Among the tile grids
@@ -230,7 +244,7 @@ def choose_run_tiles(kind: str, mode: str, tile_px: int, overlap_px: int, ph: in
     est = estimate_encode_bytes if kind == "encode" else estimate_decode_bytes
 
     def peak(th, tw):
-        return int(peak_factor * est((th, tw), config, dtype_bytes))
+        return int(peak_factor * est((th, tw), config, dtype_bytes, conv_bytes=conv_bytes, one_frame=one_frame))
 
     ov = overlap_px // d // unit * unit
     if mode == "off" or (budget is None and not tile_px and mode == "auto"):
