@@ -14,6 +14,7 @@ HOST = 64 * GiB
 BF16_7B = DiTFootprint((453 * MiB,) * 36, (0,) * 36, 200 * MiB, 3072)
 NVFP4_7B = DiTFootprint((128 * MiB,) * 36, (227 * MiB,) * 36, 60 * MiB, 3072, nvfp4=True)
 BF16_3B = DiTFootprint((248 * MiB,) * 32, (0,) * 32, 150 * MiB, 2560)
+FP8_7B = DiTFootprint((220 * MiB,) * 36, (0,) * 36, 100 * MiB, 3072, scratch=72 * MiB)
 VAE = 500 * MiB
 
 
@@ -28,11 +29,14 @@ def mem(n=21, res=720, dit=BF16_7B, budget=8, h=360, w=640, **kw):
 
 
 def on_gpu(run, m: MemoryPlan, dit=BF16_7B):
-    """Bytes of each phase by the plan's own accounting, to hold against the budget."""
-    return max(m.dit_gpu_bytes + m.dit_activation_bytes, VAE + max(m.vae_peak_bytes)) + margin_bytes(m.budget)
+    """Bytes of each phase by the plan's own accounting, to hold against the budget: the DiT step keeps room for
+    cached-but-unusable memory in proportion to its activations (measured up to 0.7x on an H100)."""
+    dit_phase = m.dit_gpu_bytes + m.dit_activation_bytes + max(margin_bytes(m.budget),
+                                                                0.7 * m.dit_activation_bytes)
+    return max(dit_phase, VAE + max(m.vae_peak_bytes) + margin_bytes(m.budget))
 
 
-@pytest.mark.parametrize("dit", [BF16_7B, NVFP4_7B, BF16_3B], ids=["7b-bf16", "7b-nvfp4", "3b-bf16"])
+@pytest.mark.parametrize("dit", [BF16_7B, NVFP4_7B, BF16_3B, FP8_7B], ids=["7b-bf16", "7b-nvfp4", "3b-bf16", "7b-fp8"])
 @pytest.mark.parametrize("budget", [6, 8, 12, 16, 24, 32])
 @pytest.mark.parametrize("case", [(21, 720), (1, 1080), (21, 1080)])
 def test_every_budget_from_6_to_32_gib_gets_a_plan_that_fits(dit, budget, case):

@@ -38,6 +38,9 @@ ACT_FIXED = 512 * MiB
 # model. Streaming a few more blocks to keep this room costs the DiT step nothing measurable (PERFORMANCE §10).
 MARGIN_FRACTION = 0.15
 MARGIN_MIN = 384 * MiB
+# In the DiT step the unusable cached memory grows with the activations, not the budget: 1.16 GiB beside 1.63 GiB of
+# activations (7B fp8, 720p x 21, 8 GiB) and 2.08 GiB beside 3.10 GiB (3B bf16, 1080p x 21, 12 GiB), H100.
+DIT_FRAGMENTATION = 0.75
 VAE_PEAK_FACTOR = 1.1
 # cuDNN runs a big convolution through a workspace-free fallback kernel (3.4x slower encode) when the NCDHW->NDHWC
 # copy it needs does not fit next to the activations; conv bands of budget/96 keep that copy small (exact).
@@ -188,15 +191,16 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
     while True:
         act = max(dit_activation_bytes(dit_tokens(min(batch, run.chunk_frames), ph, pw), dit.dim) + dit.scratch,
                   reserve or 0)
+        dit_margin = max(margin, int(DIT_FRAGMENTATION * act))
         for extra, path in options:
             if blocks_to_swap == "auto":
-                bs = plan_blockswap(dit.block_bytes, dit.other_bytes, budget - margin, act, buffers=buffers,
+                bs = plan_blockswap(dit.block_bytes, dit.other_bytes, budget - dit_margin, act, buffers=buffers,
                                     block_extra=extra)
                 ok, swapped, gpu = bs.fits, tuple(bs.swapped_indices), bs.gpu_bytes
             else:
                 swapped = tuple(spread_indices(n, int(blocks_to_swap)))
                 gpu, _ = gpu_bytes(dit.block_bytes, dit.other_bytes, swapped, buffers, extra)
-                ok = gpu + act <= budget - margin
+                ok = gpu + act <= budget - dit_margin
             if ok:
                 break
         if ok:
@@ -209,17 +213,17 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
     if batch != settings.batch_size:
         notes.append(f"batch_size {settings.batch_size} -> {batch}: a longer chunk does not fit")
         settings = replace(settings, batch_size=batch, temporal_overlap=min(settings.temporal_overlap, batch - 1))
-    stays = gpu + act + vae_bytes <= budget - margin
+    stays = gpu + act + vae_bytes <= budget - dit_margin
     return MemoryPlan(budget, settings, swapped, path, enc, dec, gpu, act, (enc_peak, dec_peak), host, tuple(notes),
                       stays, None if conv >= CONV_BAND_MAX else conv)
 
 
 def _impossible(run: RunPlan, dit: DiTFootprint, budget: int, margin: int, act: int, gpu: int, buffers: int) -> str:
     ph, pw = run.model
-    need = gpu + act + margin
+    need = gpu + act + max(margin, int(DIT_FRAGMENTATION * act))
     # the largest output (shortest edge, 16 px steps) whose single-frame chunk fits with every block streamed
     streamed, _ = gpu_bytes(dit.block_bytes, dit.other_bytes, range(len(dit.block_bytes)), buffers, dit.block_extra)
-    room = budget - margin - streamed - ACT_FIXED
+    room = min(budget - margin - streamed, (budget - streamed) / (1 + DIT_FRAGMENTATION)) - ACT_FIXED
     fit_tokens = max(0, room // (ACT_PER_TOKEN_DIM * dit.dim))
     scale = (fit_tokens / max(1, dit_tokens(1, ph, pw))) ** 0.5
     short = int(min(run.target) * min(1.0, scale)) // 16 * 16
