@@ -2,10 +2,10 @@
 """The whole SeedVR2 upscale (encode, DiT, decode, colour fix) at card-sized VRAM budgets, staged as the node does it.
 
 For each model and linear format, random weights of the real shapes; per case (``720p:21`` = 21 frames upscaled to a
-720p shortest edge from a half-size input) the resident run (both models on the GPU the whole time, nothing
-planned) and then, for each ``--budgets`` B, the GPU filled until B GiB stay free (the pack sees only B) and the run
+720p shortest edge from a half-size input) the resident run (both models on the GPU the whole time, with the plan
+for the whole GPU) and then, for each ``--budgets`` B, the GPU filled until B GiB stay free (the pack sees only B) and the run
 planned by ``models/seedvr2/memory.plan_memory`` and staged by ``DiTStager`` + a staged VAE. Prints per-phase times
-(plan, encode, attach, DiT, release, decode), per-run samples, allocator retries per phase, peak memory per phase, the
+(plan, encode, attach, DiT, release, decode), per-run samples, allocator retries per phase, the pack's peak memory per phase (above the fill), the
 ratio to the resident median of the same run and the largest difference of the output to the resident output (with
 the same VAE tiles when the budget tiles: the DiT path is then compared alone).
 
