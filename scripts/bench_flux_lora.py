@@ -10,6 +10,10 @@ Reports median s/step (after warm-up, CUDA-synchronised per step) and peak VRAM.
 ComfyUI's source must be importable: --comfy DIR (default: $COMFYUI_DIR, ./.comfy_src, ./.comfyui).
 `--tiny` runs a small model on CPU to check the script itself.
 
+`--budgets 24,16,12,8` (issue #29): after the modes, the training node's path on a card of B GiB: the base in host
+RAM, the GPU filled until B GiB stay free, the automatic memory plan applied to default settings; s/step, the
+trainer's peak above the fill and the ratio to the resident fp8 run of the same process (`--modes fp8`).
+
 `--host-ops` (CPU only, no GPU needed): what the host does per training step, independent of GPU speed. FLUX.1's
 block structure (19 double + 38 single blocks, 304 LoRA targets) with tiny widths (hidden 64), bf16 compute, so
 the arithmetic is negligible and the time is dispatch/Python overhead. Per mode (bf16, fp8 as on a GPU without
@@ -33,6 +37,8 @@ import types
 
 import _pack  # registers the pack as `seedvr2bw`
 import torch
+
+from bench_video import fill_gpu_to
 
 FULL = dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=4096,
             hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=19, depth_single_blocks=38, axes_dim=[16, 56, 56],
@@ -189,6 +195,55 @@ def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir, cuda_graph="a
             "cuda_graph_error": tr.graphed.failed if tr.graphed is not None else None, "loss_first": losses[0], "loss_last": losses[-1],
             "lora_params": sum(p.numel() for p in tr.network.parameters()),
             "fp8_tensorcores": tc}
+
+
+def bench_budget(mp, res, budget_gib, cfgdims, dev, warmup, steps, outdir):
+    """The training node's path on a card of ``budget_gib``: the base back in host RAM (as the node leaves it), the
+    GPU filled until that much stays free, the automatic memory plan (training/memory_plan.py) made from what is
+    free and applied to default settings (base precision and blocks to swap "auto"), then s/step and the trainer's
+    peak above the fill. On the CPU (``--tiny``) the plan is made for a budget of that size and nothing is filled."""
+    import comfy.model_management as mm
+    from seedvr2bw.optimization.runtime.device import available_host_bytes
+    from seedvr2bw.optimization.runtime.policy import get_policy
+    from seedvr2bw.training.memory_plan import DeviceBudget, PlanRequest, flux_dims, plan_training
+    from seedvr2bw.training.trainer import FluxLoraTrainer, TrainConfig
+    mm.free_memory(1e30, dev)
+    dm = mp.model.diffusion_model
+    hold = fill_gpu_to(budget_gib, dev) if dev.type == "cuda" else None
+    vram = int(torch.cuda.mem_get_info(dev)[0]) if dev.type == "cuda" else int(budget_gib * 2**30)
+    pol = get_policy(dev) if dev.type == "cuda" else None
+    plan = plan_training(flux_dims(dm), PlanRequest(resolution=res, rank=16, cache_bytes=16 * (res // 8) ** 2 * 4),
+                         DeviceBudget(vram=vram, host=available_host_bytes(),
+                                      fp8_tensorcores=bool(pol and pol.fp8_gemm),
+                                      nvfp4=bool(pol and pol.nvfp4_gemm != "reference")))
+    cfg = plan.apply(TrainConfig(rank=16, alpha=16, steps=10**6, learning_rate=1e-4, optimizer="adamw",
+                                 compute_dtype="bf16" if dev.type == "cuda" else "fp32", base_precision="auto",
+                                 blocks_to_swap=-1, gradient_checkpointing=True, output_dir=outdir,
+                                 output_name=f"bench_budget{budget_gib:g}_{res}", seed=0))
+    base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    times, losses, tr = [], [], None
+    try:
+        tr = FluxLoraTrainer(dm, cfg, make_dataset(res, cfgdims), latent_format=mp.model.latent_format, device=dev)
+        for i in range(warmup + steps):
+            sync(dev)
+            t0 = time.perf_counter()
+            losses.append(tr.train_step())
+            sync(dev)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        peak = (torch.cuda.max_memory_allocated(dev) - base) / 2**30 if dev.type == "cuda" else float("nan")
+    finally:
+        if tr is not None:
+            tr.close()
+        del hold
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"impl": "ours", "mode": f"auto@{budget_gib:g}GiB", "res": res, "budget_gib": budget_gib,
+            "plan": plan.line(), "median_s": statistics.median(times), "min_s": min(times),
+            "step_s": [round(t, 4) for t in times], "peak_gib": peak, "loss_first": losses[0],
+            "loss_last": losses[-1]}
 
 
 def bench_trainloranode(mp, res, cfgdims, dev, warmup, steps):
@@ -391,6 +446,9 @@ def main():
     ap.add_argument("--compile", default="off", help="ours: compile_blocks setting (auto|on|off|both)")
     ap.add_argument("--selective", default="auto",
                     help="ours: selective_checkpointing setting (auto|on|off|both)")
+    ap.add_argument("--budgets", default="",
+                    help="GiB list, e.g. 24,16,12,8: after --modes (use fp8 for the resident baseline), the node's "
+                         "path with the automatic memory plan on the GPU filled until B GiB stay free")
     a = ap.parse_args()
     if a.host_ops:
         setup_comfy(a.comfy, True)
@@ -451,6 +509,22 @@ def main():
                 r["wall_s"] = round(time.time() - t1, 1)
                 results.append(r)
                 print("[bench]", json.dumps(r), flush=True)
+    for res in ress:
+        for b in [float(x) for x in a.budgets.split(",") if x]:
+            t1 = time.time()
+            try:
+                r = bench_budget(mp, res, b, dims, dev, a.warmup, a.steps, a.outdir)
+            except Exception as exc:  # noqa: BLE001  (an out-of-memory is a result here)
+                import traceback
+                traceback.print_exc()
+                r = {"impl": "ours", "mode": f"auto@{b:g}GiB", "res": res, "error": f"{type(exc).__name__}: {exc}"}
+            r["wall_s"] = round(time.time() - t1, 1)
+            resident = next((x["median_s"] for x in results if x.get("mode") == "fp8" and x["res"] == res
+                             and "error" not in x), None)
+            if resident and "error" not in r:
+                r["ratio_vs_resident_fp8"] = r["median_s"] / resident
+            results.append(r)
+            print("[bench]", json.dumps(r), flush=True)
     print("\n| impl | mode | CUDA graph | compiled | selective blocks | res | median s/step | min | peak GiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
@@ -466,9 +540,13 @@ def main():
                      and "error" not in r), None)
         for r in results:
             if base and r["impl"] == "ours" and r["res"] == res and "error" not in r:
-                print(f"[bench] {res}: ours {r['mode']} (CUDA graph {r['cuda_graph']}, compiled {r['compiled']}, "
-                      f"selective blocks {r['selective_blocks']}) is "
+                print(f"[bench] {res}: ours {r['mode']} (CUDA graph {r.get('cuda_graph')}, compiled "
+                      f"{r.get('compiled')}, selective blocks {r.get('selective_blocks')}) is "
                       f"{base / r['median_s']:.2f}x TrainLoraNode")
+    for r in results:
+        if "budget_gib" in r:
+            ratio = f", {r['ratio_vs_resident_fp8']:.2f}x the resident fp8 run" if "ratio_vs_resident_fp8" in r else ""
+            print(f"[bench] {r['res']} at {r['budget_gib']:g} GiB: {r['median_s']:.3f} s/step{ratio}; {r['plan']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"info": info, "results": results}, f, indent=1)

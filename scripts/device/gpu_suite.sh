@@ -8,6 +8,7 @@
 #   bash scripts/device/gpu_suite.sh nvfp4      # NVFP4 paths vs bf16 and comfy-kitchen   (carry .ck)
 #   bash scripts/device/gpu_suite.sh rs         # the RS W4A16 kernel: its GPU tests, then fidelity x bf16 at M >= 1024
 #   bash scripts/device/gpu_suite.sh flux       # FLUX LoRA s/step vs TrainLoraNode        (carry .comfy_src)
+#   bash scripts/device/gpu_suite.sh flux_budgets  # FLUX LoRA, automatic plan at 24-8 GiB vs resident fp8 (.comfy_src)
 #   bash scripts/device/gpu_suite.sh diag       # the diagnostic, --quick cold then warm, then the full run
 #   bash scripts/device/gpu_suite.sh ab BASE dit|nvfp4|blockswap   # this tree against an older one, same run
 #   bash scripts/device/gpu_suite.sh upscale 7b bf16,nvfp4   # the whole upscale at 6-32 GiB budgets vs resident
@@ -79,6 +80,9 @@ rs)
 flux)
     python3 scripts/bench_flux_lora.py --comfy .comfy_src --res 512,1024 --modes bf16,fp8,nvfp4,trainloranode \
         --json "$OUT/flux.json" 2>&1 | tee "$OUT/flux.log" | tail -30 ;;
+flux_budgets)
+    python3 scripts/bench_flux_lora.py --comfy .comfy_src --res 1024 --modes fp8 --budgets 24,16,12,8 --warmup 2 \
+        --steps 5 --json "$OUT/flux_budgets.json" 2>&1 | tee "$OUT/flux_budgets.log" | grep -v "^\[bench\] {" | tail -20 ;;
 diag)
     # "cold" = the first run after installing: Python bytecode cached (pip writes .pyc at install; this image sets
     # PYTHONDONTWRITEBYTECODE and its torch ships without .pyc, so an import-only run writes them under a prefix
