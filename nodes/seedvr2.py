@@ -154,6 +154,7 @@ class SeedVR2DiTModel:
     variant: str
     blockswap: Optional[object] = None
     stager: Optional[object] = None       # nodes.staging.dit_stager: its host copy, pinned on the first GPU run
+    workers: Optional[tuple] = None       # nodes.video: (key, WorkerPool) of the multi-GPU runs, closed with the handle
 
     @property
     def model(self):

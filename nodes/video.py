@@ -7,10 +7,14 @@ crash) left its work folder there; running the same job again continues it, into
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import io as _io
+import logging
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -20,6 +24,7 @@ from ..models.seedvr2 import pipeline as P
 from ..models.seedvr2.video.container import CODECS, VideoFileError, available_codecs, probe
 from ..models.seedvr2.video.stream import StreamSettings, job_key, upscale_video
 from ..models.seedvr2.video.workdir import file_id, unfinished_output
+from ..models.seedvr2.video.workers import PoolJob, WorkerPool
 from .seedvr2 import upscale_inputs, upscale_settings
 from .staging import ModelStager, plan_run
 from .types import CATEGORY, SeedVR2DiT, SeedVR2VAE
@@ -46,7 +51,60 @@ def _video_inputs() -> list:
                         tooltip="Output file name inside ComfyUI's output folder (sub-folders allowed)."),
         io.Float.Input("scene_threshold", default=0.12, min=0.0, max=1.0, step=0.01,
                        tooltip="Scene-cut sensitivity: chunks never span a cut (0 = no scene detection)."),
+        io.String.Input("gpus", default="", optional=True,
+                        tooltip="Several GPUs for one video: 'all' or a list such as 0,1,2 (empty: ComfyUI's GPU). "
+                                "Each runs a worker process with its own copy of the models, loaded once and kept "
+                                "for the next runs; a faster GPU takes more chunks. 'cpu' entries run CPU workers."),
     ]
+
+
+_log = logging.getLogger(__name__)
+WORKER = Path(__file__).resolve().parents[1] / "scripts" / "seedvr2_worker.py"
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def pool_devices(spec: str) -> list[str]:
+    """The ``gpus`` setting as devices: "" -> none (this process), "all" -> every CUDA GPU, "0,2" -> cuda:0, cuda:2
+    ("cpu" entries: CPU workers)."""
+    spec = (spec or "").strip().lower()
+    if not spec:
+        return []
+    n = torch.cuda.device_count()
+    if spec == "all":
+        if n == 0:
+            raise VideoFileError("gpus 'all': this machine has no CUDA GPU. Fix: leave gpus empty.")
+        return [f"cuda:{i}" for i in range(n)]
+    out = []
+    for tok in (t.strip() for t in spec.split(",")):
+        if tok == "cpu":
+            out.append("cpu")
+        elif tok.isdigit() and int(tok) < n:
+            out.append(f"cuda:{int(tok)}")
+        else:
+            raise VideoFileError(f"gpus {spec!r}: {tok!r} is not a GPU of this machine ({n} CUDA GPU(s): "
+                                 f"{', '.join(map(str, range(n))) or 'none'}). Fix: list existing GPUs, 'all', or "
+                                 "leave it empty.")
+    return out
+
+
+def _worker_pool(dit, vae, devices: list[str]) -> WorkerPool:
+    """The DiT handle's pool for these devices and this VAE (a new one when they changed); it lives as long as
+    ComfyUI keeps the handle cached ("free model and node cache" closes it with the handle)."""
+    key = (tuple(devices), vae.path, dit.dtype, vae.dtype)
+    if dit.workers is not None:
+        old_key, pool = dit.workers
+        if old_key == key and pool.alive:
+            return pool
+        pool.close()
+        dit.workers = None
+    if not dit.path or not vae.path:
+        raise VideoFileError("several GPUs need the model files: load the DiT and VAE with the SeedVR2 loaders. "
+                             "Fix: connect SeedVR2 Load DiT / Load VAE, or leave gpus empty.")
+    argv = [sys.executable, str(WORKER), "--dit", dit.path, "--vae", vae.path,
+            "--dtype", _DTYPE_NAMES.get(dit.dtype, "bf16")]
+    pool = WorkerPool(devices, argv)
+    dit.workers = (key, pool)
+    return pool
 
 
 def _source_path(video) -> str:
@@ -93,7 +151,7 @@ def _output_path(prefix: str, ext: str, key: dict) -> str:
 
 
 def run_video(src_path: str, dit, vae, seed, size_mode, resolution, scale_factor, max_resolution, batch_size,
-              temporal_overlap, color_correction, codec, filename_prefix, scene_threshold, node_id=None):
+              temporal_overlap, color_correction, codec, filename_prefix, scene_threshold, node_id=None, gpus=""):
     import comfy.model_management as mm
     import comfy.utils
     device = mm.get_torch_device()
@@ -102,6 +160,7 @@ def run_video(src_path: str, dit, vae, seed, size_mode, resolution, scale_factor
     stream = StreamSettings(batch_size=batch_size, overlap=temporal_overlap, codec=codec,
                             scene_threshold=scene_threshold, resume=True)
     stream.validate()   # settings and the input file are checked before any model is touched
+    devices = pool_devices(gpus)
     info = probe(src_path)
     target = P.compute_target_size(info.height, info.width, settings.resolution, settings.scale_factor,
                                    settings.max_resolution)
@@ -109,10 +168,23 @@ def run_video(src_path: str, dit, vae, seed, size_mode, resolution, scale_factor
     ext = "" if spec.sequence() else spec.container
     key = job_key(info, stream, target, _model_key(dit, vae, settings))
     out_path = _output_path(filename_prefix, ext, key)
-    memory = plan_run(dit, vae, device, (batch_size, info.height, info.width, 3), settings)
-    stager = ModelStager(dit, vae, device, memory)
     bar = comfy.utils.ProgressBar(info.frames, node_id=node_id)
     server = _prompt_server()
+
+    def progress(done, total, fps, left):
+        bar.update_absolute(done, total)
+        if server is not None and node_id is not None:
+            server.send_progress_text(f"{done}/{total} frames  {fps:.2f} frames/s  {left:.0f} s left", node_id)
+
+    if devices:
+        for d in {d for d in devices if d.startswith("cuda")}:
+            mm.free_memory(1e30, torch.device(d))   # the workers need these GPUs: ComfyUI's models leave them
+        pool = _worker_pool(dit, vae, devices)
+        return pool.run(PoolJob(src_path, out_path, target, stream, key["model"],
+                                {"settings": dataclasses.asdict(settings)}),
+                        progress=progress, should_stop=mm.throw_exception_if_processing_interrupted)
+    memory = plan_run(dit, vae, device, (batch_size, info.height, info.width, 3), settings)
+    stager = ModelStager(dit, vae, device, memory)
 
     def upscale_chunk(frames: np.ndarray) -> np.ndarray:
         out = P.upscale(torch.from_numpy(frames), dit.model, vae.model, dit.embeddings.positive, settings,
@@ -121,11 +193,6 @@ def run_video(src_path: str, dit, vae, seed, size_mode, resolution, scale_factor
                         should_stop=mm.throw_exception_if_processing_interrupted, hooks=stager.hooks(),
                         memory=memory)
         return out.numpy()
-
-    def progress(done, total, fps, left):
-        bar.update_absolute(done, total)
-        if server is not None and node_id is not None:
-            server.send_progress_text(f"{done}/{total} frames  {fps:.2f} frames/s  {left:.0f} s left", node_id)
 
     res = upscale_video(src_path, out_path, upscale_chunk, lambda h, w: target, stream, model_key=key["model"],
                         progress=progress, should_stop=mm.throw_exception_if_processing_interrupted)
@@ -165,10 +232,11 @@ class SeedVR2UpscaleVideo(io.ComfyNode):
 
     @classmethod
     def execute(cls, video, dit, vae, seed, size_mode, resolution, scale_factor, max_resolution, batch_size,
-                temporal_overlap, color_correction, codec, filename_prefix, scene_threshold) -> io.NodeOutput:
+                temporal_overlap, color_correction, codec, filename_prefix, scene_threshold,
+                gpus="") -> io.NodeOutput:
         return _node_output(cls, run_video(_source_path(video), dit, vae, seed, size_mode, resolution, scale_factor,
                                            max_resolution, batch_size, temporal_overlap, color_correction, codec,
-                                           filename_prefix, scene_threshold, _node_id(cls)))
+                                           filename_prefix, scene_threshold, _node_id(cls), gpus))
 
 
 class SeedVR2UpscaleVideoFile(io.ComfyNode):
@@ -190,7 +258,8 @@ class SeedVR2UpscaleVideoFile(io.ComfyNode):
 
     @classmethod
     def execute(cls, path, dit, vae, seed, size_mode, resolution, scale_factor, max_resolution, batch_size,
-                temporal_overlap, color_correction, codec, filename_prefix, scene_threshold) -> io.NodeOutput:
+                temporal_overlap, color_correction, codec, filename_prefix, scene_threshold,
+                gpus="") -> io.NodeOutput:
         import folder_paths
         p = (path or "").strip().strip('"')
         if not p:
@@ -200,7 +269,7 @@ class SeedVR2UpscaleVideoFile(io.ComfyNode):
             p = os.path.join(folder_paths.get_input_directory(), p)
         return _node_output(cls, run_video(p, dit, vae, seed, size_mode, resolution, scale_factor, max_resolution,
                                            batch_size, temporal_overlap, color_correction, codec, filename_prefix,
-                                           scene_threshold, _node_id(cls)))
+                                           scene_threshold, _node_id(cls), gpus))
 
 
 def _node_id(cls):

@@ -30,10 +30,7 @@ except ImportError:   # optional: plain progress lines instead
     tqdm = None
 
 from seedvr2bw.models.seedvr2 import pipeline as P
-from seedvr2bw.models.seedvr2.dit.loader import load_dit
-from seedvr2bw.models.seedvr2.embeddings import load_text_embeddings
-from seedvr2bw.models.seedvr2.staging import Staging
-from seedvr2bw.models.seedvr2.vae.loader import load_vae
+from seedvr2bw.models.seedvr2.upscaler import FileUpscaler
 from seedvr2bw.models.seedvr2.video.container import CODECS, VideoFileError
 from seedvr2bw.models.seedvr2.video.parallel import upscale_video_distributed
 from seedvr2bw.models.seedvr2.video.stream import StreamSettings, upscale_video
@@ -102,24 +99,8 @@ def run(a, device: torch.device, store=None, show_progress: bool = True) -> int:
     def out_size(h, w):
         return P.compute_target_size(h, w, up.resolution, up.scale_factor, up.max_resolution)
 
-    models = {}
-
-    def upscale_chunk(frames):
-        x = torch.from_numpy(frames)
-        if not models:   # loaded at the first chunk that runs: a resumed or invalid run loads nothing
-            # on a GPU both models stay in host RAM and are staged per phase as the run's memory plan says
-            where = "cpu" if device.type == "cuda" else device
-            models["dit"] = load_dit(a.dit, device=where, dtype=dtype)
-            models["vae"] = load_vae(a.vae, dtype=dtype, device=where)
-            models["emb"] = load_text_embeddings(a.dit).positive
-            if device.type == "cuda":
-                models["staging"] = Staging(models["dit"], models["vae"])
-                models["memory"] = models["staging"].plan(P.plan(x, up), up, device, vae_dtype=dtype)
-        staging, memory = models.get("staging"), models.get("memory")
-        out = P.upscale(x, models["dit"], models["vae"], models["emb"], up, device=device, dit_dtype=dtype,
-                        vae_dtype=dtype, output_device="cpu", memory=memory,
-                        hooks=staging.hooks(device, memory) if staging else None)
-        return out.numpy()
+    upscaler = FileUpscaler(a.dit, a.vae, device, dtype)
+    upscale_chunk = upscaler.chunk_upscaler(up)
 
     bar = _progress_bar() if show_progress else None
     key = f"dit={file_id(a.dit)} vae={file_id(a.vae)} res={a.resolution} scale={a.scale} max={a.max_resolution} " \
@@ -133,8 +114,7 @@ def run(a, device: torch.device, store=None, show_progress: bool = True) -> int:
     finally:
         if bar is not None:
             bar.close()
-        if "staging" in models:
-            models["staging"].close()
+        upscaler.close()
     if res is not None:
         print(f"wrote {res.out_path}: {res.frames} frames, {res.chunks} chunks ({res.resumed_chunks} resumed), "
               f"{res.fps:.2f} frames/s")

@@ -172,3 +172,64 @@ def test_long_video_workflow_runs(rig):
     path = res.outputs[ids["PreviewAny"]]["text"][0]
     from seedvr2bw.models.seedvr2.video.container import probe
     assert probe(path).frames == 15
+
+
+def _worker_processes() -> list[int]:
+    """This process's running children started from scripts/seedvr2_worker.py."""
+    me, out = os.getpid(), []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if ppid == me and b"seedvr2_worker.py" in cmd:
+            out.append(int(pid))
+    return out
+
+
+def test_file_node_on_two_workers_equals_one_process_and_keeps_them(rig, caplog):
+    """``gpus`` through the executor, with two CPU workers: the same frames as this process makes, the workers
+    started once for two runs, and gone once ComfyUI lets go of the loaded DiT."""
+    import logging
+
+    import numpy as np
+    from seedvr2bw.models.seedvr2.video import container as C
+    comfy = rig
+    inp = Path(comfy.folder_paths.get_input_directory())
+    write_clip(str(inp / "pool.mkv"), clip_frames([20, 13], 24, 40))
+    frames = {}
+    with caplog.at_level(logging.INFO):
+        for name, gpus in (("one", ""), ("pool1", "cpu,cpu"), ("pool2", "cpu,cpu")):
+            prompt = _loaders()
+            prompt["4"] = {"class_type": "SeedVR2BW_UpscaleVideoFile",
+                           "inputs": {"path": "pool.mkv", **_settings(f"pool/{name}", codec="ffv1", gpus=gpus)}}
+            res = comfy.run(_fix_loader_inputs(comfy, prompt))
+            assert res.success, (res.status, res.error)
+            frames[name] = np.stack(list(C.read_frames(str(_out_file(comfy, res, "4")))))
+            if gpus:
+                assert len(_worker_processes()) == 2
+    assert np.array_equal(frames["pool1"], frames["one"]) and np.array_equal(frames["pool2"], frames["one"])
+    assert sum("worker pool: 2 process(es)" in r.getMessage() for r in caplog.records) == 1
+    # another DiT: ComfyUI drops the cached handle, and its workers with it
+    prompt = _loaders()
+    prompt["1"]["inputs"]["compute_dtype"] = "fp32"
+    prompt["4"] = {"class_type": "SeedVR2BW_UpscaleVideoFile",
+                   "inputs": {"path": "pool.mkv", **_settings("pool/after", codec="ffv1")}}
+    assert comfy.run(_fix_loader_inputs(comfy, prompt)).success
+    deadline = time.time() + 15
+    while _worker_processes() and time.time() < deadline:
+        time.sleep(0.2)
+    assert _worker_processes() == []
+
+
+def test_gpus_setting_names_what_is_wrong(rig):
+    comfy = rig
+    prompt = _loaders()
+    prompt["4"] = {"class_type": "SeedVR2BW_UpscaleVideoFile",
+                   "inputs": {"path": "pool.mkv", **_settings("pool/bad", gpus="7")}}
+    res = comfy.run(_fix_loader_inputs(comfy, prompt))
+    assert not res.success
+    assert "gpus '7'" in res.error["exception_message"] and "Fix:" in res.error["exception_message"]

@@ -1,0 +1,43 @@
+"""A worker of models/seedvr2/video/workers.py for the tests: its "model" doubles the frame size (loading it is
+logged to --loads), ``params``: ``slow_s`` per chunk, ``fail_rank`` raises there."""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pack_import import import_pack  # noqa: E402
+
+import_pack()
+from seedvr2bw.models.seedvr2.video.workers import serve  # noqa: E402
+
+
+def double(frames):
+    up = frames.repeat(2, axis=1).repeat(2, axis=2)
+    return up * 0.95 + 0.05 * up.mean(axis=0, keepdims=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--loads", required=True)
+    ap.add_argument("--pool-store", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--device", required=True)
+    a = ap.parse_args()
+    with open(a.loads, "a") as f:      # the model load: once per worker, whatever the number of jobs
+        f.write(f"{a.rank}\n")
+
+    def make_upscaler(params):
+        def up(frames):
+            if params.get("fail_rank") == a.rank:
+                raise ValueError("this worker was told to fail")
+            time.sleep(params.get("slow_s", 0.0))
+            return double(frames)
+        return up
+
+    serve(a.pool_store, a.rank, a.world, a.device, make_upscaler)
+
+
+if __name__ == "__main__":
+    main()

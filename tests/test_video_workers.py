@@ -1,0 +1,94 @@
+"""The persistent worker pool (models/seedvr2/video/workers.py) with CPU processes over gloo: jobs run one after
+another on workers started once, each output equals the single-process one, a cancel stops the workers and a new
+pool resumes the job, and a failing worker's message reaches the caller."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from pool_worker import double  # noqa: E402
+from video_clips import clip_frames, write_clip  # noqa: E402
+
+pytest.importorskip("av", reason="PyAV (ComfyUI's video library) is not installed")
+from seedvr2bw.models.seedvr2.video import container as C  # noqa: E402
+from seedvr2bw.models.seedvr2.video.stream import StreamSettings, upscale_video  # noqa: E402
+from seedvr2bw.models.seedvr2.video.workers import PoolJob, WorkerError, WorkerPool  # noqa: E402
+
+H, W = 24, 32
+STREAM = StreamSettings(batch_size=9, overlap=2, codec="ffv1")
+
+
+def _decode(path):
+    return np.stack(list(C.read_frames(str(path))))
+
+
+def _pool(tmp_path, n=2):
+    loads = tmp_path / "loads.txt"
+    return WorkerPool(["cpu"] * n, [sys.executable, str(HERE / "pool_worker.py"), "--loads", str(loads)]), loads
+
+
+def _single(tmp_path, src, name):
+    out = tmp_path / name
+    upscale_video(str(src), str(out), double, lambda h, w: (2 * h, 2 * w), STREAM)
+    return _decode(out)
+
+
+def test_jobs_share_workers_started_once_and_equal_one_process(tmp_path):
+    a, b = tmp_path / "a.mkv", tmp_path / "b.mkv"
+    write_clip(str(a), clip_frames([25, 15], H, W))
+    write_clip(str(b), clip_frames([23], H, W))
+    pool, loads = _pool(tmp_path)
+    try:
+        seen = []
+        for src, name in ((a, "pa.mkv"), (b, "pb.mkv")):
+            res = pool.run(PoolJob(str(src), str(tmp_path / name), (2 * H, 2 * W), STREAM),
+                           progress=lambda *p: seen.append(p))
+            assert res.out_path == str(tmp_path / name)
+        assert pool.ready() == 2 and pool.alive
+    finally:
+        pool.close()
+    assert not pool.alive and all(p.returncode is not None for p in pool.procs)
+    assert sorted(loads.read_text().split()) == ["0", "1"]           # one model load per worker for both jobs
+    assert np.array_equal(_decode(tmp_path / "pa.mkv"), _single(tmp_path, a, "sa.mkv"))
+    assert np.array_equal(_decode(tmp_path / "pb.mkv"), _single(tmp_path, b, "sb.mkv"))
+    assert seen and seen[-1][0] <= seen[-1][1]
+
+
+def test_cancel_stops_the_workers_and_a_new_pool_resumes(tmp_path):
+    src = tmp_path / "c.mkv"
+    write_clip(str(src), clip_frames([60], H, W))
+    out = tmp_path / "pc.mkv"
+    job = PoolJob(str(src), str(out), (2 * H, 2 * W), STREAM, params={"slow_s": 0.3})
+    pool, _ = _pool(tmp_path)
+    progress = []
+
+    def stop():
+        if progress:
+            raise KeyboardInterrupt("cancelled")
+    with pytest.raises(KeyboardInterrupt):
+        pool.run(job, progress=lambda *p: progress.append(p), should_stop=stop)
+    assert not pool.alive and all(p.returncode is not None for p in pool.procs)
+    assert not out.exists()
+    pool, _ = _pool(tmp_path)
+    try:
+        res = pool.run(PoolJob(str(src), str(out), (2 * H, 2 * W), STREAM))
+    finally:
+        pool.close()
+    assert res.resumed_chunks >= 1
+    assert np.array_equal(_decode(out), _single(tmp_path, src, "sc.mkv"))
+
+
+def test_a_failing_worker_names_itself_and_closes_the_pool(tmp_path):
+    src = tmp_path / "d.mkv"
+    write_clip(str(src), clip_frames([30], H, W))
+    pool, _ = _pool(tmp_path)
+    with pytest.raises(WorkerError, match="worker 1 on cpu: ValueError: this worker was told to fail"):
+        pool.run(PoolJob(str(src), str(tmp_path / "pd.mkv"), (2 * H, 2 * W), STREAM, params={"fail_rank": 1}))
+    assert not pool.alive
+    with pytest.raises(WorkerError, match="closed"):
+        pool.run(PoolJob(str(src), str(tmp_path / "pd.mkv"), (2 * H, 2 * W), STREAM))
