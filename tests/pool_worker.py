@@ -29,10 +29,10 @@ def main():
         f.write(f"{a.rank}\n")
 
     def make_upscaler(params):
-        def up(frames):
+        def up(frames):   # slow_s: every rank takes chunks (one rank could otherwise take them all)
+            time.sleep(params.get("slow_s", 0.0))
             if params.get("fail_rank") == a.rank:
                 raise ValueError("this worker was told to fail")
-            time.sleep(params.get("slow_s", 0.0))
             return double(frames)
         return up
 

@@ -88,7 +88,7 @@ def test_a_failing_worker_names_itself_and_closes_the_pool(tmp_path):
     write_clip(str(src), clip_frames([30], H, W))
     pool, _ = _pool(tmp_path)
     with pytest.raises(WorkerError, match="worker 1 on cpu: ValueError: this worker was told to fail"):
-        pool.run(PoolJob(str(src), str(tmp_path / "pd.mkv"), (2 * H, 2 * W), STREAM, params={"fail_rank": 1}))
+        pool.run(PoolJob(str(src), str(tmp_path / "pd.mkv"), (2 * H, 2 * W), STREAM, params={"fail_rank": 1, "slow_s": 0.2}))
     assert not pool.alive
     with pytest.raises(WorkerError, match="closed"):
         pool.run(PoolJob(str(src), str(tmp_path / "pd.mkv"), (2 * H, 2 * W), STREAM))

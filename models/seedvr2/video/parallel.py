@@ -31,7 +31,8 @@ def upscale_video_distributed(store: dist.Store, in_path: str, out_path: str,
                               run_id: str = "job") -> Optional[StreamResult]:
     """Call on every rank of an initialised default process group; ``store``: a store every rank shares (the one
     the group was made with, or one of its own). Returns the result on rank 0, None elsewhere. ``run_id`` separates
-    the store keys of successive jobs."""
+    the store keys of successive jobs. ``progress(frames_done, total, fps, seconds_left)`` is called on a rank after
+    each chunk it ran, with the frames done by all ranks (pass it on one rank for one bar)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     s = settings or StreamSettings()
     t0 = time.perf_counter()
@@ -64,7 +65,7 @@ def upscale_video_distributed(store: dist.Store, in_path: str, out_path: str,
         for k in job.seams_ready():
             if store.add(f"{key}/seam/{k}", 1) == 1:
                 job.write_seam(k)
-        if progress is not None and rank == 0:
+        if progress is not None:   # any rank that ran a chunk: a rank may take none
             el = time.perf_counter() - t0
             rate = done / el if el > 0 else 0.0
             progress(done, info.frames, rate, (info.frames - done) / rate if rate > 0 else float("nan"))

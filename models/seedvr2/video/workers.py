@@ -9,7 +9,7 @@ workers under another); the workers also form a gloo process group among themsel
 rank and holds no model):
 
 * ``job/<n>``: the n-th job (a ``PoolJob``), taken by every worker in order;
-* ``<jid>/progress`` (rank 0), ``<jid>/result`` (rank 0), ``<jid>/error`` (any rank), ``<jid>/stop`` (the pool,
+* ``<jid>/progress`` (the rank that last finished a chunk), ``<jid>/result`` (rank 0), ``<jid>/error`` (any rank), ``<jid>/stop`` (the pool,
   on cancel), ``shutdown`` (the pool, on close), ``ready/<rank>`` (a worker whose models are loaded).
 
 A failed or cancelled job ends the pool (a rank may be waiting in a collective the others never reach); the next
@@ -120,6 +120,12 @@ class WorkerPool:
         self.jobs += 1
         seen = None
         while True:
+            # progress first: a job that ends between two polls still reports its last state
+            if progress is not None and self.store.check([f"{jid}/progress"]):
+                now = _load(self.store.get(f"{jid}/progress"))
+                if seen is None or now[0] > seen:    # ranks report in any order: only forward
+                    seen = now[0]
+                    progress(*now)
             if self.store.check([f"{jid}/result"]):
                 return StreamResult(**_load(self.store.get(f"{jid}/result")))
             if self.store.check([f"{jid}/error"]):
@@ -130,11 +136,6 @@ class WorkerPool:
             if dead:
                 self.close()
                 raise WorkerError(f"the worker on {dead[0][0]} exited (code {dead[0][1]}) during the job")
-            if progress is not None and self.store.check([f"{jid}/progress"]):
-                now = self.store.get(f"{jid}/progress")
-                if now != seen:
-                    seen = now
-                    progress(*_load(now))
             if should_stop is not None:
                 try:
                     should_stop()
@@ -182,7 +183,7 @@ def serve(store_path: str, rank: int, world: int, device: str,
 
             res = upscale_video_distributed(dist.PrefixStore(jid, store), job.in_path, job.out_path, chunk,
                                             lambda h, w: tuple(job.target), job.stream, job.model_key,
-                                            progress=progress if rank == 0 else None, run_id=jid)
+                                            progress=progress, run_id=jid)
             if rank == 0:
                 store.set(f"{jid}/result", _dump(dataclasses.asdict(res)))
         except BaseException as exc:   # the pool closes; a rank left in a collective is killed with it
