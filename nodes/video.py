@@ -24,7 +24,7 @@ from ..models.seedvr2 import pipeline as P
 from ..models.seedvr2.video.container import CODECS, VideoFileError, available_codecs, probe
 from ..models.seedvr2.video.stream import StreamSettings, job_key, upscale_video
 from ..models.seedvr2.video.workdir import file_id, unfinished_output
-from ..models.seedvr2.video.workers import PoolJob, WorkerPool
+from ..models.seedvr2.video.workers import PoolJob, WorkerPool, devices_from_spec
 from .seedvr2 import upscale_inputs, upscale_settings
 from .staging import ModelStager, plan_run
 from .types import CATEGORY, SeedVR2DiT, SeedVR2VAE
@@ -61,30 +61,6 @@ def _video_inputs() -> list:
 _log = logging.getLogger(__name__)
 WORKER = Path(__file__).resolve().parents[1] / "scripts" / "seedvr2_worker.py"
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-
-
-def pool_devices(spec: str) -> list[str]:
-    """The ``gpus`` setting as devices: "" -> none (this process), "all" -> every CUDA GPU, "0,2" -> cuda:0, cuda:2
-    ("cpu" entries: CPU workers)."""
-    spec = (spec or "").strip().lower()
-    if not spec:
-        return []
-    n = torch.cuda.device_count()
-    if spec == "all":
-        if n == 0:
-            raise VideoFileError("gpus 'all': this machine has no CUDA GPU. Fix: leave gpus empty.")
-        return [f"cuda:{i}" for i in range(n)]
-    out = []
-    for tok in (t.strip() for t in spec.split(",")):
-        if tok == "cpu":
-            out.append("cpu")
-        elif tok.isdigit() and int(tok) < n:
-            out.append(f"cuda:{int(tok)}")
-        else:
-            raise VideoFileError(f"gpus {spec!r}: {tok!r} is not a GPU of this machine ({n} CUDA GPU(s): "
-                                 f"{', '.join(map(str, range(n))) or 'none'}). Fix: list existing GPUs, 'all', or "
-                                 "leave it empty.")
-    return out
 
 
 def _worker_pool(dit, vae, devices: list[str]) -> WorkerPool:
@@ -160,7 +136,7 @@ def run_video(src_path: str, dit, vae, seed, size_mode, resolution, scale_factor
     stream = StreamSettings(batch_size=batch_size, overlap=temporal_overlap, codec=codec,
                             scene_threshold=scene_threshold, resume=True)
     stream.validate()   # settings and the input file are checked before any model is touched
-    devices = pool_devices(gpus)
+    devices = devices_from_spec(gpus)
     info = probe(src_path)
     target = P.compute_target_size(info.height, info.width, settings.resolution, settings.scale_factor,
                                    settings.max_resolution)

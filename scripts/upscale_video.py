@@ -34,6 +34,7 @@ from seedvr2bw.models.seedvr2.upscaler import FileUpscaler
 from seedvr2bw.models.seedvr2.video.container import CODECS, VideoFileError
 from seedvr2bw.models.seedvr2.video.parallel import upscale_video_distributed
 from seedvr2bw.models.seedvr2.video.stream import StreamSettings, upscale_video
+from seedvr2bw.models.seedvr2.video.workers import devices_from_spec
 from seedvr2bw.models.seedvr2.video.workdir import file_id
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -74,18 +75,6 @@ def _settings(a) -> StreamSettings:
         if not os.path.isfile(p):
             raise VideoFileError(f"{what} file {p!r} does not exist. Fix: give the path of the model file.")
     return s
-
-
-def _gpu_list(spec: str) -> list[int]:
-    if not spec:
-        return []
-    n = torch.cuda.device_count()
-    ids = list(range(n)) if spec.strip().lower() == "all" else [int(x) for x in spec.split(",") if x.strip()]
-    bad = [i for i in ids if not 0 <= i < n]
-    if bad or not ids:
-        raise VideoFileError(f"--gpus {spec!r}: this machine has {n} CUDA GPU(s) (0..{n - 1}). Fix: list existing "
-                             "ones, or leave --gpus out.")
-    return ids
 
 
 def run(a, device: torch.device, store=None, show_progress: bool = True) -> int:
@@ -139,7 +128,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     try:
         _settings(a)
-        gpus = _gpu_list(a.gpus)
+        gpus = devices_from_spec(a.gpus)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:      # started by torchrun
             import torch.distributed as dist
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -153,7 +142,7 @@ def main(argv=None) -> int:
                 return run(a, device, dist.PrefixStore("job", store), show_progress=rank == 0)
             finally:
                 dist.destroy_process_group()
-        devices = [f"cuda:{i}" for i in gpus] if gpus else (["cpu"] * a.workers if a.workers > 1 else [])
+        devices = gpus or (["cpu"] * a.workers if a.workers > 1 else [])
         if len(devices) > 1:
             import torch.multiprocessing as mp
             store_path = os.path.join(tempfile.gettempdir(), f"seedvr2bw-store-{uuid.uuid4().hex}")

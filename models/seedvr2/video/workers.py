@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
+from .container import VideoFileError
 from .parallel import upscale_video_distributed
 from .stream import StreamResult, StreamSettings
 
@@ -64,6 +66,30 @@ class PoolJob:
     stream: StreamSettings
     model_key: str = ""
     params: dict = field(default_factory=dict)
+
+
+def devices_from_spec(spec: str) -> list[str]:
+    """A ``gpus`` setting (the video nodes', the CLI's ``--gpus``) as devices: "" -> none (this process), "all" ->
+    every CUDA GPU, "0,2" -> cuda:0, cuda:2 ("cpu" entries: CPU workers)."""
+    spec = (spec or "").strip().lower()
+    if not spec:
+        return []
+    n = torch.cuda.device_count()
+    if spec == "all":
+        if n == 0:
+            raise VideoFileError("gpus 'all': this machine has no CUDA GPU. Fix: leave gpus empty.")
+        return [f"cuda:{i}" for i in range(n)]
+    out = []
+    for tok in (t.strip() for t in spec.split(",")):
+        if tok == "cpu":
+            out.append("cpu")
+        elif tok.isdigit() and int(tok) < n:
+            out.append(f"cuda:{int(tok)}")
+        else:
+            raise VideoFileError(f"gpus {spec!r}: {tok!r} is not a GPU of this machine ({n} CUDA GPU(s): "
+                                 f"{', '.join(map(str, range(n))) or 'none'}). Fix: list existing GPUs, 'all', or "
+                                 "leave it empty.")
+    return out
 
 
 def _shutdown(store_path: str, procs: list, folder: str, grace_s: float) -> None:
