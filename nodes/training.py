@@ -305,18 +305,13 @@ def _host_model(model, device):
 def _memory_plan(dm, cfg, spec, device):
     """The run's memory plan from the VRAM ComfyUI can free on ``device`` (or the settings' budget) and free host
     RAM; raises ``TrainMemoryError`` before anything is loaded when nothing fits."""
-    from ..optimization.runtime.device import available_host_bytes
-    from ..optimization.runtime.policy import get_policy
     vram = None
     if device.type == "cuda":
         from .staging import comfy_budget
         vram = comfy_budget(device)
     if cfg.vram_budget_gib > 0:   # also on the CPU: a budget to plan for (tests, dry runs)
         vram = int(cfg.vram_budget_gib * GiB) if vram is None else min(vram, int(cfg.vram_budget_gib * GiB))
-    pol = get_policy(device) if device.type == "cuda" else None
-    budget = DeviceBudget(vram=vram, host=available_host_bytes() if vram is not None else 0,
-                          fp8_tensorcores=bool(pol and pol.fp8_gemm),
-                          nvfp4=bool(pol and pol.nvfp4_gemm != "reference"))
+    budget = DeviceBudget.of(device, vram)
     images = len(collect_items(spec))
     req = PlanRequest(resolution=spec.resolution, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, rank=cfg.rank,
                       base_precision=cfg.base_precision, blocks_to_swap=cfg.blocks_to_swap,

@@ -149,6 +149,19 @@ def peak_gib(dev):
 PROFILE = None  # (mode, res) to profile one step of
 
 
+def timed_steps(tr, dev, warmup: int, steps: int) -> tuple[list, list]:
+    """``warmup + steps`` training steps, each CUDA-synchronised: (seconds of the timed steps, every loss)."""
+    times, losses = [], []
+    for i in range(warmup + steps):
+        sync(dev)
+        t0 = time.perf_counter()
+        losses.append(tr.train_step())
+        sync(dev)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times, losses
+
+
 def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir, cuda_graph="auto", compile_blocks="off",
                selective="auto"):
     from seedvr2bw.training.trainer import FluxLoraTrainer, TrainConfig
@@ -161,7 +174,6 @@ def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir, cuda_graph="a
     peak_reset(dev)
     tr = FluxLoraTrainer(mp.model.diffusion_model, cfg, ds, latent_format=mp.model.latent_format, device=dev)
     peak_reset(dev)  # peak while training (a bf16 base offloaded by fp8/nvfp4 set-up is not counted)
-    times, losses = [], []
     try:
         if PROFILE and mode == PROFILE[0] and res == PROFILE[1]:
             for _ in range(2):
@@ -174,13 +186,7 @@ def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir, cuda_graph="a
                   flush=True)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60),
                   flush=True)
-        for i in range(warmup + steps):
-            sync(dev)
-            t0 = time.perf_counter()
-            losses.append(tr.train_step())
-            sync(dev)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
+        times, losses = timed_steps(tr, dev, warmup, steps)
         peak = peak_gib(dev)
         tc = any(getattr(lin, "_q_tensorcores", False) for lin, _, _ in tr.quant.saved) if tr.quant else None
         graphed = tr.graphed is not None and tr.graphed.failed is None and bool(tr.graphed.graphs)
@@ -203,19 +209,14 @@ def bench_budget(mp, res, budget_gib, cfgdims, dev, warmup, steps, outdir):
     free and applied to default settings (base precision and blocks to swap "auto"), then s/step and the trainer's
     peak above the fill. On the CPU (``--tiny``) the plan is made for a budget of that size and nothing is filled."""
     import comfy.model_management as mm
-    from seedvr2bw.optimization.runtime.device import available_host_bytes
-    from seedvr2bw.optimization.runtime.policy import get_policy
     from seedvr2bw.training.memory_plan import DeviceBudget, PlanRequest, flux_dims, plan_training
     from seedvr2bw.training.trainer import FluxLoraTrainer, TrainConfig
     mm.free_memory(1e30, dev)
     dm = mp.model.diffusion_model
     hold = fill_gpu_to(budget_gib, dev) if dev.type == "cuda" else None
     vram = int(torch.cuda.mem_get_info(dev)[0]) if dev.type == "cuda" else int(budget_gib * 2**30)
-    pol = get_policy(dev) if dev.type == "cuda" else None
     plan = plan_training(flux_dims(dm), PlanRequest(resolution=res, rank=16, cache_bytes=16 * (res // 8) ** 2 * 4),
-                         DeviceBudget(vram=vram, host=available_host_bytes(),
-                                      fp8_tensorcores=bool(pol and pol.fp8_gemm),
-                                      nvfp4=bool(pol and pol.nvfp4_gemm != "reference")))
+                         DeviceBudget.of(dev, vram))
     cfg = plan.apply(TrainConfig(rank=16, alpha=16, steps=10**6, learning_rate=1e-4, optimizer="adamw",
                                  compute_dtype="bf16" if dev.type == "cuda" else "fp32", base_precision="auto",
                                  blocks_to_swap=-1, gradient_checkpointing=True, output_dir=outdir,
@@ -223,16 +224,10 @@ def bench_budget(mp, res, budget_gib, cfgdims, dev, warmup, steps, outdir):
     base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    times, losses, tr = [], [], None
+    tr = None
     try:
         tr = FluxLoraTrainer(dm, cfg, make_dataset(res, cfgdims), latent_format=mp.model.latent_format, device=dev)
-        for i in range(warmup + steps):
-            sync(dev)
-            t0 = time.perf_counter()
-            losses.append(tr.train_step())
-            sync(dev)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
+        times, losses = timed_steps(tr, dev, warmup, steps)
         peak = (torch.cuda.max_memory_allocated(dev) - base) / 2**30 if dev.type == "cuda" else float("nan")
     finally:
         if tr is not None:

@@ -14,7 +14,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from ..optimization.blockswap.config import spread_indices
+from ..optimization.runtime.device import available_host_bytes
+from ..optimization.runtime.policy import get_policy
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -110,6 +114,15 @@ class DeviceBudget:
     host: int = 0
     fp8_tensorcores: bool = True
     nvfp4: bool = True
+
+    @classmethod
+    def of(cls, device, vram: int | None) -> "DeviceBudget":
+        """``vram`` bytes on ``device`` (None: nothing to plan), the free host RAM, and what the device's hardware
+        policy computes fast."""
+        device = torch.device(device)
+        pol = get_policy(device) if device.type == "cuda" else None
+        return cls(vram=vram, host=available_host_bytes() if vram is not None else 0,
+                   fp8_tensorcores=bool(pol and pol.fp8_gemm), nvfp4=bool(pol and pol.nvfp4_gemm != "reference"))
 
 
 @dataclass(frozen=True)
