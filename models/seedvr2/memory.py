@@ -100,6 +100,11 @@ def margin_bytes(budget: int) -> int:
     return max(MARGIN_MIN, int(MARGIN_FRACTION * budget))
 
 
+def dit_margin_bytes(budget: int, act: int) -> int:
+    """What the DiT phase keeps free beside ``act`` bytes of activations (see DIT_FRAGMENTATION)."""
+    return max(margin_bytes(budget), int(DIT_FRAGMENTATION * act))
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """See the module docstring. Tiles are in ``encode_tiled`` (pixels) / ``decode_tiled`` (latents) units, (0, 0)
@@ -191,7 +196,7 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
     while True:
         act = max(dit_activation_bytes(dit_tokens(min(batch, run.chunk_frames), ph, pw), dit.dim) + dit.scratch,
                   reserve or 0)
-        dit_margin = max(margin, int(DIT_FRAGMENTATION * act))
+        dit_margin = dit_margin_bytes(budget, act)
         for extra, path in options:
             if blocks_to_swap == "auto":
                 bs = plan_blockswap(dit.block_bytes, dit.other_bytes, budget - dit_margin, act, buffers=buffers,
@@ -220,7 +225,7 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
 
 def _impossible(run: RunPlan, dit: DiTFootprint, budget: int, margin: int, act: int, gpu: int, buffers: int) -> str:
     ph, pw = run.model
-    need = gpu + act + max(margin, int(DIT_FRAGMENTATION * act))
+    need = gpu + act + dit_margin_bytes(budget, act)
     # the largest output (shortest edge, 16 px steps) whose single-frame chunk fits with every block streamed
     streamed, _ = gpu_bytes(dit.block_bytes, dit.other_bytes, range(len(dit.block_bytes)), buffers, dit.block_extra)
     room = min(budget - margin - streamed, (budget - streamed) / (1 + DIT_FRAGMENTATION)) - ACT_FIXED
