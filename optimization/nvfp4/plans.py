@@ -218,8 +218,9 @@ def fp8_plan(layer, x2, out_shape):
                                 kernels.ACT_FP8_STAGES)
     if kern is None:
         return None
-    w8, sw = layer.fp8_weight(dev)
-    w8t, swr = w8.t(), sw.reshape(1, -1)
+    # the FP8 copy is read through the layer at each call, never held here: BlockSwap and the stager drop it with
+    # the weights (drop_derived), and a plan holding it kept a whole model's FP8 copies on the GPU after release
+    fp8_weight = layer.fp8_weight
     b, fast_accum = layer.bias, layer.fp8_fast_accum_for(m, dev)
     run, f, md = kern.run, kern.function, kern.packed_metadata
     tail = (k, x2.stride(0), block_k)
@@ -234,7 +235,8 @@ def fp8_plan(layer, x2, out_shape):
         xq = xc.new_empty(q_shape, dtype=fp8)
         sx = xc.new_empty(s_shape, dtype=f32)
         run(m, 1, 1, launch.raw_stream(index), f, md, None, None, None, xc, xq, sx, *tail)
-        y = torch._scaled_mm(xq, w8t, scale_a=sx, scale_b=swr, out_dtype=bf16, bias=b,
+        w8, sw = fp8_weight(dev)
+        y = torch._scaled_mm(xq, w8.t(), scale_a=sx, scale_b=sw.reshape(1, -1), out_dtype=bf16, bias=b,
                              use_fast_accum=fast_accum)
         return y if flat else y.view(out_shape)
     return plan
