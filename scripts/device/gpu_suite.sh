@@ -53,9 +53,9 @@ upscale)
         --cases "${4:-720p:21,1080p:1,1080p:21}" --budgets "${5:-32,16,12,8,6}" --runs 3 \
         --json "$OUT/upscale_${2:-7b}.json" 2>&1 | tee "$OUT/upscale_${2:-7b}.log" | grep -v "phases\|retries\|peak GiB" ;;
 video)
-    python3 scripts/bench_video.py --model 7b --linears bf16 --frames 1440 --budget 12 --json "$OUT/video_bf16.json" 2>&1 \
+    python3 scripts/bench_video.py --model 7b --linears bf16 --frames 1440 --budget 12 --inmem-chunks 24 --json "$OUT/video_bf16.json" 2>&1 \
         | tail -25
-    python3 scripts/bench_video.py --model 7b --linears nvfp4 --frames 1440 --budget 12 --json "$OUT/video_nvfp4.json" 2>&1 \
+    python3 scripts/bench_video.py --model 7b --linears nvfp4 --frames 1440 --budget 12 --inmem-chunks 24 --json "$OUT/video_nvfp4.json" 2>&1 \
         | tail -25 ;;
 video_gpus)
     n=$(nvidia-smi -L | wc -l)
