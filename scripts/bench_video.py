@@ -118,7 +118,23 @@ def chunk_upscaler(dit, vae, emb, settings, device, staging=None):
 
 
 def rss_peak_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    """The process's peak RSS since start or since ``reset_rss_peak`` (Linux VmHWM)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:")) / 2**20
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def reset_rss_peak() -> float:
+    """Sets the peak RSS back to the current RSS (Linux: clear_refs 5), so a run's own peak can be read after it
+    (building random weights peaks higher than a run); returns the RSS now."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return rss_peak_gib()
 
 
 def single(args, src, tmp):
@@ -135,16 +151,18 @@ def single(args, src, tmp):
 
     def size(h, w):
         return P.compute_target_size(h, w, settings.resolution)
-    # warm-up: one chunk (kernels, autotuning, BlockSwap's first pass)
-    up(np.stack([f for f, _ in zip(C.read_frames(src), range(args.batch))]))
+    # warm-up: a chunk of each length the plan has (scene cuts make shorter ones): kernels, cuDNN's autotuning of
+    # each new shape, BlockSwap's first pass; both timed runs then see the same warm state
+    chunks = plan(C.read_frames(src), args.batch, args.overlap, s.scene_threshold)
+    for n in sorted({c.end - c.start for c in chunks}, reverse=True):
+        up(np.stack([f for f, _ in zip(C.read_frames(src), range(n))]))
     torch.cuda.synchronize()
-    rss0 = rss_peak_gib()
+    rss0 = reset_rss_peak()
     t0 = time.perf_counter()
     res = upscale_video(src, os.path.join(tmp, "out.mp4"), up, size, s)
     t_stream = time.perf_counter() - t0
     rss_stream = rss_peak_gib()
     # the same chunks back to back, frames in memory
-    chunks = plan(C.read_frames(src), args.batch, args.overlap, s.scene_threshold)
     if args.inmem_chunks:
         # the in-memory rate from the first chunks only (a chunk's time is steady): keeps a 1,440-frame run within
         # the device's 10-minute call
@@ -161,7 +179,7 @@ def single(args, src, tmp):
     out = {"mode": "single", "model": args.model, "linears": args.linears, "budget_gib": args.budget,
            "swapped_blocks": len(up.memory().swapped) if up.memory() else 0, "frames": n, "chunks": len(chunks),
            "stream_s": t_stream, "stream_fps": n / t_stream, "inmem_frames": n_mem, "inmem_s": t_mem,
-           "inmem_fps": n_mem / t_mem, "ratio": (n / t_stream) / (n_mem / t_mem), "rss_peak_gib_before": rss0,
+           "inmem_fps": n_mem / t_mem, "ratio": (n / t_stream) / (n_mem / t_mem), "rss_gib_before": rss0,
            "rss_peak_gib_stream": rss_stream}
     del hold
     return out
