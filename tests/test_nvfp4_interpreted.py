@@ -94,6 +94,25 @@ def test_dequant_kernel_interpreted_bit_exact():
     assert out.strip().endswith("ok")
 
 
+def test_fp8_copy_of_nvfp4_weights_interpreted_bit_exact():
+    """The FP8 copy the fp8_speed path derives (bf16 passes over the dequantize kernel) equals the fp32 reference
+    bit for bit: rows of very different magnitudes (row exponents from -100 to above 0), a zero row, a row whose
+    maximum lands exactly on 448 after scaling, K not a multiple of 64."""
+    out = _run("""
+        for n, k in [(70, 96), (129, 1008)]:
+            w = rnd(n, k) * torch.exp2(torch.randint(-30, 12, (n, 1), generator=gen).float())
+            w[0] = 0
+            w[1, :16] = 448.0 * 6
+            t = fmt.quantize_nvfp4(w, return_tensor=True)
+            q, s = K.nvfp4_to_fp8_rowwise_triton(t.packed, t.block_scale, t.global_scale, t.shape)
+            rq, rs = fmt.nvfp4_to_fp8_rowwise(t)
+            assert q.dtype == rq.dtype and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), (n, k)
+            assert torch.equal(s, rs), (n, k)
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
+
+
 def test_activation_quantizers_interpreted_bit_exact():
     """The fused-path activation quantizers: NVFP4 (padded swizzled scales, row chunks) and FP8 per row."""
     out = _run("""

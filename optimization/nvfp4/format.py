@@ -338,6 +338,15 @@ def quantize_fp8_per_tensor(w: torch.Tensor, dtype=torch.float8_e4m3fn):
     return q, scale
 
 
+def fp8_row_exponent(rmax: torch.Tensor, fmax: float) -> torch.Tensor:
+    """Per row, the smallest integer k (float32, at least -100) with ``rmax * 2^-k <= fmax``."""
+    rmax = rmax.float()
+    mant, ex = torch.frexp(torch.clamp(rmax, min=2.0 ** -100) / fmax)       # exact on every device
+    k = (ex - (mant == 0.5).to(ex.dtype)).float()                           # ceil(log2(rmax / fmax))
+    k = k + (rmax * torch.exp2(-k) > fmax).float()
+    return torch.clamp(k, min=-100.0)
+
+
 def nvfp4_to_fp8_rowwise(t: NVFP4Tensor, dtype=torch.float8_e4m3fn):
     """Convert an NVFP4 weight once to FP8 E4M3 with per-output-channel scales (cropped to its logical shape).
 
@@ -352,11 +361,7 @@ def nvfp4_to_fp8_rowwise(t: NVFP4Tensor, dtype=torch.float8_e4m3fn):
     s = unswizzle_block_scales(t.block_scale, rows, nb).float()
     qs = (vals * s.unsqueeze(-1)).reshape(rows, half * 2)[: t.shape[0], : t.shape[1]]   # exact
     fmax = torch.finfo(dtype).max
-    rmax = qs.abs().amax(dim=1)
-    mant, ex = torch.frexp(torch.clamp(rmax, min=2.0 ** -100) / fmax)       # exact on every device
-    k = (ex - (mant == 0.5).to(ex.dtype)).float()                           # ceil(log2(rmax / fmax))
-    k = k + (rmax * torch.exp2(-k) > fmax).float()
-    k = torch.clamp(k, min=-100.0)
+    k = fp8_row_exponent(qs.abs().amax(dim=1), fmax)
     q = (qs * torch.exp2(-k).unsqueeze(1)).clamp(-fmax, fmax).to(dtype)
     scale = t.global_scale.float().to(qs.device) * torch.exp2(k)
     return q, scale

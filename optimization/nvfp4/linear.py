@@ -312,7 +312,11 @@ class NVFP4Linear(_QuantLinearBase):
         """The NVFP4 weight as FP8 E4M3 with per-output-channel scales (made once per device)."""
         key = ("fp8", str(device))
         if key not in self.derived_tensors:
-            self.derived_tensors[key] = fmt.nvfp4_to_fp8_rowwise(self.nvfp4)
+            if launch.triton_usable(self.weight):
+                self.derived_tensors[key] = kernels.nvfp4_to_fp8_rowwise_triton(
+                    self.weight, self.weight_scale, self.weight_scale_2, (self.out_features, self.in_features))
+            else:
+                self.derived_tensors[key] = fmt.nvfp4_to_fp8_rowwise(self.nvfp4)
         return self.derived_tensors[key]
 
     def fp8_fast_accum_for(self, m: int, device) -> bool:

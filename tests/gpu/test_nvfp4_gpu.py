@@ -86,6 +86,19 @@ def test_dequant_kernel_bit_exact(n, k, dtype):
 
 @cuda
 @needs_triton
+@pytest.mark.parametrize("n,k", [(70, 96), (3072, 12288), (12288, 3072)])
+def test_fp8_copy_of_nvfp4_weights_bit_exact(n, k):
+    """The FP8 copy fp8_speed derives on the GPU (each time BlockSwap brings a block) equals the CPU reference."""
+    w = torch.randn(n, k) * torch.exp2(torch.randint(-20, 8, (n, 1)).float())
+    w[0] = 0
+    t = fmt.quantize_nvfp4(w, return_tensor=True)
+    q, s = K.nvfp4_to_fp8_rowwise_triton(t.packed.to(DEV), t.block_scale.to(DEV), t.global_scale.to(DEV), t.shape)
+    rq, rs = fmt.nvfp4_to_fp8_rowwise(t)
+    assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.cpu(), rs)
+
+
+@cuda
+@needs_triton
 @pytest.mark.parametrize("n,k,c0,c1", [(70, 96, 16, 96), (3072, 2560, 640, 2560), (300, 1008, 0, 512),
                                        (300, 1008, 512, 1008)])
 def test_dequant_kernel_column_range_bit_exact(n, k, c0, c1):
