@@ -109,7 +109,7 @@ def test_hadamard_is_symmetric_orthogonal_and_checks_its_size():
 def test_int8_convrot_matches_comfy_kitchen_bytes(name):
     q, s = I8.quantize_int8_convrot(REF[f"int8.{name}.w"], _group(name))
     assert torch.equal(q, REF[f"int8.{name}.qdata"]) and torch.equal(s, REF[f"int8.{name}.scale"])
-    y = I8.int8_linear_reference(REF[f"int8.{name}.x"], q, s, None, _group(name))
+    y = I8.int8_linear(REF[f"int8.{name}.x"], q, s, None, _group(name))
     assert y.dtype == REF[f"int8.{name}.y"].dtype and torch.equal(y, REF[f"int8.{name}.y"]), name
 
 
@@ -127,7 +127,7 @@ def test_int8_convrot_matches_installed_comfy_kitchen(name):
         w_ck = qt.dequantize()
     q, s = I8.quantize_int8_convrot(w, g)
     assert torch.equal(q, qdata) and torch.equal(s, scale)
-    assert torch.equal(I8.int8_linear_reference(x, q, s, bias, g), y_ck)
+    assert torch.equal(I8.int8_linear(x, q, s, bias, g), y_ck)
     assert torch.allclose(I8.dequantize_int8(q, s, g, w.dtype).float(), w_ck.float(), rtol=2 ** -7, atol=1e-7)
 
 
@@ -169,11 +169,60 @@ def test_mxfp8_kernel_follows_the_policy(profile, want):
         dispatch.decide("mxfp8", "fast", 8, site_for(profile))
 
 
-def test_int8_kernel_is_the_reference_everywhere_for_now():
+def test_int8_kernel_choice():
+    """torch._int_mm where its self-test passed and the features are multiples of 8, else the float64 reference,
+    each with its reason; a bad request names the choices."""
     for profile in ("cpu", "hopper"):
-        d = dispatch.decide("int8", "auto", 4096, site_for(profile))
-        assert d.kernel == "int8_reference" and "CPU reference only" in d.reason
+        d = dispatch.decide("int8", "auto", 4096, site_for(profile, int_mm=lambda: True))
+        assert (d.path, d.kernel) == ("int_mm", "int8_int_mm") and "works here" in d.reason
+        d = dispatch.decide("int8", "auto", 4096, site_for(profile, int_mm=lambda: False))
+        assert d.kernel == "int8_reference" and "failed its self-test" in d.reason
+        d = dispatch.decide("int8", "int_mm", 8, site_for(profile, int_mm=lambda: True, dims8=False))
+        assert d.kernel == "int8_reference" and "multiples of 8" in d.reason
+        assert dispatch.decide("int8", "reference", 8, site_for(profile, int_mm=lambda: True)).kernel == \
+            "int8_reference"
+    with pytest.raises(ValueError, match="INT8 path"):
+        dispatch.decide("int8", "fast", 8, site_for("cpu"))
+    assert all(k in dispatch.KERNEL_DOC for k in ("int8_int_mm", "int8_reference"))
     assert any(line.strip().startswith("mxfp8 auto") for line in dispatch.kernel_table(site_for("hopper")))
+
+
+@pytest.mark.parametrize("m", [1, 16, 17, 300])
+def test_int_mm_equals_the_exact_integer_product(m):
+    """torch._int_mm's int32 sums equal the float64 reference's, for few rows (padded) and many; at the extremes of
+    int8 the sums reach K * 128 * 128."""
+    g = torch.Generator().manual_seed(m)
+    a = torch.randint(-128, 128, (m, 512), generator=g, dtype=torch.int8)
+    b = torch.randint(-128, 128, (72, 512), generator=g, dtype=torch.int8)
+    a[0], b[0] = -128, -128
+    assert torch.equal(I8.int_mm(a, b), I8.int_matmul(a, b))
+    assert I8.int_mm_selftest("cpu") == (True, "")
+
+
+def test_int8_layer_on_int_mm_is_bit_identical_to_the_reference():
+    """The layer takes torch._int_mm where it works (here: the CPU) and its output equals the reference bit for
+    bit."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(512, 72).to(torch.bfloat16)
+    layer = I8.Int8Linear.from_linear(lin, convrot_group=256)
+    x = torch.randn(3, 40, 512).to(torch.bfloat16)
+    assert layer.decision(x.reshape(-1, 512)).kernel == "int8_int_mm"
+    y = layer(x)
+    want = I8.int8_linear(x.reshape(-1, 512), layer.weight, layer.weight_scale, layer.bias, 256).reshape(3, 40, 72)
+    assert torch.equal(y, want)
+    layer.path = "reference"
+    assert torch.equal(layer(x), want)
+
+
+def test_int_mm_selftest_failure_is_reported(monkeypatch):
+    def broken(a, b):
+        raise RuntimeError("_int_mm_out_cuda not supported on this GPU")
+    monkeypatch.setattr(torch, "_int_mm", broken)
+    ok, why = I8.int_mm_selftest("cpu")
+    assert not ok and "not supported" in why
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: torch.zeros(a.shape[0], b.shape[1], dtype=torch.int32))
+    ok, why = I8.int_mm_selftest("cpu")
+    assert not ok and "differs" in why
 
 
 # ---------------------------------------------------------------- the converter writes MXFP8

@@ -9,7 +9,8 @@ GPU: the layers build the ``Site`` and run the kernel the decision names.
 NVFP4 paths: ``fp4_tensorcore`` (sm_100 / sm_120, FP4 GEMM), ``fp8_speed`` (sm_89 / sm_90, FP8 GEMM on per-token FP8
 activations), ``fidelity`` (bf16 activations x the 4-bit weight, by M below), ``reference`` (exact fp32, any device).
 ComfyUI's other layouts: ``mxfp8`` (``MXFP8Linear``: the policy's speed paths run an FP8 GEMM, fidelity the exactly
-dequantized weight) and ``int8`` (``Int8Linear``, ConvRot: the exact integer reference on every device for now).
+dequantized weight) and ``int8`` (``Int8Linear``, ConvRot: the integer product through ``torch._int_mm`` where its
+self-test passes, int8 tensor cores on a GPU; else the exact float64 reference).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ NVFP4_PATHS = ("fp4_tensorcore", "fp8_speed", "fidelity", "reference")
 FP8_MODES = ("cast", "scaled_mm")
 FIDELITY_KERNELS = ("auto", "fused", "rs", "dequant")    # NVFP4Linear.fidelity_kernel: auto, or force one
 MXFP8_REQUESTS = ("auto", "fp8", "dequantize", "reference")
-INT8_REQUESTS = ("auto", "reference")
+INT8_REQUESTS = ("auto", "int_mm", "reference")
 
 # Thresholds on M (rows of the input), measured on H100 (docs/PERFORMANCE.md §8):
 W4A16_MAX_M = 256    # up to here a fused W4A16 kernel (reads the 4-bit weight); beyond, dequantize + cuBLAS is faster
@@ -42,9 +43,9 @@ KERNEL_DOC = {
     "mxfp8_fp8_rowwise": "MXFP8 weight as FP8 per channel (power-of-two shifts), activations FP8 per token, "
                          "torch._scaled_mm",
     "mxfp8_dequant": "MXFP8 weight dequantized exactly to the compute dtype, one GEMM",
-    # CPU reference only: torch._int_mm (int8 tensor cores, sm_80+) would run the same integer product on a GPU,
-    # but it has not been run on one yet, so every device takes this kernel for now
-    "int8_reference": "ConvRot: activations rotated and quantized to int8 per token, exact integer matmul, rescaled",
+    "int8_int_mm": "ConvRot: activations rotated and quantized to int8 per token, torch._int_mm (int32, exact), "
+                   "rescaled",
+    "int8_reference": "ConvRot as int8_int_mm, the integer product summed in float64 (exact, slow)",
 }
 
 
@@ -66,6 +67,8 @@ class Site:
     wgmma: Callable[[], bool] = field(default=_no)   # the sm_90 wgmma kernel takes this call (self-tested)
     rs: Callable[[], bool] = field(default=_no)      # the sm_90 RS kernel takes this call (self-tested, no autograd)
     fp8: Callable[[], bool] = field(default=_no)     # the device has an FP8 GEMM (the policy's fp8_gemm)
+    int_mm: Callable[[], bool] = field(default=_no)  # torch._int_mm gives the exact product here (self-tested)
+    dims8: bool = True                               # in and out features multiples of 8 (torch._int_mm operands)
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,14 @@ def decide(fmt: str, request: str, m: int, site: Site, fidelity_kernel: str = "a
     if fmt == "int8":
         if request not in INT8_REQUESTS:
             raise ValueError(f"INT8 path must be one of {INT8_REQUESTS}, got {request!r}")
-        return Decision("reference", "int8_reference", "CPU reference only (torch._int_mm not yet run on a GPU)")
+        if request == "reference":
+            return Decision("reference", "int8_reference", "layer setting")
+        why = "layer setting" if request == "int_mm" else "torch._int_mm"
+        if not site.dims8:
+            return Decision("reference", "int8_reference", f"{why}, but features not multiples of 8")
+        if not site.int_mm():
+            return Decision("reference", "int8_reference", f"{why}, but it failed its self-test on this device")
+        return Decision("int_mm", "int8_int_mm", f"{why}, which works here")
     path, why = _nvfp4_path(request, site)
     if path == "reference":
         return Decision(path, "reference", why)

@@ -86,14 +86,56 @@ def int_matmul(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a.double(), b_t.double().t()).to(torch.int32)
 
 
-def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                          group: int | None, out_dtype=None) -> torch.Tensor:
-    """The ConvRot int8 linear of the module docstring for a 2-D ``x``; output in ``out_dtype`` (x's by default)."""
+INT_MM_MIN_ROWS = 17     # torch._int_mm on CUDA takes more than 16 rows; fewer are padded with zero rows
+
+
+def int_mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """``a @ b_t.T`` of int8 matrices as int32 through ``torch._int_mm`` (int8 tensor cores on a GPU; int32 sums,
+    exact for K < 2^17); K and N multiples of 8."""
+    m = a.shape[0]
+    if m < INT_MM_MIN_ROWS:
+        a = torch.cat([a, a.new_zeros(INT_MM_MIN_ROWS + 15 - m, a.shape[1])])   # 32 rows
+    return torch._int_mm(a.contiguous(), b_t.t())[:m]
+
+
+def int_mm_selftest(device) -> tuple[bool, str]:
+    """Whether ``int_mm`` runs on ``device`` and equals the exact product (few and many rows); (ok, why not)."""
+    g = torch.Generator().manual_seed(0)
+    try:
+        for m in (5, 40):
+            a = torch.randint(-128, 128, (m, 64), generator=g, dtype=torch.int8)
+            b = torch.randint(-128, 128, (48, 64), generator=g, dtype=torch.int8)
+            if not torch.equal(int_mm(a.to(device), b.to(device)).cpu(), int_matmul(a, b)):
+                return False, f"its product for {m} rows differs from the exact one"
+    except Exception as exc:  # noqa: BLE001 - any failure means: not here
+        return False, f"{type(exc).__name__}: {str(exc)[:160]}"
+    return True, ""
+
+
+_INT_MM_OK: dict = {}
+
+
+def int_mm_usable(device) -> bool:
+    """``int_mm_selftest`` once per device; a failure is logged once with its reason."""
+    key = str(torch.device(device))
+    if key not in _INT_MM_OK:
+        ok, why = int_mm_selftest(device)
+        if not ok:
+            log.warning("[SeedVR2-BW] INT8 on %s: torch._int_mm not used (%s); the float64 integer product runs "
+                        "instead (same results, slower)", key, why)
+        _INT_MM_OK[key] = ok
+    return _INT_MM_OK[key]
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                group: int | None, out_dtype=None, matmul=int_matmul) -> torch.Tensor:
+    """The ConvRot int8 linear of the module docstring for a 2-D ``x``; output in ``out_dtype`` (x's by default).
+    ``matmul``: ``int_matmul`` (the reference) or ``int_mm``; both give the same int32 sums, so the same output."""
     out_dtype = out_dtype or x.dtype
     if group:
         x = rotate(x, group)
     xq, sx = quantize_rows(x)
-    acc = int_matmul(xq, q.to(x.device)).float()
+    acc = matmul(xq, q.to(x.device)).float()
     sw = scale.to(device=x.device, dtype=torch.float32).reshape(1, -1)
     y = (acc * (sx * sw)).to(out_dtype)
     return y if bias is None else y + bias.to(device=y.device, dtype=y.dtype).reshape(1, -1)
@@ -167,7 +209,9 @@ class Int8Linear(torch.nn.Module):
         return dequantize_int8(self.weight, self.weight_scale, self.convrot_group, dtype)
 
     def decision(self, x2: torch.Tensor) -> dispatch.Decision:
-        d = dispatch.decide("int8", self.path, x2.shape[0], dispatch.Site(cuda=x2.is_cuda))
+        site = dispatch.Site(cuda=x2.is_cuda, dims8=self.in_features % 8 == 0 and self.out_features % 8 == 0,
+                             int_mm=lambda: int_mm_usable(x2.device))
+        d = dispatch.decide("int8", self.path, x2.shape[0], site)
         if (d.kernel, x2.device.type) not in _ANNOUNCED:
             _ANNOUNCED.add((d.kernel, x2.device.type))
             log.info("%s", d.line("INT8", x2.shape[0]))
@@ -176,6 +220,7 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        self.decision(x2)            # one kernel for now: int8_reference
-        y = int8_linear_reference(x2, self.weight, self.weight_scale, self.bias, self.convrot_group)
+        d = self.decision(x2)
+        y = int8_linear(x2, self.weight, self.weight_scale, self.bias, self.convrot_group,
+                        matmul=int_mm if d.kernel == "int8_int_mm" else int_matmul)
         return y.reshape(*shape[:-1], self.out_features)
