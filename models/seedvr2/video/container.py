@@ -185,16 +185,22 @@ def get_codec(name: str) -> Codec:
     return c
 
 
+PIXEL_SLICE_FRAMES = 4   # frames converted at a time: the float32 temporary stays at 4 frames, not a whole chunk's
+
+
 def to_pixels(frames: np.ndarray, bits: int) -> np.ndarray:
-    """(T, H, W, 3) float in [0, 1] -> uint8 or uint16, rounded to nearest and clipped (one float32 temporary);
-    integer arrays are pixels already and pass through."""
+    """(T, H, W, 3) float in [0, 1] -> uint8 or uint16, rounded to nearest and clipped (a float32 temporary of
+    ``PIXEL_SLICE_FRAMES`` frames); integer arrays are pixels already and pass through."""
     if not np.issubdtype(frames.dtype, np.floating):
         return frames
     top = 255.0 if bits <= 8 else 65535.0
-    x = np.multiply(frames, np.float32(top), dtype=np.float32)
-    np.rint(x, out=x)
-    np.clip(x, 0, top, out=x)
-    return x.astype(np.uint8 if bits <= 8 else np.uint16)
+    out = np.empty(frames.shape, dtype=np.uint8 if bits <= 8 else np.uint16)
+    for i in range(0, len(frames), PIXEL_SLICE_FRAMES):
+        x = np.multiply(frames[i:i + PIXEL_SLICE_FRAMES], np.float32(top), dtype=np.float32)
+        np.rint(x, out=x)
+        np.clip(x, 0, top, out=x)
+        out[i:i + PIXEL_SLICE_FRAMES] = x
+    return out
 
 
 BT709 = 1   # AVCOL_PRI_BT709 / AVCOL_TRC_BT709 / AVCOL_SPC_BT709
