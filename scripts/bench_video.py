@@ -32,6 +32,7 @@ from seedvr2bw.models.seedvr2 import pipeline as P
 from seedvr2bw.models.seedvr2.dit import SEEDVR2_3B, SEEDVR2_7B
 from seedvr2bw.models.seedvr2.video import container as C
 from seedvr2bw.models.seedvr2.staging import Staging
+from seedvr2bw.optimization.blockswap.backend import CudaBackend
 from seedvr2bw.models.seedvr2.video.stream import FrameCursor, StreamSettings, plan, upscale_video
 
 RES = {"360p": (360, 640), "480p": (480, 854), "720p": (720, 1280)}
@@ -126,6 +127,20 @@ def rss_peak_gib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def rss_parts_gib() -> dict:
+    """The RSS now by kind (Linux): anonymous (the process's own memory: weights, frames, buffers), file (mapped
+    libraries: CUDA's, torch's) and shared."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+                    out[line.split(":")[0]] = round(int(line.split()[1]) / 2**20, 3)
+    except OSError:
+        pass
+    return out
+
+
 def reset_rss_peak() -> float:
     """Sets the peak RSS back to the current RSS (Linux: clear_refs 5), so a run's own peak can be read after it
     (building random weights peaks higher than a run); returns the RSS now."""
@@ -162,6 +177,7 @@ def single(args, src, tmp):
     res = upscale_video(src, os.path.join(tmp, "out.mp4"), up, size, s)
     t_stream = time.perf_counter() - t0
     rss_stream = rss_peak_gib()
+    rss_parts = rss_parts_gib()
     # the same chunks back to back, frames in memory
     if args.inmem_chunks:
         # the in-memory rate from the first chunks only (a chunk's time is steady): keeps a 1,440-frame run within
@@ -179,7 +195,8 @@ def single(args, src, tmp):
     out = {"mode": "single", "model": args.model, "linears": args.linears, "budget_gib": args.budget,
            "swapped_blocks": len(up.memory().swapped) if up.memory() else 0, "frames": n, "chunks": len(chunks),
            "stream_s": t_stream, "stream_fps": n / t_stream, "inmem_frames": n_mem, "inmem_s": t_mem,
-           "inmem_fps": n_mem / t_mem, "ratio": (n / t_stream) / (n_mem / t_mem), "rss_gib_before": rss0,
+           "inmem_fps": n_mem / t_mem, "ratio": (n / t_stream) / (n_mem / t_mem), "rss_gib_before": rss0, "rss_parts_gib_after": rss_parts,
+           "pinned_gib": CudaBackend.registered_bytes() / GIB,
            "rss_peak_gib_stream": rss_stream}
     del hold
     return out
