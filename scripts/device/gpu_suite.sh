@@ -12,6 +12,7 @@
 #   bash scripts/device/gpu_suite.sh diag       # the diagnostic, --quick cold then warm, then the full run
 #   bash scripts/device/gpu_suite.sh ab BASE dit|nvfp4|blockswap   # this tree against an older one, same run
 #   bash scripts/device/gpu_suite.sh upscale 7b bf16,nvfp4   # the whole upscale at 6-32 GiB budgets vs resident
+#   bash scripts/device/gpu_suite.sh formats    # 7B DiT step per file format vs bf16 and vs dequantize + bf16
 #   bash scripts/device/gpu_suite.sh video      # streaming long video at a 12 GiB budget vs in-memory chunks
 #   bash scripts/device/gpu_suite.sh video_gpus # chunk-parallel long video on every GPU of the machine vs one
 #
@@ -61,6 +62,9 @@ video_gpus)
     n=$(nvidia-smi -L | wc -l)
     python3 scripts/bench_video.py --model 7b --frames 504 --gpus "$(seq -s, 1 "$n" | sed 's/,3,/,/')" \
         --json "$OUT/video_gpus.json" 2>&1 | tail -25 ;;
+formats)
+    python3 scripts/bench_formats.py --model 7b --case "${2:-720p:21}" --commit "$GIT_COMMIT" --json "$OUT/formats.json" \
+        2>&1 | tee "$OUT/formats.log" | tail -14 ;;
 tests)
     python3 -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
 dit)
