@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import row_parallel
 from .norm import causal_group_norm
 
 
@@ -25,6 +26,9 @@ class FrameAttention(nn.Module):
         b, c, h, w = f.shape
         y = causal_group_norm(f, self.group_norm).view(b, c, h * w).transpose(1, 2)   # (B, N, C)
         q, k, v = (lin(y).unsqueeze(1) for lin in (self.to_q, self.to_k, self.to_v))  # (B, 1, N, C)
+        shard = row_parallel.current()
+        if shard is not None:            # a band of rows: its queries attend to every position of the frame
+            k, v = shard.gather_rows(k, 2), shard.gather_rows(v, 2)
         # The official sets upcast_softmax, which diffusers' SDPA processor does not use; SDPA accumulates the
         # softmax in fp32 for 16-bit inputs anyway.
         o = F.scaled_dot_product_attention(q, k, v)

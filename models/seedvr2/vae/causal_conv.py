@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import row_parallel
+
 GIB = 1024 ** 3
 
 
@@ -124,4 +126,8 @@ class CausalConv3d(nn.Conv3d):
         if cache is not None and self.memory_frames:
             # clone: a view would keep the whole chunk alive until the next chunk.
             cache.put(self, x[:, :, -self.memory_frames:].clone())
-        return conv3d_limited(x, self.weight, self.bias, self.stride, self.spatial_pad, self.max_bytes)
+        pad = self.spatial_pad
+        shard = row_parallel.current()
+        if shard is not None and self.kernel_size[1] > 1:     # the rows above and below come from other ranks
+            x, pad = shard.halo(x, pad, self.kernel_size[1], self.stride[1])
+        return conv3d_limited(x, self.weight, self.bias, self.stride, pad, self.max_bytes)

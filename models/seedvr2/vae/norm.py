@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ....optimization import fused
+from . import row_parallel
 
 
 def _norm_frames(x4: torch.Tensor, norm: nn.GroupNorm, max_bytes: float) -> torch.Tensor:
@@ -38,6 +39,9 @@ def causal_group_norm(x: torch.Tensor, norm: nn.GroupNorm, max_bytes: float = ma
     kernels (bf16/fp16) one Triton kernel pair does it all on the 5-D layout: same math, fp32 statistics, no
     temporary larger than the output, so the limit has nothing left to bound.
     """
+    shard = row_parallel.current()
+    if shard is not None:                # a band of rows: the frame's statistics come from every rank
+        return shard.group_norm(x, norm, silu)
     if fused.enabled(x) and norm.affine:
         y = fused.group_norm_frames(x if x.ndim == 5 else x.unsqueeze(2), norm, silu)
         return y if x.ndim == 5 else y.squeeze(2)

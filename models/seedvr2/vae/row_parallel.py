@@ -1,0 +1,158 @@
+"""The VAE split by rows over the ranks of a process group (sequence parallel for one clip), equal to one process.
+
+Each rank holds a band of whole rows (all frames, all columns) and runs the same encoder / decoder on it. Three
+operations of the VAE read across rows; under ``split_rows(group)`` they reach the other ranks instead:
+
+* a convolution reads ``pad_top`` rows above its band and ``k - stride - pad_top`` below: those rows come from the
+  neighbouring ranks (one send and one receive each way), and only the first and last rank pad with zeros;
+* GroupNorm takes its per-frame statistics over the whole frame: the band's sums are all-reduced (mean first, then
+  the centred squares, in float32);
+* the mid block's attention runs within a frame over every position: each rank's keys and values are gathered.
+
+Everything else (1x1 convs, depth-to-space, the temporal causal cache, time chunks) is row-local. Bands are cut on
+multiples of the spatial factor (encode) or on latent rows (decode), so every stride-2 step and every 2x upsampling
+keeps the cut on a row boundary of each rank. The result equals the single-process VAE up to float rounding (the
+statistics and the attention sum in another order); ``encode_rows`` / ``decode_rows`` return the whole output on
+every rank. Works with gloo (CPU tensors) and NCCL (CUDA tensors).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .posterior import LatentDistribution
+
+_SHARD: contextvars.ContextVar = contextvars.ContextVar("seedvr2bw_vae_rows", default=None)
+
+
+@dataclass(frozen=True)
+class RowShard:
+    group: Optional[object]
+    rank: int
+    world: int
+
+    # ------------------------------------------------------------------ convolutions
+    def halo(self, x: torch.Tensor, pad: Sequence[int], k: int, stride: int) -> tuple[torch.Tensor, tuple]:
+        """``x`` (..., H_band, W) extended by the rows its conv (kernel ``k`` rows, ``stride``, spatial ``pad`` (top,
+        bottom, left, right)) reads from the neighbouring bands, and the zero padding left to apply."""
+        top, below = pad[0], k - stride - pad[0]
+        first, last = self.rank == 0, self.rank == self.world - 1
+        h = x.shape[-2]
+        if h < max(top, below, 1):
+            raise RuntimeError(f"a band of {h} rows is thinner than the {max(top, below)} rows its neighbours read: "
+                               f"use fewer GPUs for this frame size")
+        ops, got = [], {}
+        if not first:
+            if top:                           # my top halo: the previous band's last rows
+                got["top"] = x.new_empty(x.shape[:-2] + (top, x.shape[-1]))
+                ops.append(dist.P2POp(dist.irecv, got["top"], self._peer(-1), self.group))
+            if below:                         # the previous band's bottom halo: my first rows
+                ops.append(dist.P2POp(dist.isend, x[..., :below, :].contiguous(), self._peer(-1), self.group))
+        if not last:
+            if below:                         # my bottom halo: the next band's first rows
+                got["below"] = x.new_empty(x.shape[:-2] + (below, x.shape[-1]))
+                ops.append(dist.P2POp(dist.irecv, got["below"], self._peer(1), self.group))
+            if top:                           # the next band's top halo: my last rows
+                ops.append(dist.P2POp(dist.isend, x[..., h - top:, :].contiguous(), self._peer(1), self.group))
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        parts = [got["top"]] if "top" in got else []
+        parts.append(x)
+        if "below" in got:
+            parts.append(got["below"])
+        x = torch.cat(parts, dim=-2) if len(parts) > 1 else x
+        return x, (pad[0] if first else 0, pad[1] if last else 0, pad[2], pad[3])
+
+    def _peer(self, step: int) -> int:
+        r = self.rank + step
+        return dist.get_global_rank(self.group, r) if self.group is not None else r
+
+    # ------------------------------------------------------------------ statistics and gathers
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def group_norm(self, x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool) -> torch.Tensor:
+        """Per-frame GroupNorm of the band ``x`` (B, C, T, H, W) or (B, C, H, W) with whole-frame statistics."""
+        five = x.ndim == 5
+        x5 = x if five else x.unsqueeze(2)
+        b, c, t, h, w = x5.shape
+        g = norm.num_groups
+        xf = x5.float().view(b, g, c // g, t, h, w)
+        count = self.all_sum(torch.tensor([float(h)], device=x.device))[0] * (c // g) * w
+        mean = self.all_sum(xf.sum(dim=(2, 4, 5))) / count                      # (b, g, t)
+        centred = xf - mean[:, :, None, :, None, None]
+        var = self.all_sum(centred.square().sum(dim=(2, 4, 5))) / count
+        y = centred * torch.rsqrt(var + norm.eps)[:, :, None, :, None, None]
+        y = y.view(b, c, t, h, w)
+        if norm.affine:
+            y = y * norm.weight.float().view(1, c, 1, 1, 1) + norm.bias.float().view(1, c, 1, 1, 1)
+        y = y.to(x.dtype)
+        if silu:
+            y = F.silu(y)
+        return y if five else y.squeeze(2)
+
+    def gather_rows(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim`` in rank order (the bands may differ in size there)."""
+        sizes = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(self.world)]
+        dist.all_gather(sizes, torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device), group=self.group)
+        sizes = [int(s) for s in sizes]
+        pad_to = max(sizes)
+        xp = x.movedim(dim, 0)
+        if xp.shape[0] < pad_to:
+            xp = torch.cat([xp, xp.new_zeros((pad_to - xp.shape[0],) + xp.shape[1:])])
+        parts = [torch.empty_like(xp) for _ in range(self.world)]
+        dist.all_gather(parts, xp.contiguous(), group=self.group)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)]).movedim(0, dim)
+
+
+def current() -> Optional[RowShard]:
+    """The row split the VAE runs under (None: the whole frame in this process)."""
+    return _SHARD.get()
+
+
+@contextlib.contextmanager
+def split_rows(group=None):
+    """The VAE calls inside run on this rank's band of rows of ``group`` (default: the world)."""
+    token = _SHARD.set(RowShard(group, dist.get_rank(group), dist.get_world_size(group)))
+    try:
+        yield
+    finally:
+        _SHARD.reset(token)
+
+
+def bands(rows: int, world: int, unit: int = 1) -> list[tuple[int, int]]:
+    """``rows`` cut into ``world`` contiguous bands on multiples of ``unit``, as even as possible."""
+    units = -(-rows // unit)
+    if units < world:
+        raise ValueError(f"{rows} rows cannot be split over {world} ranks in bands of {unit}: use fewer GPUs")
+    cuts = [round(i * units / world) * unit for i in range(world + 1)]
+    cuts[-1] = rows
+    return list(zip(cuts, cuts[1:]))
+
+
+def decode_rows(vae, z: torch.Tensor, group=None, should_stop=None) -> torch.Tensor:
+    """``vae.decode(z)`` over the ranks of ``group``, each decoding a band of latent rows; the whole output on every
+    rank."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    r0, r1 = bands(z.shape[-2], world)[rank]
+    with split_rows(group):
+        part = vae.decode(z[..., r0:r1, :], should_stop=should_stop)
+        return current().gather_rows(part, part.ndim - 2)
+
+
+def encode_rows(vae, x: torch.Tensor, group=None, should_stop=None):
+    """``vae.encode(x)`` over the ranks of ``group`` (bands on multiples of the spatial factor); the whole latent
+    distribution on every rank."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    r0, r1 = bands(x.shape[-2], world, vae.spatial_factor)[rank]
+    with split_rows(group):
+        post = vae.encode(x[..., r0:r1, :], should_stop=should_stop)
+        return LatentDistribution(current().gather_rows(post.moments, post.moments.ndim - 2))

@@ -1,0 +1,81 @@
+"""The VAE split by rows over 2 and 3 CPU processes (gloo): encode and decode of the golden tiny VAE equal the
+single-process VAE within fp32 rounding on every rank, for a video (time chunks and their causal cache) and an
+image; bands are cut on whole rows of every resolution."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import DATA
+from seedvr2bw.models.seedvr2.vae.loader import load_vae
+from seedvr2bw.models.seedvr2.vae.row_parallel import bands
+
+WEIGHTS = DATA / "golden" / "vae_tiny_weights.safetensors"
+TOL = 2e-5          # relative to the largest output value: statistics and attention summed in another order
+
+
+def _vae():
+    return load_vae(WEIGHTS, norm_num_groups=2)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    return {"video_x": torch.rand(1, 3, 9, 56, 40, generator=g) * 2 - 1,
+            "image_x": torch.rand(1, 3, 1, 72, 48, generator=g) * 2 - 1,
+            "video_z": torch.randn(1, 16, 3, 7, 5, generator=g),
+            "image_z": torch.randn(1, 16, 1, 9, 6, generator=g)}
+
+
+def _worker(rank, world, store_path, out_dir):
+    import torch.distributed as dist
+    from seedvr2bw.models.seedvr2.vae.row_parallel import decode_rows, encode_rows
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    vae, inp, out = _vae(), _inputs(), {}
+    with torch.no_grad():
+        for case in ("video", "image"):
+            out[f"{case}.encode"] = encode_rows(vae, inp[f"{case}_x"]).moments.contiguous()
+            out[f"{case}.decode"] = decode_rows(vae, inp[f"{case}_z"]).contiguous()
+    save_file(out, f"{out_dir}/rank{rank}.safetensors")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def ranks(request, tmp_path_factory):
+    import torch.multiprocessing as mp
+    world = request.param
+    out = tmp_path_factory.mktemp(f"vae_rows{world}")
+    mp.spawn(_worker, args=(world, str(out / "store"), str(out)), nprocs=world, join=True)
+    return world, {r: load_file(out / f"rank{r}.safetensors") for r in range(world)}
+
+
+@pytest.fixture(scope="module")
+def single():
+    vae, inp = _vae(), _inputs()
+    with torch.no_grad():
+        return {f"{c}.encode": vae.encode(inp[f"{c}_x"]).moments for c in ("video", "image")} | \
+               {f"{c}.decode": vae.decode(inp[f"{c}_z"]) for c in ("video", "image")}
+
+
+@pytest.mark.parametrize("what", ["video.encode", "video.decode", "image.encode", "image.decode"])
+def test_row_split_equals_one_process(ranks, single, what):
+    world, results = ranks
+    ref, out = single[what], results[0][what]
+    for r in range(1, world):
+        assert torch.equal(results[r][what], out), "every rank returns the same whole output"
+    assert out.shape == ref.shape
+    rel = float((out - ref).abs().max()) / float(ref.abs().max())
+    print(f"{world} ranks, {what}: largest difference {rel:.2e} of the largest value")
+    assert rel <= TOL
+
+
+def test_bands_cover_every_row_on_whole_units():
+    assert bands(56, 3, 8) == [(0, 16), (16, 40), (40, 56)]
+    assert bands(7, 2) == [(0, 4), (4, 7)]
+    for rows, world, unit in [(1080, 4, 8), (30, 3, 1), (17, 2, 8)]:
+        b = bands(rows, world, unit)
+        assert b[0][0] == 0 and b[-1][1] == rows and all(a1 == b0 for (_, a1), (b0, _) in zip(b, b[1:]))
+        assert all(a % unit == 0 and a1 > a for a, a1 in b)
+    with pytest.raises(ValueError, match="fewer GPUs"):
+        bands(16, 3, 8)
