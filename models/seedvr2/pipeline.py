@@ -44,10 +44,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ...optimization.runtime.policy import get_policy, torch_settings
 from .color import COLOR_CORRECTION_MODES, color_correct
+from .dit import DiTInterrupted
+from .dit.sequence_parallel import SequenceParallelDiT
+from .vae.row_parallel import decode_rows, encode_rows
 from .vae.tiling import plan_tiles
 
 _log = logging.getLogger(__name__)
@@ -294,19 +298,48 @@ def _stop_checker(should_stop):
     return check
 
 
+def _asks_stop(should_stop) -> Callable[[], bool]:
+    """``should_stop`` (raising or returning True to stop) as a plain question: True to stop, never raises."""
+    def asks():
+        try:
+            return bool(should_stop())
+        except Exception:  # noqa: BLE001 - ComfyUI's interrupt, SeedVR2Cancelled, ...: all mean stop
+            return True
+    return asks
+
+
+def _agreed_stop(asks: Callable[[], bool], group, device) -> Callable[[], bool]:
+    """A check every rank of ``group`` makes at the same point: all stop (SeedVR2Cancelled) if any rank asks to,
+    so no rank is left waiting in a collective for one that stopped."""
+    def check():
+        flag = torch.tensor([1.0 if asks() else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item():
+            raise SeedVR2Cancelled("SeedVR2 upscale cancelled")
+        return False
+    return check
+
+
 # ------------------------------------------------------------------------------------------- model calls
 class SeedVR2Runner:
     """Runs the models: ``dit`` a ``models.seedvr2.dit.NaDiT``, ``vae`` a ``models.seedvr2.vae.VideoAutoencoder``."""
 
     def __init__(self, dit, vae, text_embedding: torch.Tensor, device=None, dit_dtype=None, vae_dtype=None,
                  offload_device="cpu", should_stop: Optional[Callable[[], None]] = None,
-                 free_memory: Optional[Callable[[], int]] = None):
+                 free_memory: Optional[Callable[[], int]] = None, group=None):
         self.dit, self.vae = dit, vae
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.dit_dtype = dit_dtype or next(dit.parameters()).dtype
         self.vae_dtype = vae_dtype or vae.dtype
         self.offload_device = torch.device(offload_device)
-        self.should_stop = _stop_checker(should_stop)
+        self.should_stop = self.dit_should_stop = _stop_checker(should_stop)
+        self.group = group
+        if group is not None:
+            # sequence parallel: the DiT's windows and the VAE's rows split over the ranks, which stop together
+            asks = _asks_stop(self.should_stop)
+            flag_device = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+            self.should_stop, self.dit_should_stop = _agreed_stop(asks, group, flag_device), asks
+            self.dit = SequenceParallelDiT(dit, group)
         self.free_memory = free_memory
         self.scaling_factor = float(vae.scaling_factor)
         if text_embedding is None:
@@ -336,7 +369,9 @@ class SeedVR2Runner:
         x = x.to(self.device, self.vae_dtype)
         self.should_stop()
         with torch.no_grad(), self._model_call(self.vae_dtype):
-            if tile:
+            if self.group is not None:       # a band of rows per rank instead of tiles
+                post = encode_rows(self.vae, x, self.group, should_stop=self.should_stop)
+            elif tile:
                 post = self.vae.encode_tiled(x, tile, overlap, should_stop=self.should_stop)
             else:
                 post = self.vae.encode(x, should_stop=self.should_stop)
@@ -348,6 +383,8 @@ class SeedVR2Runner:
         z = z.to(self.device, self.vae_dtype)
         self.should_stop()
         with torch.no_grad(), self._model_call(self.vae_dtype):
+            if self.group is not None:
+                return decode_rows(self.vae, z, self.group, should_stop=self.should_stop)
             if tile:
                 return self.vae.decode_tiled(z, tile, overlap, should_stop=self.should_stop)
             return self.vae.decode(z, should_stop=self.should_stop)
@@ -365,8 +402,11 @@ class SeedVR2Runner:
         txt_shape = torch.tensor([[txt.shape[0]]], dtype=torch.long, device=dev)
         timestep = torch.tensor([TIMESTEP], device=dev, dtype=dt)
         with torch.no_grad(), self._model_call(dt):
-            v = self.dit(vid=vid, txt=txt, vid_shape=vid_shape, txt_shape=txt_shape, timestep=timestep,
-                         should_stop=self.should_stop)
+            try:
+                v = self.dit(vid=vid, txt=txt, vid_shape=vid_shape, txt_shape=txt_shape, timestep=timestep,
+                             should_stop=self.dit_should_stop)
+            except DiTInterrupted as exc:     # the ranks' agreed stop inside a sequence-parallel step
+                raise SeedVR2Cancelled("SeedVR2 upscale cancelled") from exc
         v = v.float().reshape(t, h, w, c)
         return x_t - (TIMESTEP / 1000.0) * v
 
@@ -377,7 +417,8 @@ def upscale(frames: torch.Tensor, dit, vae, text_embedding: torch.Tensor, settin
             should_stop: Optional[Callable[[], None]] = None,
             progress: Optional[Callable[[int, int], None]] = None,
             hooks: Optional[PipelineHooks] = None,
-            free_memory: Optional[Callable[[], int]] = None, frame_group: int = 8, memory=None) -> torch.Tensor:
+            free_memory: Optional[Callable[[], int]] = None, frame_group: int = 8, memory=None,
+            group=None) -> torch.Tensor:
     """Upscale ``frames`` (T, H, W, C in [0, 1], C = 3 or 4) -> (T, th, tw, C) float32 on ``output_device``.
 
     ``should_stop()`` is called between chunks/tiles (and handed to the models);
@@ -385,6 +426,8 @@ def upscale(frames: torch.Tensor, dit, vae, text_embedding: torch.Tensor, settin
     phase. ``frame_group``: frames resized / colour-corrected at a time (bounds device temporaries).
     ``memory``: the run's ``memory.MemoryPlan``; its settings replace ``settings`` and its VAE tiles are used for
     every call (without one, each VAE call sizes its tiles from the free memory at that moment).
+    ``group``: a torch.distributed process group whose ranks all call ``upscale`` with the same arguments (sequence
+    parallel: each runs a share of every DiT step and a band of rows of every VAE call; all return the whole output).
     """
     s = memory.settings if memory is not None else (settings or UpscaleSettings())
     hooks = hooks or PipelineHooks()
@@ -392,7 +435,7 @@ def upscale(frames: torch.Tensor, dit, vae, text_embedding: torch.Tensor, settin
     T, H, W, C = frames.shape
     (th, tw), (ph, pw), chunks = p.target, p.model, p.chunks
     runner = SeedVR2Runner(dit, vae, text_embedding, device, dit_dtype, vae_dtype, offload_device,
-                           should_stop, free_memory)
+                           should_stop, free_memory, group)
     dev, off = runner.device, torch.device(offload_device)
     total = 3 * len(chunks)
     _log.info("[SeedVR2-BW] %d frame(s) %dx%d -> %dx%d (model %dx%d), %d chunk(s) of <= %d frames, overlap %d",
