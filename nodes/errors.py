@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from ..models.seedvr2.dit.loader import DiTCheckpointError
 from ..models.seedvr2.dit.nadit import DiTInterrupted
+from ..models.seedvr2.dit.sequence_parallel import TooFewWindows
 from ..models.seedvr2.embeddings import MissingEmbeddingError
 from ..models.seedvr2.files import ModelFileError
 from ..models.seedvr2.memory import SeedVR2MemoryError
 from ..models.seedvr2.pipeline import SeedVR2Cancelled, SeedVR2InputError
 from ..models.seedvr2.vae.loader import NotASeedVR2VAE
 from ..models.seedvr2.vae.posterior import VAECancelled
+from ..models.seedvr2.vae.row_parallel import TooFewRows
 from ..models.seedvr2.video.container import VideoFileError
 from ..models.seedvr2.video.workers import JobCancelled, WorkerError
 from ..optimization.gguf.format import GGUFError
@@ -29,7 +31,7 @@ SHORT_MODULE = "seedvr2bw"
 USER_ERRORS = (
     SeedVR2InputError, SeedVR2MemoryError, SeedVR2Cancelled, DiTCheckpointError, DiTInterrupted, NotASeedVR2VAE, VAECancelled,
     ModelFileError, MissingEmbeddingError, VideoFileError, GGUFError, GGUFPackageMissing, DatasetError,
-    OutputNameError, TrainMemoryError, WorkerError, JobCancelled,
+    OutputNameError, TrainMemoryError, WorkerError, JobCancelled, TooFewWindows, TooFewRows,
 )
 
 for _cls in USER_ERRORS:

@@ -1,6 +1,7 @@
 """The whole upscale sequence parallel (``pipeline.upscale(..., group=...)``: the DiT's windows and the VAE's rows
 split over the ranks) on 2 and 3 CPU processes over gloo, with the golden tiny 7B and VAE: every rank returns the
-single-process output within fp32 rounding, for a clip and a still; a stop asked by one rank stops
+single-process output within fp32 rounding, for a clip and a still, and
+for a still too small to split (every rank then runs the whole step); a stop asked by one rank stops
 every rank with SeedVR2Cancelled, in the DiT step and in the VAE."""
 from __future__ import annotations
 
@@ -25,9 +26,12 @@ def _models():
 def _cases():
     g = torch.Generator().manual_seed(0)
     txt = torch.randn(3, 24, generator=g)
-    # every rank needs whole DiT windows: the clip's 3 latent frames give 3, the still's 36 x 52 latents 4
+    # the clip's 3 latent frames give 3 DiT windows, the still's 36 x 52 latents 4: split over the ranks; the small
+    # still has 1 window and 16 pixel rows (2 latent rows): every rank runs its whole DiT step, and at 3 ranks its
+    # whole VAE calls too
     return txt, {"clip": (torch.rand(9, 40, 56, 3, generator=g), P.UpscaleSettings(resolution=80, batch_size=9)),
-                 "still": (torch.rand(1, 144, 208, 3, generator=g), P.UpscaleSettings(resolution=288))}
+                 "still": (torch.rand(1, 144, 208, 3, generator=g), P.UpscaleSettings(resolution=288)),
+                 "small": (torch.rand(1, 8, 12, 3, generator=g), P.UpscaleSettings(resolution=16))}
 
 
 def _worker(rank, world, store_path, out_dir):
@@ -70,7 +74,7 @@ def single():
     return {name: P.upscale(frames, dit, vae, txt, settings) for name, (frames, settings) in cases.items()}
 
 
-@pytest.mark.parametrize("case", ["clip", "still"])
+@pytest.mark.parametrize("case", ["clip", "still", "small"])
 def test_sequence_parallel_upscale_equals_one_process(ranks, single, case):
     world, results = ranks
     out, ref = results[0][case], single[case]

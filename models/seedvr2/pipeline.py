@@ -50,8 +50,8 @@ import torch.nn.functional as F
 from ...optimization.runtime.policy import get_policy, torch_settings
 from .color import COLOR_CORRECTION_MODES, color_correct
 from .dit import DiTInterrupted
-from .dit.sequence_parallel import SequenceParallelDiT
-from .vae.row_parallel import decode_rows, encode_rows
+from .dit.sequence_parallel import SequenceParallelDiT, TooFewWindows
+from .vae.row_parallel import TooFewRows, decode_rows, encode_rows
 from .vae.tiling import plan_tiles
 
 _log = logging.getLogger(__name__)
@@ -298,6 +298,15 @@ def _stop_checker(should_stop):
     return check
 
 
+_LOGGED: set = set()
+
+
+def _log_once(line: str) -> None:
+    if line not in _LOGGED:
+        _LOGGED.add(line)
+        _log.info(line)
+
+
 def _asks_stop(should_stop) -> Callable[[], bool]:
     """``should_stop`` (raising or returning True to stop) as a plain question: True to stop, never raises."""
     def asks():
@@ -369,11 +378,10 @@ class SeedVR2Runner:
         x = x.to(self.device, self.vae_dtype)
         self.should_stop()
         with torch.no_grad(), self._model_call(self.vae_dtype):
-            if self.group is not None:       # a band of rows per rank instead of tiles
-                post = encode_rows(self.vae, x, self.group, should_stop=self.should_stop)
-            elif tile:
+            post = self._rows(encode_rows, x) if self.group is not None else None    # a band of rows per rank
+            if post is None and tile:
                 post = self.vae.encode_tiled(x, tile, overlap, should_stop=self.should_stop)
-            else:
+            elif post is None:
                 post = self.vae.encode(x, should_stop=self.should_stop)
         return post.mean.float(), post.logvar.float()
 
@@ -383,11 +391,21 @@ class SeedVR2Runner:
         z = z.to(self.device, self.vae_dtype)
         self.should_stop()
         with torch.no_grad(), self._model_call(self.vae_dtype):
-            if self.group is not None:
-                return decode_rows(self.vae, z, self.group, should_stop=self.should_stop)
+            out = self._rows(decode_rows, z) if self.group is not None else None
+            if out is not None:
+                return out
             if tile:
                 return self.vae.decode_tiled(z, tile, overlap, should_stop=self.should_stop)
             return self.vae.decode(z, should_stop=self.should_stop)
+
+    def _rows(self, split_call, x):
+        """``split_call`` (encode_rows / decode_rows) over the group, or None where the frame has too few rows for
+        the ranks (known on every rank alike, before any collective): the caller then runs the whole call."""
+        try:
+            return split_call(self.vae, x, self.group, should_stop=self.should_stop)
+        except TooFewRows as exc:
+            _log_once(f"[SeedVR2-BW] sequence parallel: {exc}; every rank runs the whole VAE call")
+            return None
 
     def dit_step(self, lq_latent: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """One Euler step at t = 1000. lq_latent, noise: (t, h, w, 16) -> x_0 (t, h, w, 16) float32."""
@@ -402,11 +420,14 @@ class SeedVR2Runner:
         txt_shape = torch.tensor([[txt.shape[0]]], dtype=torch.long, device=dev)
         timestep = torch.tensor([TIMESTEP], device=dev, dtype=dt)
         with torch.no_grad(), self._model_call(dt):
+            args = dict(vid=vid, txt=txt, vid_shape=vid_shape, txt_shape=txt_shape, timestep=timestep)
             try:
-                v = self.dit(vid=vid, txt=txt, vid_shape=vid_shape, txt_shape=txt_shape, timestep=timestep,
-                             should_stop=self.dit_should_stop)
+                v = self.dit(**args, should_stop=self.dit_should_stop)
             except DiTInterrupted as exc:     # the ranks' agreed stop inside a sequence-parallel step
                 raise SeedVR2Cancelled("SeedVR2 upscale cancelled") from exc
+            except TooFewWindows as exc:      # every rank alike, before any collective: each runs the whole step
+                _log_once(f"[SeedVR2-BW] sequence parallel: {exc}; every rank runs the whole DiT step")
+                v = self.dit.model(**args, should_stop=self.should_stop)
         v = v.float().reshape(t, h, w, c)
         return x_t - (TIMESTEP / 1000.0) * v
 

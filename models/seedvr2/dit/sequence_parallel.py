@@ -37,11 +37,16 @@ from .rope import make_rope_table, text_angles, video_angles
 from .window import JointLayout, Window, build_joint_layout
 
 
+class TooFewWindows(ValueError):
+    """The input has fewer attention windows than there are ranks (every rank needs whole windows); raised before
+    any collective, on every rank alike."""
+
+
 def balanced_runs(sizes: Sequence[int], parts: int) -> List[range]:
     """Cut ``sizes`` (in order) into ``parts`` non-empty contiguous runs whose largest sum is as small as possible."""
     n = len(sizes)
     if not 1 <= parts <= n:
-        raise ValueError(f"cannot split {n} windows over {parts} ranks: every rank needs at least one window")
+        raise TooFewWindows(f"cannot split {n} windows over {parts} ranks: every rank needs at least one window")
 
     def runs_needed(cap: int) -> int:
         count, acc = 1, 0

@@ -128,11 +128,16 @@ def split_rows(group=None):
         _SHARD.reset(token)
 
 
+class TooFewRows(ValueError):
+    """The frame has fewer rows than the ranks need (a band of at least one unit each); raised before any
+    collective, on every rank alike."""
+
+
 def bands(rows: int, world: int, unit: int = 1) -> list[tuple[int, int]]:
     """``rows`` cut into ``world`` contiguous bands on multiples of ``unit``, as even as possible."""
     units = -(-rows // unit)
     if units < world:
-        raise ValueError(f"{rows} rows cannot be split over {world} ranks in bands of {unit}: use fewer GPUs")
+        raise TooFewRows(f"{rows} rows cannot be split over {world} ranks in bands of {unit}: use fewer GPUs")
     cuts = [round(i * units / world) * unit for i in range(world + 1)]
     cuts[-1] = rows
     return list(zip(cuts, cuts[1:]))
