@@ -15,6 +15,7 @@
 #   bash scripts/device/gpu_suite.sh formats    # 7B DiT step per file format vs bf16 and vs dequantize + bf16
 #   bash scripts/device/gpu_suite.sh video      # streaming long video at a 12 GiB budget vs in-memory chunks
 #   bash scripts/device/gpu_suite.sh video_gpus # chunk-parallel long video on every GPU of the machine vs one
+#   bash scripts/device/gpu_suite.sh sequence   # one 7B 1080p x 21 upscale sequence parallel on 1, 2, (4) GPUs
 #
 # scripts/device/prepare_carry.sh builds .ck and .comfy_src here first. The device copy has no .git, so the
 # commit is passed in GIT_COMMIT (the device tool sends the working tree of this commit). The figures these
@@ -65,6 +66,10 @@ video_gpus)
 formats)
     python3 scripts/bench_formats.py --model 7b --case "${2:-720p:21}" --commit "$GIT_COMMIT" --json "$OUT/formats.json" \
         2>&1 | tee "$OUT/formats.log" | tail -14 ;;
+sequence)
+    n=$(nvidia-smi -L | wc -l)
+    python3 scripts/bench_sequence_parallel.py --model 7b --case "${2:-1080p:21}" --gpus "$( [ "$n" -ge 4 ] && echo 1,2,4 || echo 1,2)" \
+        --commit "$GIT_COMMIT" --json "$OUT/sequence.json" 2>&1 | tee "$OUT/sequence.log" | tail -8 ;;
 tests)
     python3 -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
 dit)
