@@ -7,7 +7,9 @@ stream copied, fps / rotation / colour tags kept, resumable after a crash (``--r
 
 Several GPUs (``--gpus 0,1,2,3`` or ``all``, or ``torchrun --nproc-per-node N scripts/upscale_video.py ...``): one
 process per GPU with its own model copy takes chunks as it finishes them (models/seedvr2/video/parallel.py).
-``--workers N`` does the same with N CPU processes.
+``--workers N`` does the same with N CPU processes. ``--parallel sequence``: instead, every process works on every
+chunk (the DiT's windows and the VAE's rows split over them; models/seedvr2/video/sequence.py), for chunks too
+large or too slow for one GPU; each process then holds both models on its GPU.
 
 Codecs: h264 (8-bit), h265 (10-bit), prores (10-bit 4:2:2, .mov), ffv1 (16-bit lossless, .mkv), png16 (a folder of
 16-bit PNGs). The text embeddings (pos_emb.pt) are looked for beside the DiT file.
@@ -23,6 +25,7 @@ import uuid
 
 import _pack  # noqa: F401  (registers the checkout as `seedvr2bw`)
 import torch
+import torch.distributed as dist
 
 try:
     from tqdm import tqdm
@@ -33,6 +36,7 @@ from seedvr2bw.models.seedvr2 import pipeline as P
 from seedvr2bw.models.seedvr2.upscaler import FileUpscaler
 from seedvr2bw.models.seedvr2.video.container import CODECS, VideoFileError
 from seedvr2bw.models.seedvr2.video.parallel import upscale_video_distributed
+from seedvr2bw.models.seedvr2.video.sequence import follow, lead
 from seedvr2bw.models.seedvr2.video.stream import StreamSettings, upscale_video
 from seedvr2bw.models.seedvr2.video.workers import devices_from_spec
 from seedvr2bw.models.seedvr2.video.workdir import file_id
@@ -62,6 +66,8 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="compute dtype on the GPU")
     ap.add_argument("--gpus", default="", help="GPUs to share the chunks: a list (0,1,2) or 'all'")
     ap.add_argument("--workers", type=int, default=1, help="CPU processes to share the chunks (--device cpu)")
+    ap.add_argument("--parallel", default="chunks", choices=["chunks", "sequence"],
+                    help="several processes: each takes whole chunks (chunks) or all work on every chunk (sequence)")
     return ap.parse_args(argv)
 
 
@@ -78,7 +84,8 @@ def _settings(a) -> StreamSettings:
 
 
 def run(a, device: torch.device, store=None, show_progress: bool = True) -> int:
-    """One process's part: all of the job (``store`` None) or its share of a distributed job."""
+    """One process's part: all of the job (``store`` None), its share of a distributed job, or (``--parallel
+    sequence``, a process group initialised) its part of every chunk."""
     settings = _settings(a)
     dtype = DTYPES[a.dtype] if device.type == "cuda" else torch.float32
     up = P.UpscaleSettings(resolution=a.resolution, scale_factor=a.scale, max_resolution=a.max_resolution,
@@ -88,15 +95,32 @@ def run(a, device: torch.device, store=None, show_progress: bool = True) -> int:
     def out_size(h, w):
         return P.compute_target_size(h, w, up.resolution, up.scale_factor, up.max_resolution)
 
-    upscaler = FileUpscaler(a.dit, a.vae, device, dtype)
+    sequence = store is not None and a.parallel == "sequence"
+    group = _compute_group(device) if sequence else None
+    upscaler = FileUpscaler(a.dit, a.vae, device, dtype, group=group)
     upscale_chunk = upscaler.chunk_upscaler(up)
+    if sequence:
+        if dist.get_rank() != 0:          # rank 0 reads, writes and sends the chunks
+            try:
+                follow(upscale_chunk)
+            finally:
+                upscaler.close()
+            return 0
+        upscale_chunk, done = lead(upscale_chunk)
 
     bar = _progress_bar() if show_progress else None
     key = f"dit={file_id(a.dit)} vae={file_id(a.vae)} res={a.resolution} scale={a.scale} max={a.max_resolution} " \
           f"seed={a.seed} cc={a.color_correction} dtype={a.dtype}"
     try:
-        if store is None:
-            res = upscale_video(a.input, a.output, upscale_chunk, out_size, settings, model_key=key, progress=bar)
+        if store is None or sequence:
+            ok = False
+            try:
+                res = upscale_video(a.input, a.output, upscale_chunk, out_size, settings, model_key=key,
+                                    progress=bar)
+                ok = True
+            finally:
+                if sequence:
+                    done(ok)
         else:
             res = upscale_video_distributed(store, a.input, a.output, upscale_chunk, out_size, settings,
                                             model_key=key, progress=bar)
@@ -110,8 +134,12 @@ def run(a, device: torch.device, store=None, show_progress: bool = True) -> int:
     return 0
 
 
+def _compute_group(device: torch.device):
+    """The sequence-parallel group: NCCL between GPUs, gloo between CPU processes (the default group is gloo)."""
+    return dist.new_group(backend="nccl") if device.type == "cuda" else dist.group.WORLD
+
+
 def _worker(rank: int, world: int, store_path: str, a, devices: list) -> None:
-    import torch.distributed as dist
     device = torch.device(devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -119,6 +147,9 @@ def _worker(rank: int, world: int, store_path: str, a, devices: list) -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world)
     try:
         run(a, device, dist.PrefixStore("job", store), show_progress=rank == 0)
+        # every rank leaves together: a rank tearing its connections down while another still runs made gloo's
+        # background threads abort that other process (seen with --parallel sequence, where rank 0 works longest)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -130,7 +161,6 @@ def main(argv=None) -> int:
         _settings(a)
         gpus = devices_from_spec(a.gpus)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:      # started by torchrun
-            import torch.distributed as dist
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             local = int(os.environ.get("LOCAL_RANK", rank))
             device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
@@ -139,7 +169,9 @@ def main(argv=None) -> int:
             dist.init_process_group("gloo")
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, world, rank == 0)
             try:
-                return run(a, device, dist.PrefixStore("job", store), show_progress=rank == 0)
+                code = run(a, device, dist.PrefixStore("job", store), show_progress=rank == 0)
+                dist.barrier()          # leave together (see _worker)
+                return code
             finally:
                 dist.destroy_process_group()
         devices = gpus or (["cpu"] * a.workers if a.workers > 1 else [])
