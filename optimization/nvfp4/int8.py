@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from ..runtime import selftests
 from . import dispatch
 from .checkpoint import INT8_FORMATS, comfy_quant_tensor
 
@@ -98,33 +99,26 @@ def int_mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(a.contiguous(), b_t.t())[:m]
 
 
+@selftests.guard
 def int_mm_selftest(device) -> tuple[bool, str]:
     """Whether ``int_mm`` runs on ``device`` and equals the exact product (few and many rows); (ok, why not)."""
     g = torch.Generator().manual_seed(0)
-    try:
-        for m in (5, 40):
-            a = torch.randint(-128, 128, (m, 64), generator=g, dtype=torch.int8)
-            b = torch.randint(-128, 128, (48, 64), generator=g, dtype=torch.int8)
-            if not torch.equal(int_mm(a.to(device), b.to(device)).cpu(), int_matmul(a, b)):
-                return False, f"its product for {m} rows differs from the exact one"
-    except Exception as exc:  # noqa: BLE001 - any failure means: not here
-        return False, f"{type(exc).__name__}: {str(exc)[:160]}"
+    for m in (5, 40):
+        a = torch.randint(-128, 128, (m, 64), generator=g, dtype=torch.int8)
+        b = torch.randint(-128, 128, (48, 64), generator=g, dtype=torch.int8)
+        if not torch.equal(int_mm(a.to(device), b.to(device)).cpu(), int_matmul(a, b)):
+            return False, f"its product for {m} rows differs from the exact one"
     return True, ""
 
 
-_INT_MM_OK: dict = {}
-
-
 def int_mm_usable(device) -> bool:
-    """``int_mm_selftest`` once per device; a failure is logged once with its reason."""
-    key = str(torch.device(device))
-    if key not in _INT_MM_OK:
-        ok, why = int_mm_selftest(device)
-        if not ok:
-            log.warning("[SeedVR2-BW] INT8 on %s: torch._int_mm not used (%s); the float64 integer product runs "
-                        "instead (same results, slower)", key, why)
-        _INT_MM_OK[key] = ok
-    return _INT_MM_OK[key]
+    """``int_mm_selftest`` once per device (the self-test memo); a failure is logged once with its reason."""
+    first = selftests.status("int8_int_mm", device) is None
+    ok, why = selftests.run("int8_int_mm", device, check=lambda _variant, dev: int_mm_selftest(dev))
+    if first and not ok:
+        log.warning("[SeedVR2-BW] INT8 on %s: torch._int_mm not used (%s); the float64 integer product runs instead "
+                    "(same results, slower)", torch.device(device), why)
+    return ok
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
