@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from ...optimization.runtime.policy import get_policy, torch_settings
 from .color import COLOR_CORRECTION_MODES, color_correct
 from .dit import DiTInterrupted
-from .dit.sequence_parallel import SequenceParallelDiT, TooFewWindows
+from .dit.sequence_parallel import SequenceParallelDiT, TooFewWindows, stop_together
 from .vae.row_parallel import TooFewRows, decode_rows, encode_rows
 from .vae.tiling import plan_tiles
 
@@ -307,23 +307,11 @@ def _log_once(line: str) -> None:
         _log.info(line)
 
 
-def _asks_stop(should_stop) -> Callable[[], bool]:
-    """``should_stop`` (raising or returning True to stop) as a plain question: True to stop, never raises."""
-    def asks():
-        try:
-            return bool(should_stop())
-        except Exception:  # noqa: BLE001 - ComfyUI's interrupt, SeedVR2Cancelled, ...: all mean stop
-            return True
-    return asks
-
-
-def _agreed_stop(asks: Callable[[], bool], group, device) -> Callable[[], bool]:
-    """A check every rank of ``group`` makes at the same point: all stop (SeedVR2Cancelled) if any rank asks to,
-    so no rank is left waiting in a collective for one that stopped."""
+def _agreed_stop(should_stop, group, device) -> Callable[[], bool]:
+    """``should_stop`` asked by every rank of ``group`` at the same point (``stop_together``): all raise
+    SeedVR2Cancelled (the asking rank its own exception) if any rank asks to stop."""
     def check():
-        flag = torch.tensor([1.0 if asks() else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if flag.item():
+        if stop_together(should_stop, group, device):
             raise SeedVR2Cancelled("SeedVR2 upscale cancelled")
         return False
     return check
@@ -345,9 +333,8 @@ class SeedVR2Runner:
         self.group = group
         if group is not None:
             # sequence parallel: the DiT's windows and the VAE's rows split over the ranks, which stop together
-            asks = _asks_stop(self.should_stop)
             flag_device = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-            self.should_stop, self.dit_should_stop = _agreed_stop(asks, group, flag_device), asks
+            self.should_stop = _agreed_stop(self.dit_should_stop, group, flag_device)   # the DiT agrees per block
             self.dit = SequenceParallelDiT(dit, group)
         self.free_memory = free_memory
         self.scaling_factor = float(vae.scaling_factor)

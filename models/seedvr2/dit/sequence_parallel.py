@@ -37,6 +37,23 @@ from .rope import make_rope_table, text_angles, video_angles
 from .window import JointLayout, Window, build_joint_layout
 
 
+def stop_together(should_stop: Optional[Callable[[], bool]], group, device) -> bool:
+    """Asks ``should_stop`` (it may return True, or raise as ComfyUI's interrupt check does) at the same point on
+    every rank of ``group``: True on every rank when any rank asked to stop. The rank whose check raised re-raises
+    its exception once the others know, so no rank is left waiting in a collective for one that stopped."""
+    error, stop = None, False
+    if should_stop is not None:
+        try:
+            stop = bool(should_stop())
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the all-reduce
+            error, stop = exc, True
+    flag = torch.tensor([int(stop)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if error is not None:
+        raise error
+    return bool(flag.item())
+
+
 class TooFewWindows(ValueError):
     """The input has fewer attention windows than there are ranks (every rank needs whole windows); raised before
     any collective, on every rank alike."""
@@ -238,21 +255,6 @@ class SequenceParallelDiT:
         rows = torch.cat([c[:ids.numel()] for c, ids in zip(chunks, part.all_ids)])
         return y.new_empty((n_vid, y.shape[1])).index_copy_(0, order, rows)
 
-    def _stop_together(self, should_stop: Optional[Callable[[], bool]], device) -> None:
-        """Every rank stops at the same block: a rank leaving the collectives alone would hang the others."""
-        error, stop = None, False
-        if should_stop is not None:
-            try:
-                stop = bool(should_stop())
-            except BaseException as exc:  # ComfyUI's interrupt check raises instead of returning True
-                error, stop = exc, True
-        flag = torch.tensor([int(stop)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if error is not None:
-            raise error
-        if int(flag.item()):
-            raise DiTInterrupted("DiT forward interrupted between blocks (on some rank)")
-
     # ---- forward ----------------------------------------------------------------------------------
     @torch.no_grad()
     def __call__(self, vid: torch.Tensor, txt: torch.Tensor, vid_shape: torch.Tensor, txt_shape: torch.Tensor,
@@ -278,7 +280,8 @@ class SequenceParallelDiT:
         e = split_embedding(m.emb_in(timestep, dtype))
 
         for block in m.block_runner.iterate(m.blocks):
-            self._stop_together(should_stop, device)
+            if stop_together(should_stop, self.group, device):
+                raise DiTInterrupted("DiT forward interrupted between blocks (on some rank)")
             if block.window_method != method:
                 vid = self._reshard(vid, plan.moves[(method, block.window_method)])
                 method = block.window_method
