@@ -28,7 +28,7 @@ class FrameAttention(nn.Module):
         q, k, v = (lin(y).unsqueeze(1) for lin in (self.to_q, self.to_k, self.to_v))  # (B, 1, N, C)
         shard = row_parallel.current()
         if shard is not None:            # a band of rows: its queries attend to every position of the frame
-            k, v = shard.gather_rows(k, 2), shard.gather_rows(v, 2)
+            k, v = shard.gather_rows(torch.cat([k, v], dim=-1), 2).chunk(2, dim=-1)     # one gather for both
         # The official sets upcast_softmax, which diffusers' SDPA processor does not use; SDPA accumulates the
         # softmax in fp32 for 16-bit inputs anyway.
         o = F.scaled_dot_product_attention(q, k, v)

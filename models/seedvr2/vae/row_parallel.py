@@ -86,8 +86,10 @@ class RowShard:
         b, c, t, h, w = x5.shape
         g = norm.num_groups
         xf = x5.float().view(b, g, c // g, t, h, w)
-        count = self.all_sum(torch.tensor([float(h)], device=x.device))[0] * (c // g) * w
-        mean = self.all_sum(xf.sum(dim=(2, 4, 5))) / count                      # (b, g, t)
+        # the band's sums and its row count in one all-reduce
+        sums = self.all_sum(torch.cat([xf.sum(dim=(2, 4, 5)).flatten(), xf.new_tensor([float(h)])]))
+        count = sums[-1] * (c // g) * w
+        mean = sums[:-1].view(b, g, t) / count
         centred = xf - mean[:, :, None, :, None, None]
         var = self.all_sum(centred.square().sum(dim=(2, 4, 5))) / count
         y = centred * torch.rsqrt(var + norm.eps)[:, :, None, :, None, None]
