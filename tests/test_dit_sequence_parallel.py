@@ -8,9 +8,10 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from conftest import DATA
+from gloo_ranks import run_ranks
 from seedvr2bw.models.seedvr2.dit import load_dit
 from seedvr2bw.models.seedvr2.dit.sequence_parallel import balanced_runs, local_layout, split_layout
 from seedvr2bw.models.seedvr2.dit.window import build_joint_layout
@@ -42,35 +43,28 @@ def _inputs(case):
             inp["timestep"])
 
 
-def _worker(rank, world, store_path, out_dir):
-    import torch.distributed as dist
+def _on_rank(rank, world):
     from seedvr2bw.models.seedvr2.dit import DiTInterrupted
     from seedvr2bw.models.seedvr2.dit.sequence_parallel import SequenceParallelDiT
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     results = {}
     for variant in VARIANTS:
         sp = SequenceParallelDiT(_model(variant))
         for case in CASES:
-            results[f"{variant}.{case}"] = sp(*_inputs(case)).contiguous()
+            results[f"{variant}.{case}"] = sp(*_inputs(case))
         try:  # only the last rank asks to stop
             sp(*_inputs("video"), should_stop=lambda: rank == world - 1)
             stopped = False
         except DiTInterrupted:
             stopped = True
         results[f"{variant}.stopped"] = torch.tensor([stopped])
-    save_file(results, f"{out_dir}/rank{rank}.safetensors")
-    dist.destroy_process_group()
+    return results
 
 
 @pytest.fixture(scope="module", params=[2, 3])
 def ranks(request, tmp_path_factory):
     """{rank: saved results} of one spawned gloo group of ``world`` CPU processes."""
-    import torch.multiprocessing as mp
     world = request.param
-    out = tmp_path_factory.mktemp(f"sp{world}")
-    mp.spawn(_worker, args=(world, str(out / "store"), str(out)), nprocs=world, join=True)
-    return world, {r: load_file(out / f"rank{r}.safetensors") for r in range(world)}
+    return world, run_ranks(_on_rank, world, tmp_path_factory.mktemp(f"sp{world}"))
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from conftest import DATA
+from gloo_ranks import run_ranks
 from seedvr2bw.models.seedvr2 import pipeline as P
 from seedvr2bw.models.seedvr2.dit.loader import load_dit
 from seedvr2bw.models.seedvr2.vae import load_vae
@@ -34,15 +34,13 @@ def _cases():
                  "small": (torch.rand(1, 8, 12, 3, generator=g), P.UpscaleSettings(resolution=16))}
 
 
-def _worker(rank, world, store_path, out_dir):
+def _on_rank(rank, world):
     import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     dit, vae = _models()
     txt, cases = _cases()
     out = {}
     for name, (frames, settings) in cases.items():
-        out[name] = P.upscale(frames, dit, vae, txt, settings, group=dist.group.WORLD).contiguous()
+        out[name] = P.upscale(frames, dit, vae, txt, settings, group=dist.group.WORLD)
     for phase, at in (("dit", 4), ("vae", 2)):      # the last rank asks to stop at its at-th check
         calls = [0]
 
@@ -54,17 +52,13 @@ def _worker(rank, world, store_path, out_dir):
             out[f"stopped_{phase}"] = torch.tensor([0])
         except P.SeedVR2Cancelled:
             out[f"stopped_{phase}"] = torch.tensor([1])
-    save_file(out, f"{out_dir}/rank{rank}.safetensors")
-    dist.destroy_process_group()
+    return out
 
 
 @pytest.fixture(scope="module", params=[2, 3])
 def ranks(request, tmp_path_factory):
-    import torch.multiprocessing as mp
     world = request.param
-    out = tmp_path_factory.mktemp(f"sp_upscale{world}")
-    mp.spawn(_worker, args=(world, str(out / "store"), str(out)), nprocs=world, join=True)
-    return world, {r: load_file(out / f"rank{r}.safetensors") for r in range(world)}
+    return world, run_ranks(_on_rank, world, tmp_path_factory.mktemp(f"sp_upscale{world}"))
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from conftest import DATA
+from gloo_ranks import run_ranks
 from seedvr2bw.models.seedvr2.vae.loader import load_vae
 from seedvr2bw.models.seedvr2.vae.row_parallel import bands
 
@@ -27,27 +27,20 @@ def _inputs():
             "image_z": torch.randn(1, 16, 1, 9, 6, generator=g)}
 
 
-def _worker(rank, world, store_path, out_dir):
-    import torch.distributed as dist
+def _on_rank(rank, world):
     from seedvr2bw.models.seedvr2.vae.row_parallel import decode_rows, encode_rows
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     vae, inp, out = _vae(), _inputs(), {}
     with torch.no_grad():
         for case in ("video", "image"):
-            out[f"{case}.encode"] = encode_rows(vae, inp[f"{case}_x"]).moments.contiguous()
-            out[f"{case}.decode"] = decode_rows(vae, inp[f"{case}_z"]).contiguous()
-    save_file(out, f"{out_dir}/rank{rank}.safetensors")
-    dist.destroy_process_group()
+            out[f"{case}.encode"] = encode_rows(vae, inp[f"{case}_x"]).moments
+            out[f"{case}.decode"] = decode_rows(vae, inp[f"{case}_z"])
+    return out
 
 
 @pytest.fixture(scope="module", params=[2, 3])
 def ranks(request, tmp_path_factory):
-    import torch.multiprocessing as mp
     world = request.param
-    out = tmp_path_factory.mktemp(f"vae_rows{world}")
-    mp.spawn(_worker, args=(world, str(out / "store"), str(out)), nprocs=world, join=True)
-    return world, {r: load_file(out / f"rank{r}.safetensors") for r in range(world)}
+    return world, run_ranks(_on_rank, world, tmp_path_factory.mktemp(f"vae_rows{world}"))
 
 
 @pytest.fixture(scope="module")
