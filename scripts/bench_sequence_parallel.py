@@ -21,19 +21,10 @@ import _pack  # noqa: F401  (registers the checkout as `seedvr2bw`)
 import torch
 
 from bench_seedvr2 import random_dit
+from bench_upscale import case_inputs
 from bench_vae import make_random_vae
 from seedvr2bw.models.seedvr2 import pipeline as P
 from seedvr2bw.models.seedvr2.dit import SEEDVR2_3B, SEEDVR2_7B
-
-SHORT = {"480p": 480, "720p": 720, "1080p": 1080}
-
-
-def inputs(case: str):
-    res, n = case.split(":")
-    short = SHORT[res]
-    frames = torch.rand(int(n), short // 2, short * 16 // 9 // 2, 3, generator=torch.Generator().manual_seed(1))
-    return frames, P.UpscaleSettings(resolution=short, batch_size=P.next_4n1(int(n)), color_correction="wavelet")
-
 
 def _worker(rank, world, store_path, args, out_dir):
     import torch.distributed as dist
@@ -45,7 +36,7 @@ def _worker(rank, world, store_path, args, out_dir):
     dit = random_dit(SEEDVR2_7B if args.model == "7b" else SEEDVR2_3B, "auto")
     vae = make_random_vae(dev, torch.bfloat16)
     emb = torch.randn(58, 5120, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    frames, settings = inputs(args.case)
+    frames, settings = case_inputs(args.case)
     group = dist.group.WORLD if world > 1 else None
 
     def run():

@@ -47,6 +47,15 @@ def build(model: str, linears: str, dev):
     return dit, vae, emb
 
 
+def case_inputs(case: str):
+    """(frames, settings) of a case such as ``720p:21``: n random frames at half the target size (360x640 -> 720p),
+    one chunk, wavelet colour fix."""
+    res, n = case.split(":")
+    n, short = int(n), SHORT[res]
+    frames = torch.rand(n, short // 2, short * 16 // 9 // 2, 3, generator=torch.Generator().manual_seed(1))
+    return frames, P.UpscaleSettings(resolution=short, batch_size=P.next_4n1(n), color_correction="wavelet")
+
+
 def budget_now(dev) -> int:
     """What the pack may use: the device's free memory once torch's cache is handed back (cached holes inside
     segments that also hold live tensors are not counted: an allocation may not fit them)."""
@@ -135,11 +144,7 @@ def main():
             staging = Staging(dit, vae)
             dstager, vstager = staging.dit, staging.vae
             for case in args.cases.split(","):
-                res, n = case.split(":")
-                n, short = int(n), SHORT[res]
-                g = torch.Generator().manual_seed(1)
-                frames = torch.rand(n, short // 2, short * 16 // 9 // 2, 3, generator=g)   # 360x640 -> 720p
-                settings = P.UpscaleSettings(resolution=short, batch_size=P.next_4n1(n), color_correction="wavelet")
+                frames, settings = case_inputs(case)
                 # resident: both models on the GPU the whole time, with the plan the node makes for the whole GPU
                 # (one VAE tile grid for the run: tiles sized per call from the free memory vary run to run, and
                 # each new conv shape is autotuned by cuDNN again)
