@@ -89,7 +89,7 @@ def swap_block_linears(model, which, make) -> int:
 
 
 def is_linear(mod) -> bool:
-    return type(mod) is torch.nn.Linear or (isinstance(mod, torch.nn.Linear) and not hasattr(mod, "dequantize_weight"))
+    return isinstance(mod, torch.nn.Linear) and not hasattr(mod, "dequantize_weight")
 
 
 def is_quantized(mod) -> bool:
