@@ -212,7 +212,11 @@ def _worker(rank, world, store_path, args, src, out_path, result_path):
     dit, vae, emb = build_models(args.model, args.linears, dev)
     settings = P.UpscaleSettings(resolution=args.resolution, batch_size=args.batch, temporal_overlap=0, seed=42)
     up = chunk_upscaler(dit, vae, emb, settings, dev)
-    up(np.stack([f for f, _ in zip(C.read_frames(src), range(args.batch))]))   # warm-up
+    # warm-up as in single(): a chunk of each length the plan has, so no rank pays cuDNN's autotuning inside the
+    # timed run (the 1-GPU row would pay each new shape once, every rank of a wider run once per rank)
+    for n in sorted({c.end - c.start for c in plan(C.read_frames(src), args.batch, args.overlap,
+                                                   StreamSettings().scene_threshold)}, reverse=True):
+        up(np.stack([f for f, _ in zip(C.read_frames(src), range(n))]))
     torch.cuda.synchronize()
     dist.barrier()
     t0 = time.perf_counter()
