@@ -24,6 +24,36 @@ import uuid
 _INSTANCE: "ComfyInProcess | None" = None
 
 
+def _stand_in_server(why: ImportError):
+    """A PromptServer with what the executor and the nodes use (client id, last node, ``send_sync``,
+    ``queue_updated``, ``instance``), for a ComfyUI whose HTTP requirements are not installed; installed as the
+    ``server`` module so nodes that import it find the same object."""
+    import types
+
+    class _Routes:
+        def __getattr__(self, name):
+            return lambda *a, **k: (lambda f: f)     # route decorators: register nothing
+
+    class PromptServer:
+        instance = None
+
+        def __init__(self, loop):
+            PromptServer.instance = self
+            self.loop, self.client_id, self.last_node_id, self.last_prompt_id = loop, None, None, None
+            self.routes, self.supports, self.import_error = _Routes(), set(), str(why)
+
+        def send_sync(self, event, data, sid=None):
+            pass
+
+        def queue_updated(self):
+            pass
+
+    mod = types.ModuleType("server")
+    mod.PromptServer = PromptServer
+    sys.modules["server"] = mod
+    return PromptServer
+
+
 @dataclasses.dataclass
 class RunResult:
     prompt_id: str
@@ -64,6 +94,9 @@ class ComfyInProcess:
         import utils.extra_config  # noqa: F401  (import order, see the module docstring)
         import folder_paths
 
+        # a ComfyUI source tree without its custom_nodes folder (the GPU carry) must still load the given ones
+        nodes_paths = folder_paths.folder_names_and_paths["custom_nodes"][0]
+        nodes_paths[:] = [p for p in nodes_paths if os.path.isdir(p)]
         for d in custom_node_dirs:
             folder_paths.add_model_folder_path("custom_nodes", os.path.abspath(d))
         if output_dir:
@@ -77,7 +110,11 @@ class ComfyInProcess:
         import comfy.utils
         import execution
         import nodes
-        import server
+        try:
+            import server
+            server_class = server.PromptServer
+        except ImportError as exc:   # the GPU image has no aiohttp: nothing here serves HTTP anyway
+            server_class = _stand_in_server(exc)
 
         self.folder_paths = folder_paths
         self.execution = execution
@@ -88,7 +125,7 @@ class ComfyInProcess:
         self._events: list = []
         # A real PromptServer object, never started: nodes that use PromptServer.instance keep working.
         # Its send_sync is redirected into a list so that tests can read what a client would receive.
-        self.server = server.PromptServer(self.loop)
+        self.server = server_class(self.loop)
         self.server.send_sync = self._record
         self.import_failures: list[str] = []
         self.loop.run_until_complete(
