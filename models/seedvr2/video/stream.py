@@ -224,7 +224,12 @@ class Job:
         overlaps it; at most ``MAX_QUEUED_UNITS`` queued, so host memory stays bounded by a few chunks)."""
         # pixels here, in the caller's thread: the queue then holds integers (a quarter of the floats' bytes) and
         # the encoder thread allocates little (its own malloc arena would otherwise grow the process's RSS)
-        frames = to_pixels(frames, 16 if self.codec.sequence() else self.codec.bits)
+        self._queue(name, first, self._pixels(frames), then_delete)
+
+    def _pixels(self, frames: np.ndarray) -> np.ndarray:
+        return to_pixels(frames, 16 if self.codec.sequence() else self.codec.bits)
+
+    def _queue(self, name: str, first: int, frames: np.ndarray, then_delete: tuple = ()) -> None:
         if self.encoder is None:
             self._encode_now(name, first, frames, then_delete)
             return
@@ -263,7 +268,9 @@ class Job:
         if c.tail:
             self.work.save_array(f"tail_{c.index:06d}.npy", up[n - c.tail:] * (1.0 - ramp(c.tail)))
         b0, b1 = c.body
-        self._encode(self.body_name(c), b0, up[b0 - c.start:b1 - c.start])
+        body = self._pixels(up[b0 - c.start:b1 - c.start])
+        del up   # the chunk's floats go before its encoder starts: x264's frames then never sit beside them
+        self._queue(self.body_name(c), b0, body)
 
     def seams_ready(self) -> list[int]:
         """Chunks k whose tail and the next chunk's head are written but their seam is not."""
