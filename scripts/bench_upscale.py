@@ -3,7 +3,7 @@
 
 For each model and linear format, random weights of the real shapes; per case (``720p:21`` = 21 frames upscaled to a
 720p shortest edge from a half-size input) the resident run (both models on the GPU the whole time, with the plan
-for the whole GPU) and then, for each ``--budgets`` B, the GPU filled until B GiB stay free (the pack sees only B) and the run
+for the whole GPU) and then, for each ``--budgets`` B, the GPU filled until B GiB stay usable (the pack sees only B) and the run
 planned by ``models/seedvr2/memory.plan_memory`` and staged by ``DiTStager`` + a staged VAE. Prints per-phase times
 (plan, encode, attach, DiT, release, decode), per-run samples, allocator retries per phase, the pack's peak memory per phase (above the fill), the
 ratio to the resident median of the same run and the largest difference of the output to the resident output (with

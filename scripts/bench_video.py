@@ -2,7 +2,7 @@
 """Benchmark the streaming long-video upscale (models/seedvr2/video) on GPUs, with random weights of the real shapes.
 
 Single GPU (``--gpus 1``): a synthetic clip (``--frames`` at ``--in-res``, with audio) streamed file to file at a
-VRAM budget (the GPU filled until ``--budget`` GiB stay free; the DiT under BlockSwap "auto", the VAE resident),
+VRAM budget (the GPU filled until ``--budget`` GiB stay usable; the DiT under BlockSwap "auto", the VAE resident),
 against the same chunks run back to back through the in-memory pipeline in the same process (the frames decoded
 into memory first, the models staged the same way): frames/s of both, their ratio, and the streaming run's peak
 host RSS.
@@ -16,6 +16,7 @@ with its own model copy, timed from the moment every model is built; throughput 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -33,10 +34,12 @@ from seedvr2bw.models.seedvr2.dit import SEEDVR2_3B, SEEDVR2_7B
 from seedvr2bw.models.seedvr2.video import container as C
 from seedvr2bw.models.seedvr2.staging import Staging
 from seedvr2bw.optimization.blockswap.backend import CudaBackend
+from seedvr2bw.training.selective_checkpoint import free_device_bytes
 from seedvr2bw.models.seedvr2.video.stream import FrameCursor, StreamSettings, plan, upscale_video
 
 RES = {"360p": (360, 640), "480p": (480, 854), "720p": (720, 1280)}
 GIB = 1 << 30
+FILL_SLACK = 64 << 20   # usable memory beyond the budget that the fill leaves (allocator rounding)
 
 
 def make_clip(path: str, frames: int, h: int, w: int, fps: int = 24) -> str:
@@ -74,15 +77,35 @@ def make_clip(path: str, frames: int, h: int, w: int, fps: int = 24) -> str:
     return path
 
 
-def fill_gpu_to(budget_gib: float, device) -> torch.Tensor | None:
-    """Allocates what the GPU has free beyond ``budget_gib`` (the pack then sees only the budget); torch's cache is
-    handed back first, so cached blocks do not count as free."""
+def release_cached(device) -> None:
+    """Collects what only reference cycles keep alive (a closed trainer, its CUDA graphs and their private pools),
+    then hands torch's cache back to the driver once the GPU is idle."""
+    gc.collect()
+    torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info(device)
-    extra = free - int(budget_gib * GIB)
-    if extra <= 0:
-        return None
-    return torch.empty(extra, dtype=torch.uint8, device=device)
+
+
+def fill_gpu_to(budget_gib: float, device) -> list[torch.Tensor]:
+    """Allocates what the GPU has usable beyond ``budget_gib`` (the pack then sees only the budget) and returns the
+    fill tensors, to be held while the pack runs. Usable counts memory torch has reserved but not allocated (a later
+    allocation reuses it, mem_get_info does not see it as free), as the trainer's own measure does; a second tensor
+    tops up whatever the first left beyond the budget."""
+    release_cached(device)
+    before = torch.cuda.memory_allocated(device)
+    target = int(budget_gib * GIB)
+    hold = []
+    for _ in range(2):
+        extra = free_device_bytes(device) - target
+        if extra <= FILL_SLACK:
+            break
+        hold.append(torch.empty(extra, dtype=torch.uint8, device=device))
+    free = torch.cuda.mem_get_info(device)[0]
+    usable = free_device_bytes(device)
+    print(f"[bench] GPU filled for a {budget_gib:g} GiB budget: {sum(t.numel() for t in hold) / GIB:.2f} GiB held "
+          f"in {len(hold)} tensor(s); the pack sees {usable / GIB:.2f} GiB usable ({free / GIB:.2f} GiB free + "
+          f"{(usable - free) / GIB:.2f} GiB in torch's cache; {before / GIB:.2f} GiB allocated before the fill)",
+          flush=True)
+    return hold
 
 
 def build_models(model: str, linears: str, device, seed: int = 0):
