@@ -11,8 +11,10 @@ ComfyUI's source must be importable: --comfy DIR (default: $COMFYUI_DIR, ./.comf
 `--tiny` runs a small model on CPU to check the script itself.
 
 `--budgets 24,16,12,8` (issue #29): after the modes, the training node's path on a card of B GiB: the base in host
-RAM, the GPU filled until B GiB stay free, the automatic memory plan applied to default settings; s/step, the
-trainer's peak above the fill and the ratio to the resident fp8 run of the same process (`--modes fp8`).
+RAM, the GPU filled until B GiB stay usable (free plus torch's cache; a row is refused when more is usable after the
+fill or after its run), the automatic memory plan applied to default settings; s/step, the trainer's peak above the
+fill, the ratio to the resident fp8 run of the same process (`--modes fp8`), whether the validation loss fell and
+how many keys of the saved LoRA ComfyUI's LoraLoader does not apply.
 
 `--host-ops` (CPU only, no GPU needed): what the host does per training step, independent of GPU speed. FLUX.1's
 block structure (19 double + 38 single blocks, 304 LoRA targets) with tiny widths (hidden 64), bf16 compute, so
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import os
 import statistics
 import sys
@@ -38,7 +41,8 @@ import types
 import _pack  # registers the pack as `seedvr2bw`
 import torch
 
-from bench_video import fill_gpu_to
+from bench_video import fill_gpu_to, release_cached
+from seedvr2bw.training.selective_checkpoint import free_device_bytes
 
 FULL = dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=4096,
             hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=19, depth_single_blocks=38, axes_dim=[16, 56, 56],
@@ -203,42 +207,108 @@ def bench_ours(mp, res, mode, cfgdims, dev, warmup, steps, outdir, cuda_graph="a
             "fp8_tensorcores": tc}
 
 
+FILL_TOLERANCE_GIB = 0.25   # usable memory beyond the budget that voids a budget row
+
+
+def check_budget(usable: int, budget_gib: float, when: str) -> None:
+    """Raises when more than the budget (+ FILL_TOLERANCE_GIB) is usable: the row would measure a larger card."""
+    if usable > (budget_gib + FILL_TOLERANCE_GIB) * 2**30:
+        raise RuntimeError(
+            f"{usable / 2**30:.2f} GiB usable {when}, more than the {budget_gib:g} GiB budget + "
+            f"{FILL_TOLERANCE_GIB} GiB: memory held outside the fill was freed (a previous run's trainer or CUDA "
+            "graphs?); no row for this budget")
+
+
+class Collect(logging.Handler):
+    """Appends the message of each warning (and above) it handles to ``messages``."""
+
+    def __init__(self, messages: list):
+        super().__init__(logging.WARNING)
+        self.messages = messages
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def lora_keys_missing(mp, path: str) -> int:
+    """Keys of the LoRA file at ``path`` that ComfyUI's LoraLoader path (``comfy.sd.load_lora_for_models``) does
+    not apply to ``mp``: the file keys it matches to no weight and the weights the model patcher refuses, each
+    logged by ComfyUI as a warning."""
+    import comfy.sd
+    import comfy.utils
+    lora = comfy.utils.load_torch_file(path)
+    messages = []
+    catch = Collect(messages)
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(catch)
+    root.setLevel(min(level, logging.WARNING))   # ComfyUI logs the misses as root warnings, which a higher level drops
+    try:
+        comfy.sd.load_lora_for_models(mp, None, lora, 1.0, 0.0)
+    finally:
+        root.removeHandler(catch)
+        root.setLevel(level)
+    return sum(m.startswith(("lora key not loaded", "NOT LOADED")) for m in messages)
+
+
 def bench_budget(mp, res, budget_gib, cfgdims, dev, warmup, steps, outdir):
     """The training node's path on a card of ``budget_gib``: the base back in host RAM (as the node leaves it), the
-    GPU filled until that much stays free, the automatic memory plan (training/memory_plan.py) made from what is
-    free and applied to default settings (base precision and blocks to swap "auto"), then s/step and the trainer's
-    peak above the fill. On the CPU (``--tiny``) the plan is made for a budget of that size and nothing is filled."""
+    GPU filled until that much stays usable, the automatic memory plan (training/memory_plan.py) made from what is
+    usable and applied to default settings (base precision and blocks to swap "auto"), then s/step and the trainer's
+    peak above the fill. On the CPU (``--tiny``) the plan is made for a budget of that size and nothing is filled.
+
+    The row also says whether training works there: ``loss_decreasing`` compares the validation loss (the node's:
+    fixed sigmas and noise on the training image, so only the LoRA changes between the two) after the steps with
+    the one before them, since a handful of step losses at random sigmas is mostly sigma noise; and
+    ``lora_keys_missing`` counts the saved LoRA's keys that ComfyUI's LoraLoader does not apply."""
     import comfy.model_management as mm
     from seedvr2bw.training.memory_plan import DeviceBudget, PlanRequest, flux_dims, plan_training
     from seedvr2bw.training.trainer import FluxLoraTrainer, TrainConfig
+    cuda = dev.type == "cuda"
     mm.free_memory(1e30, dev)
     dm = mp.model.diffusion_model
-    hold = fill_gpu_to(budget_gib, dev) if dev.type == "cuda" else None
-    vram = int(torch.cuda.mem_get_info(dev)[0]) if dev.type == "cuda" else int(budget_gib * 2**30)
-    plan = plan_training(flux_dims(dm), PlanRequest(resolution=res, rank=16, cache_bytes=16 * (res // 8) ** 2 * 4),
-                         DeviceBudget.of(dev, vram))
-    cfg = plan.apply(TrainConfig(rank=16, alpha=16, steps=10**6, learning_rate=1e-4, optimizer="adamw",
-                                 compute_dtype="bf16" if dev.type == "cuda" else "fp32", base_precision="auto",
-                                 blocks_to_swap=-1, gradient_checkpointing=True, output_dir=outdir,
-                                 output_name=f"bench_budget{budget_gib:g}_{res}", seed=0))
-    base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    tr = None
+    hold = fill_gpu_to(budget_gib, dev) if cuda else []
     try:
-        tr = FluxLoraTrainer(dm, cfg, make_dataset(res, cfgdims), latent_format=mp.model.latent_format, device=dev)
-        times, losses = timed_steps(tr, dev, warmup, steps)
-        peak = (torch.cuda.max_memory_allocated(dev) - base) / 2**30 if dev.type == "cuda" else float("nan")
-    finally:
-        if tr is not None:
+        usable = free_device_bytes(dev) if cuda else None
+        if cuda:
+            check_budget(usable, budget_gib, "after the fill")
+        plan = plan_training(flux_dims(dm), PlanRequest(resolution=res, rank=16, cache_bytes=16 * (res // 8) ** 2 * 4),
+                             DeviceBudget.of(dev, usable if cuda else int(budget_gib * 2**30)))
+        cfg = plan.apply(TrainConfig(rank=16, alpha=16, steps=10**6, learning_rate=1e-4, optimizer="adamw",
+                                     compute_dtype="bf16" if cuda else "fp32", base_precision="auto",
+                                     blocks_to_swap=-1, gradient_checkpointing=True, output_dir=outdir,
+                                     output_name=f"bench_budget{budget_gib:g}_{res}", seed=0))
+        base = torch.cuda.memory_allocated(dev) if cuda else 0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
+        ds = make_dataset(res, cfgdims)
+        tr = FluxLoraTrainer(dm, cfg, ds, latent_format=mp.model.latent_format, device=dev, validation=ds)
+        try:
+            val_before = tr.validation_loss()
+            times, losses = timed_steps(tr, dev, warmup, steps)
+            peak = (torch.cuda.max_memory_allocated(dev) - base) / 2**30 if cuda else float("nan")
+            val_after = tr.validation_loss()
+            lora_path = tr.save_lora()
+        finally:
             tr.close()
-        del hold
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+            del tr
+        missing = lora_keys_missing(mp, lora_path)
+        usable_after_run = None
+        if cuda:
+            release_cached(dev)
+            usable_after_run = free_device_bytes(dev)
+            check_budget(usable_after_run, budget_gib, "after the run with the fill still held")
+    finally:
+        hold.clear()
+        if cuda:
+            release_cached(dev)
     return {"impl": "ours", "mode": f"auto@{budget_gib:g}GiB", "res": res, "budget_gib": budget_gib,
+            "usable_gib_after_fill": None if usable is None else usable / 2**30,
+            "usable_gib_after_run": None if usable_after_run is None else usable_after_run / 2**30,
             "plan": plan.line(), "median_s": statistics.median(times), "min_s": min(times),
             "step_s": [round(t, 4) for t in times], "peak_gib": peak, "loss_first": losses[0],
-            "loss_last": losses[-1]}
+            "loss_last": losses[-1], "val_loss_before": val_before, "val_loss_after": val_after,
+            "loss_decreasing": val_after < val_before, "lora_file": lora_path, "lora_keys_missing": missing}
 
 
 def bench_trainloranode(mp, res, cfgdims, dev, warmup, steps):
@@ -541,7 +611,12 @@ def main():
     for r in results:
         if "budget_gib" in r:
             ratio = f", {r['ratio_vs_resident_fp8']:.2f}x the resident fp8 run" if "ratio_vs_resident_fp8" in r else ""
-            print(f"[bench] {r['res']} at {r['budget_gib']:g} GiB: {r['median_s']:.3f} s/step{ratio}; {r['plan']}")
+            usable = "" if r["usable_gib_after_fill"] is None else \
+                f"{r['usable_gib_after_fill']:.2f} GiB usable after the fill, "
+            print(f"[bench] {r['res']} at {r['budget_gib']:g} GiB: {r['median_s']:.3f} s/step{ratio}; {usable}"
+                  f"peak {r['peak_gib']:.1f} GiB; loss decreasing {r['loss_decreasing']} (validation loss "
+                  f"{r['val_loss_before']:.5f} -> {r['val_loss_after']:.5f}); LoRA keys missing in ComfyUI's "
+                  f"LoraLoader {r['lora_keys_missing']}; {r['plan']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"info": info, "results": results}, f, indent=1)

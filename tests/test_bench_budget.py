@@ -1,8 +1,12 @@
-"""The benches' VRAM budgets on the CPU: scripts/bench_video.fill_gpu_to's arithmetic on a simulated GPU."""
+"""The benches' VRAM budgets on the CPU: scripts/bench_video.fill_gpu_to's arithmetic on a simulated GPU, and
+scripts/bench_flux_lora.bench_budget's row on the tiny FLUX (the GPU run: the device)."""
 import sys
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
+
+from comfy_env import require_comfy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_video as BV  # noqa: E402
@@ -56,3 +60,20 @@ def test_fill_leaves_slack_and_small_gpus_alone(monkeypatch):
     gpu.free = 6 * GIB
     assert BV.fill_gpu_to(8, "cuda") == [] and gpu.allocated == 0
 
+
+def test_budget_row_on_tiny_flux(tmp_path):
+    require_comfy()
+    import bench_flux_lora as B
+    torch.set_num_threads(1)
+    cpu = torch.device("cpu")
+    mp = B.build_model(B.TINY, cpu, torch.float32)
+    r = B.bench_budget(mp, 64, 8.0, B.TINY, cpu, warmup=1, steps=3, outdir=str(tmp_path))
+    assert r["budget_gib"] == 8.0 and r["usable_gib_after_fill"] is None   # nothing is filled on the CPU
+    assert len(r["step_s"]) == 3
+    assert r["loss_decreasing"] is True and r["val_loss_after"] < r["val_loss_before"]
+    assert r["lora_keys_missing"] == 0
+    # the count comes from ComfyUI's loader: a key it cannot place is counted
+    lora = load_file(r["lora_file"])
+    lora["lora_unet_no_such_block.lora_down.weight"] = torch.zeros(4, 8)
+    save_file(lora, str(tmp_path / "extra.safetensors"))
+    assert B.lora_keys_missing(mp, str(tmp_path / "extra.safetensors")) == 1
