@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import os
 import sys
 import threading
@@ -112,8 +113,10 @@ class ComfyInProcess:
         import nodes
         try:
             import server
+            if importlib.util.find_spec("comfyui_frontend_package") is None:   # PromptServer exits without it
+                raise ImportError("comfyui_frontend_package is not installed")
             server_class = server.PromptServer
-        except ImportError as exc:   # the GPU image has no aiohttp: nothing here serves HTTP anyway
+        except ImportError as exc:   # the GPU image lacks ComfyUI's HTTP side: nothing here serves HTTP anyway
             server_class = _stand_in_server(exc)
 
         self.folder_paths = folder_paths
