@@ -18,6 +18,7 @@ from seedvr2bw.optimization.nvfp4 import int8 as I8
 from seedvr2bw.optimization.nvfp4 import mxfp8 as MX
 from seedvr2bw.optimization.nvfp4.convert import convert_file
 from seedvr2bw.optimization.nvfp4.surgery import replace_linears
+from seedvr2bw.optimization.runtime import device, policy
 
 from nvfp4_refs import comfy_kitchen, needs_ck
 from test_nvfp4_dispatch import site_for
@@ -170,11 +171,19 @@ def test_mxfp8_kernel_follows_the_policy(profile, want):
 
 
 def test_int8_kernel_choice():
-    """torch._int_mm where its self-test passed and the features are multiples of 8, else the float64 reference,
-    each with its reason; a bad request names the choices."""
+    """torch._int_mm where its self-test passed and the features are multiples of 8 (between the fused Triton
+    kernels where they pass theirs, else torch ops), else the float64 reference, each with its reason; a bad request
+    names the choices."""
+    d = dispatch.decide("int8", "auto", 4096, site_for("hopper", int_mm=lambda: True, int8_fused=lambda: (True, "")))
+    assert (d.path, d.kernel) == ("int_mm", "int8_int_mm") and "works here" in d.reason
+    d = dispatch.decide("int8", "auto", 4096, site_for("hopper", int_mm=lambda: True,
+                                                       int8_fused=lambda: (False, "failed their self-test: boom")))
+    assert (d.path, d.kernel) == ("int_mm", "int8_int_mm_eager") and "works here; failed their self-test" in d.reason
+    d = dispatch.decide("int8", "auto", 4096, site_for("cpu", int_mm=lambda: True, int8_fused=lambda: (True, "")))
+    assert (d.path, d.kernel) == ("int_mm", "int8_int_mm_eager") and "not a CUDA device" in d.reason
+    d = dispatch.decide("int8", "auto", 4096, site_for("hopper", int_mm=lambda: True, triton=False))
+    assert d.kernel == "int8_int_mm_eager" and "no Triton" in d.reason
     for profile in ("cpu", "hopper"):
-        d = dispatch.decide("int8", "auto", 4096, site_for(profile, int_mm=lambda: True))
-        assert (d.path, d.kernel) == ("int_mm", "int8_int_mm") and "works here" in d.reason
         d = dispatch.decide("int8", "auto", 4096, site_for(profile, int_mm=lambda: False))
         assert d.kernel == "int8_reference" and "failed its self-test" in d.reason
         d = dispatch.decide("int8", "int_mm", 8, site_for(profile, int_mm=lambda: True, dims8=False))
@@ -183,7 +192,11 @@ def test_int8_kernel_choice():
             "int8_reference"
     with pytest.raises(ValueError, match="INT8 path"):
         dispatch.decide("int8", "fast", 8, site_for("cpu"))
-    assert all(k in dispatch.KERNEL_DOC for k in ("int8_int_mm", "int8_reference"))
+    assert all(k in dispatch.KERNEL_DOC for k in ("int8_int_mm", "int8_int_mm_eager", "int8_reference"))
+    info = device.DeviceInfo(type="cuda", index=0, name="H100", capability=(9, 0), arch_list=("sm_90a",))
+    pol = policy.decide(info, selftests={"nvfp4": lambda p, i: (True, "ok"), "fp8": lambda f, i: (True, "ok")})
+    line = next(line for line in pol.kernel_table() if line.strip().startswith("int8 auto"))
+    assert line.endswith("all M: int8_int_mm"), line
     assert any(line.strip().startswith("mxfp8 auto") for line in dispatch.kernel_table(site_for("hopper")))
 
 
@@ -200,13 +213,13 @@ def test_int_mm_equals_the_exact_integer_product(m):
 
 
 def test_int8_layer_on_int_mm_is_bit_identical_to_the_reference():
-    """The layer takes torch._int_mm where it works (here: the CPU) and its output equals the reference bit for
-    bit."""
+    """The layer takes torch._int_mm where it works (here: the CPU, with the other steps as torch ops) and its
+    output equals the reference bit for bit."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(512, 72).to(torch.bfloat16)
     layer = I8.Int8Linear.from_linear(lin, convrot_group=256)
     x = torch.randn(3, 40, 512).to(torch.bfloat16)
-    assert layer.decision(x.reshape(-1, 512)).kernel == "int8_int_mm"
+    assert layer.decision(x.reshape(-1, 512)).kernel == "int8_int_mm_eager"
     y = layer(x)
     want = I8.int8_linear(x.reshape(-1, 512), layer.weight, layer.weight_scale, layer.bias, 256).reshape(3, 40, 72)
     assert torch.equal(y, want)

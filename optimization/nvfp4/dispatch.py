@@ -10,7 +10,8 @@ NVFP4 paths: ``fp4_tensorcore`` (sm_100 / sm_120, FP4 GEMM), ``fp8_speed`` (sm_8
 activations), ``fidelity`` (bf16 activations x the 4-bit weight, by M below), ``reference`` (exact fp32, any device).
 ComfyUI's other layouts: ``mxfp8`` (``MXFP8Linear``: the policy's speed paths run an FP8 GEMM, fidelity the exactly
 dequantized weight) and ``int8`` (``Int8Linear``, ConvRot: the integer product through ``torch._int_mm`` where its
-self-test passes, int8 tensor cores on a GPU; else the exact float64 reference).
+self-test passes, int8 tensor cores on a GPU, between fused Triton kernels where those pass theirs; else the exact
+float64 reference).
 """
 from __future__ import annotations
 
@@ -43,9 +44,10 @@ KERNEL_DOC = {
     "mxfp8_fp8_rowwise": "MXFP8 weight as FP8 per channel (power-of-two shifts), activations FP8 per token, "
                          "torch._scaled_mm",
     "mxfp8_dequant": "MXFP8 weight dequantized exactly to the compute dtype, one GEMM",
-    "int8_int_mm": "ConvRot: activations rotated and quantized to int8 per token, torch._int_mm (int32, exact), "
-                   "rescaled",
-    "int8_reference": "ConvRot as int8_int_mm, the integer product summed in float64 (exact, slow)",
+    "int8_int_mm": "ConvRot: activations rotated and quantized to int8 per token by one fused Triton kernel, "
+                   "torch._int_mm (int32, exact), rescaled and biased by a fused Triton epilogue",
+    "int8_int_mm_eager": "ConvRot as int8_int_mm, the rotation, quantization and rescale as torch ops",
+    "int8_reference": "ConvRot as int8_int_mm_eager, the integer product summed in float64 (exact, slow)",
 }
 
 
@@ -69,6 +71,8 @@ class Site:
     fp8: Callable[[], bool] = field(default=_no)     # the device has an FP8 GEMM (the policy's fp8_gemm)
     int_mm: Callable[[], bool] = field(default=_no)  # torch._int_mm gives the exact product here (self-tested)
     dims8: bool = True                               # in and out features multiples of 8 (torch._int_mm operands)
+    # the INT8 layer's fused Triton kernels take its activations here (dtype, group size, self-test): (ok, why not)
+    int8_fused: Callable[[], tuple[bool, str]] = lambda: (False, "no fused kernels")
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,11 @@ def decide(fmt: str, request: str, m: int, site: Site, fidelity_kernel: str = "a
             return Decision("reference", "int8_reference", f"{why}, but features not multiples of 8")
         if not site.int_mm():
             return Decision("reference", "int8_reference", f"{why}, but it failed its self-test on this device")
-        return Decision("int_mm", "int8_int_mm", f"{why}, which works here")
+        why = f"{why}, which works here"
+        if not site.triton:
+            return Decision("int_mm", "int8_int_mm_eager", why, "not a CUDA device" if not site.cuda else "no Triton")
+        fused, no = site.int8_fused()
+        return Decision("int_mm", "int8_int_mm", why) if fused else Decision("int_mm", "int8_int_mm_eager", why, no)
     path, why = _nvfp4_path(request, site)
     if path == "reference":
         return Decision(path, "reference", why)

@@ -13,6 +13,10 @@ quantized per row: ``scale = amax/127``, ``q = round(x / scale)``. A call rotate
 which approximates ``x W^T + b`` since ``x H (W H)^T = x W^T``. Every step follows comfy-kitchen's eager
 ``int8_linear`` (the scale rounded to the activations' dtype before the division, round half to even, the int32 sum
 converted to float32), so the result is bit-identical to it on CPU.
+
+On CUDA ``Int8Linear`` runs ``int8_linear_fused``: the rotation and quantization in one Triton kernel, the rescale and
+bias in another (``int8_kernels``), ``torch._int_mm`` between them; its codes may differ from the reference's by one
+where the rotation's float32 sum, taken in another order, rounds to a neighbouring bf16 / fp16 value.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import logging
 import torch
 
 from ..runtime import selftests
-from . import dispatch
+from . import dispatch, int8_kernels, launch
 from .checkpoint import INT8_FORMATS, comfy_quant_tensor
 
 log = logging.getLogger(__name__)
@@ -121,6 +125,56 @@ def int_mm_usable(device) -> bool:
     return ok
 
 
+def int8_linear_fused(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                      group: int) -> torch.Tensor:
+    """``int8_linear`` for bf16 / fp16 ``x`` through the Triton kernels and ``int_mm``, output in x's dtype: equal
+    to it wherever the kernel's codes equal ``quantize_rows(rotate(x))`` (see the module docstring)."""
+    xq, sx = int8_kernels.rotate_quantize(x, hadamard(group, x.device, x.dtype))
+    return int8_kernels.rescale(int_mm(xq, q.to(x.device)), sx, scale, bias, x.dtype)
+
+
+@selftests.guard
+def fused_selftest(device, dtype=torch.bfloat16, group: int = 256) -> tuple[bool, str]:
+    """Whether ``int8_linear_fused`` runs on ``device`` and agrees with the CPU reference (few and many rows, bias,
+    each tile configuration): codes within one of ``quantize_rows(rotate(x))`` (at most 1 % of them off), scales
+    within a bf16 step, and the output equal bit for bit to ``dequantize_product`` of the kernel's own codes."""
+    g = torch.Generator().manual_seed(0)
+    q, s = quantize_int8_convrot(torch.randn(48, 2 * group, generator=g), group)
+    bias = torch.randn(48, generator=g).to(dtype)
+    h = hadamard(group, device, dtype)
+    for m in (5, 40):
+        x = torch.randn(m, 2 * group, generator=g).to(dtype)
+        rq, rs = quantize_rows(rotate(x, group))
+        for config in int8_kernels.ROTATE_QUANT_CONFIGS + (None,):      # None: the one int8_linear_fused takes
+            xq, sx = (t.cpu() for t in int8_kernels.rotate_quantize(x.to(device), h, config))
+            off = (xq.int() - rq.int()).abs()
+            if off.max() > 1 or (off > 0).float().mean() > 0.01:
+                return False, f"its int8 codes for {m} rows differ from the reference's (by up to {off.max().item()})"
+            if not torch.allclose(sx, rs, rtol=2 ** -7, atol=0):
+                return False, f"its scales for {m} rows differ from the reference's"
+        want = dequantize_product(int_matmul(xq, q), sx, s, bias, dtype)
+        got = int8_linear_fused(x.to(device), q.to(device), s.to(device), bias.to(device), group).cpu()
+        if not torch.equal(got, want):
+            return False, f"its output for {m} rows differs from the rescaled product of its own codes"
+    return True, ""
+
+
+def fused_usable(device, dtype, group) -> tuple[bool, str]:
+    """Whether the fused kernels take this layer's activations on ``device``: (ok, why not). The self-test runs
+    once per device, dtype and group; a failure is logged once with its reason."""
+    why = int8_kernels.fusable(dtype, group)
+    if why:
+        return False, why
+    variant = f"{dtype}/{group}"
+    first = selftests.status("int8_fused", device, variant) is None
+    ok, why = selftests.run("int8_fused", device, variant,
+                            check=lambda _variant, dev: fused_selftest(dev, dtype, group))
+    if first and not ok:
+        log.warning("[SeedVR2-BW] INT8 on %s: fused Triton kernels not used for %s (%s); the rotation, quantization "
+                    "and rescale run as torch ops instead", torch.device(device), variant, why)
+    return ok, "" if ok else f"failed their self-test: {why}"
+
+
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                 group: int | None, out_dtype=None, matmul=int_matmul) -> torch.Tensor:
     """The ConvRot int8 linear of the module docstring for a 2-D ``x``; output in ``out_dtype`` (x's by default).
@@ -129,9 +183,15 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     if group:
         x = rotate(x, group)
     xq, sx = quantize_rows(x)
-    acc = matmul(xq, q.to(x.device)).float()
-    sw = scale.to(device=x.device, dtype=torch.float32).reshape(1, -1)
-    y = (acc * (sx * sw)).to(out_dtype)
+    return dequantize_product(matmul(xq, q.to(x.device)), sx, scale, bias, out_dtype)
+
+
+def dequantize_product(acc: torch.Tensor, sx: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                       out_dtype) -> torch.Tensor:
+    """The int32 product ``acc`` [M, N] -> ``(acc * (s_x * s_w)).to(out_dtype) + bias``, each step as
+    comfy-kitchen's ``int8_linear`` takes it (float32 scales, the bias added in the output dtype)."""
+    sw = scale.to(device=acc.device, dtype=torch.float32).reshape(1, -1)
+    y = (acc.float() * (sx * sw)).to(out_dtype)
     return y if bias is None else y + bias.to(device=y.device, dtype=y.dtype).reshape(1, -1)
 
 
@@ -203,8 +263,10 @@ class Int8Linear(torch.nn.Module):
         return dequantize_int8(self.weight, self.weight_scale, self.convrot_group, dtype)
 
     def decision(self, x2: torch.Tensor) -> dispatch.Decision:
-        site = dispatch.Site(cuda=x2.is_cuda, dims8=self.in_features % 8 == 0 and self.out_features % 8 == 0,
-                             int_mm=lambda: int_mm_usable(x2.device))
+        site = dispatch.Site(cuda=x2.is_cuda, triton=launch.triton_usable(x2),
+                             dims8=self.in_features % 8 == 0 and self.out_features % 8 == 0,
+                             int_mm=lambda: int_mm_usable(x2.device),
+                             int8_fused=lambda: fused_usable(x2.device, x2.dtype, self.convrot_group))
         d = dispatch.decide("int8", self.path, x2.shape[0], site)
         if (d.kernel, x2.device.type) not in _ANNOUNCED:
             _ANNOUNCED.add((d.kernel, x2.device.type))
@@ -215,6 +277,9 @@ class Int8Linear(torch.nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         d = self.decision(x2)
-        y = int8_linear(x2, self.weight, self.weight_scale, self.bias, self.convrot_group,
-                        matmul=int_mm if d.kernel == "int8_int_mm" else int_matmul)
+        if d.kernel == "int8_int_mm":
+            y = int8_linear_fused(x2, self.weight, self.weight_scale, self.bias, self.convrot_group)
+        else:
+            y = int8_linear(x2, self.weight, self.weight_scale, self.bias, self.convrot_group,
+                            matmul=int_mm if d.kernel == "int8_int_mm_eager" else int_matmul)
         return y.reshape(*shape[:-1], self.out_features)

@@ -91,7 +91,8 @@ class Policy:
             fp4_gemm=lambda: (self.profile in _FP4_TENSOR_CORES, f"no FP4 tensor cores on {self.profile}"),
             wgmma=lambda: hopper, rs=lambda: hopper, fp8=lambda: gpu and self.fp8_gemm,
             # a forecast: the INT8 layer runs torch._int_mm's own self-test at its first call and logs the outcome
-            int_mm=lambda: self.device.type == "cpu" or (gpu and (self.device.capability or (0, 0)) >= (8, 0)))
+            int_mm=lambda: self.device.type == "cpu" or (gpu and (self.device.capability or (0, 0)) >= (8, 0)),
+            int8_fused=lambda: (True, ""))       # a forecast too: the layer self-tests its fused kernels likewise
         return dispatch.kernel_table(site)
 
 
