@@ -85,21 +85,6 @@ def test_dequant_kernel_bit_exact(n, k, dtype):
 
 
 @cuda
-@pytest.mark.parametrize("m", [1, 16, 4096])
-def test_int8_layer_runs_int_mm_bit_identical_to_the_exact_product(m):
-    """INT8 ConvRot layers take torch._int_mm (int8 tensor cores) on this GPU, and its int32 sums equal the float64
-    reference's, so the output is the reference's bit for bit."""
-    from seedvr2bw.optimization.nvfp4 import int8 as I8
-    torch.manual_seed(0)
-    layer = I8.Int8Linear.from_linear(torch.nn.Linear(3072, 1536).to(torch.bfloat16), convrot_group=256).to(DEV)
-    x = torch.randn(m, 3072, device=DEV, dtype=torch.bfloat16)
-    assert I8.int_mm_selftest(DEV) == (True, "")
-    assert layer.decision(x).kernel == "int8_int_mm"
-    want = I8.int8_linear(x, layer.weight, layer.weight_scale, layer.bias, 256, matmul=I8.int_matmul)
-    assert torch.equal(layer(x), want)
-
-
-@cuda
 @needs_triton
 @pytest.mark.parametrize("n,k", [(70, 96), (3072, 12288), (12288, 3072)])
 def test_fp8_copy_of_nvfp4_weights_bit_exact(n, k):
