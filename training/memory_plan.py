@@ -38,7 +38,9 @@ TEXT_TOKENS = 256              # ComfyUI pads T5 to 256 tokens
 # Seconds per step at 1024², batch 1 on an H100 (§6): (full checkpointing, every block selective).
 STEP_S = {"as_loaded": (0.556, 0.433), "fp8": (0.507, 0.405), "nvfp4": (0.610, 0.510)}
 FP8_WITHOUT_TENSORCORES = 1.3  # the fp8 base dequantizes per call where FP8 GEMMs are not available (estimate)
-HOST_LINK_BYTES_S = 20e9       # pinned host->GPU copy rate (PCIe 4/5, estimate)
+# pinned host->GPU rate a swapped step reaches: 14.2-16.7 GB/s on an H100 (PERFORMANCE §6, budget rows: each
+# swapped step took its swapped blocks' bytes twice over at that rate), below the link's nominal 20+
+HOST_LINK_BYTES_S = 15e9
 SWAP_SLOWDOWN = 1.2            # BlockSwap turns CUDA graphs off: §6 measured graphs 1.17-1.22x faster
 REF_TOKENS = 4096 + TEXT_TOKENS
 # A lower base precision is chosen only where it is estimated this much faster (it changes the base's numerics).
