@@ -162,13 +162,13 @@ def run_video(src_path: str, dit, vae, seed, size_mode, resolution, scale_factor
     memory = plan_run(dit, vae, device, (batch_size, info.height, info.width, 3), settings)
     stager = ModelStager(dit, vae, device, memory)
 
-    def upscale_chunk(frames: np.ndarray) -> np.ndarray:
+    def upscale_chunk(frames: np.ndarray) -> torch.Tensor:   # on the device: the stream takes pixels to the host
         out = P.upscale(torch.from_numpy(frames), dit.model, vae.model, dit.embeddings.positive, settings,
                         device=device, dit_dtype=dit.dtype, vae_dtype=vae.dtype,
-                        offload_device=mm.unet_offload_device(), output_device="cpu",
+                        offload_device=mm.unet_offload_device(), output_device=device,
                         should_stop=mm.throw_exception_if_processing_interrupted, hooks=stager.hooks(),
                         memory=memory)
-        return out.numpy()
+        return out
 
     res = upscale_video(src_path, out_path, upscale_chunk, lambda h, w: target, stream, model_key=key["model"],
                         progress=progress, should_stop=mm.throw_exception_if_processing_interrupted)

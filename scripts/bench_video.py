@@ -124,15 +124,15 @@ def chunk_upscaler(dit, vae, emb, settings, device, staging=None):
     first chunk) says, as the CLI does."""
     phases = {"n": 0}
 
-    def run(frames: np.ndarray) -> np.ndarray:
+    def run(frames: np.ndarray) -> torch.Tensor:
         t0 = time.perf_counter()
         x = torch.from_numpy(frames)
         if staging is not None and "memory" not in phases:
             phases["memory"] = staging.plan(P.plan(x, settings), settings, device)
         mem = phases.get("memory")
         out = P.upscale(x, dit, vae, emb, settings, device=device, dit_dtype=torch.bfloat16, vae_dtype=torch.bfloat16,
-                        output_device="cpu", memory=mem,
-                        hooks=staging.hooks(device, mem) if staging is not None else None).numpy()
+                        output_device=device, memory=mem,
+                        hooks=staging.hooks(device, mem) if staging is not None else None)
         phases["n"] += 1
         if phases["n"] <= 3:
             print(f"  chunk of {len(frames)} frames: {time.perf_counter() - t0:.2f} s", flush=True)
@@ -211,7 +211,7 @@ def single(args, src, tmp):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for f in frames:
-        up(f)
+        up(f).cpu()    # the in-memory pipeline's output is on the host (what the image node returns)
     torch.cuda.synchronize()
     t_mem = time.perf_counter() - t0
     n, n_mem = res.frames, sum(c.end - c.start - c.tail for c in chunks)    # each shared frame counted once

@@ -205,3 +205,31 @@ def test_errors_before_any_work(tmp_path, monkeypatch):
     with pytest.raises(C.VideoFileError, match="not enough disk space"):
         upscale_video(src, str(tmp_path / "o.mp4"), never, size2, s)
     assert not called
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_to_pixels_of_a_tensor_equals_the_host_conversion(bits):
+    import torch
+    top = 255 if bits <= 8 else 65535
+    g = np.random.default_rng(3)
+    x = g.random((9, 5, 7, 3), dtype=np.float32) * 1.2 - 0.1              # outside [0, 1] too: clipped
+    ties = (np.arange(2 * 5 * 7 * 3, dtype=np.float32).reshape(2, 5, 7, 3) % top + 0.5) / top   # halves: to even
+    x = np.concatenate([x, ties]).astype(np.float32)
+    want = C.to_pixels(x, bits)
+    for t in (torch.from_numpy(x), torch.from_numpy(x).to(torch.float64)):
+        got = C.to_pixels(t, bits)
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("codec", ["ffv1", "h264"])
+def test_an_upscaler_returning_tensors_writes_the_same_file(tmp_path, codec):
+    """The CLI's and the node's upscalers hand back torch tensors on their device: same frames as numpy output."""
+    import torch
+    frames = clip_frames([8, 13], H, W)
+    src = write_clip(str(tmp_path / "in.mkv"), frames, audio=False)
+    outs = []
+    for name, up in (("np", double), ("torch", lambda f: torch.from_numpy(double(f).astype(np.float32)))):
+        out = tmp_path / f"out_{name}.mkv"
+        upscale_video(src, str(out), up, size2, StreamSettings(batch_size=5, overlap=2, codec=codec))
+        outs.append(_decode(out))
+    assert np.array_equal(outs[0], outs[1])

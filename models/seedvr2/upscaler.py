@@ -34,12 +34,13 @@ class FileUpscaler:
         if self.device.type == "cuda" and self.group is None:
             self.staging = Staging(self.dit, self.vae)
 
-    def chunk_upscaler(self, settings: P.UpscaleSettings) -> Callable[[np.ndarray], np.ndarray]:
-        """frames (T, H, W, C) float32 in [0, 1] -> the upscaled frames; the memory plan is made at the first chunk
-        (from the device's free memory) and kept for the chunks after it."""
+    def chunk_upscaler(self, settings: P.UpscaleSettings) -> Callable[[np.ndarray], torch.Tensor]:
+        """frames (T, H, W, C) float32 in [0, 1] -> the upscaled frames, float32 on the device (the stream takes
+        them to the host as pixels); the memory plan is made at the first chunk (from the device's free memory) and
+        kept for the chunks after it."""
         plans = {}
 
-        def upscale(frames: np.ndarray) -> np.ndarray:
+        def upscale(frames: np.ndarray) -> torch.Tensor:
             x = torch.from_numpy(frames)
             if self.dit is None:
                 self._load()
@@ -50,10 +51,10 @@ class FileUpscaler:
                                                         vae_dtype=self.dtype)
                 memory = plans["memory"]
             out = P.upscale(x, self.dit, self.vae, self.emb, settings, device=self.device, dit_dtype=self.dtype,
-                            vae_dtype=self.dtype, output_device="cpu", memory=memory,
+                            vae_dtype=self.dtype, output_device=self.device, memory=memory,
                             hooks=self.staging.hooks(self.device, memory) if self.staging else None,
                             group=self.group)
-            return out.numpy()
+            return out
         return upscale
 
     def close(self) -> None:

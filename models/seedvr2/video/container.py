@@ -12,6 +12,7 @@ import os
 from typing import Iterator, Optional
 
 import numpy as np
+import torch
 
 
 class VideoFileError(ValueError):
@@ -188,19 +189,38 @@ def get_codec(name: str) -> Codec:
 PIXEL_SLICE_FRAMES = 4   # frames converted at a time: the float32 temporary stays at 4 frames, not a whole chunk's
 
 
-def to_pixels(frames: np.ndarray, bits: int) -> np.ndarray:
-    """(T, H, W, 3) float in [0, 1] -> uint8 or uint16, rounded to nearest and clipped (a float32 temporary of
-    ``PIXEL_SLICE_FRAMES`` frames); integer arrays are pixels already and pass through."""
+def to_pixels(frames, bits: int) -> np.ndarray:
+    """(T, H, W, 3) float in [0, 1] -> uint8 or uint16 on the host, rounded to nearest (ties to even) and clipped, a
+    float32 temporary of ``PIXEL_SLICE_FRAMES`` frames at a time; integer arrays are pixels already and pass
+    through. A torch tensor is converted where it lies (a GPU output crosses to the host as integers, a quarter of
+    its floats' bytes) with the same float32 steps, so the pixels equal the host conversion's."""
+    top = 255.0 if bits <= 8 else 65535.0
+    dtype = np.uint8 if bits <= 8 else np.uint16
+    if isinstance(frames, torch.Tensor):
+        if not frames.is_floating_point():
+            return frames.cpu().numpy()
+        out = np.empty(tuple(frames.shape), dtype=dtype)
+        wide = torch.uint8 if bits <= 8 else torch.int32    # int32 on the device: uint16 casts are not everywhere
+        for i in range(0, len(frames), PIXEL_SLICE_FRAMES):
+            x = frames[i:i + PIXEL_SLICE_FRAMES].to(torch.float32) * top
+            out[i:i + PIXEL_SLICE_FRAMES] = torch.round(x).clamp_(0, top).to(wide).cpu().numpy()
+        return out
     if not np.issubdtype(frames.dtype, np.floating):
         return frames
-    top = 255.0 if bits <= 8 else 65535.0
-    out = np.empty(frames.shape, dtype=np.uint8 if bits <= 8 else np.uint16)
+    out = np.empty(frames.shape, dtype=dtype)
     for i in range(0, len(frames), PIXEL_SLICE_FRAMES):
         x = np.multiply(frames[i:i + PIXEL_SLICE_FRAMES], np.float32(top), dtype=np.float32)
         np.rint(x, out=x)
         np.clip(x, 0, top, out=x)
         out[i:i + PIXEL_SLICE_FRAMES] = x
     return out
+
+
+def host_floats(frames) -> np.ndarray:
+    """float32 frames on the host, from a numpy array or a torch tensor on any device."""
+    if isinstance(frames, torch.Tensor):
+        return frames.detach().to(device="cpu", dtype=torch.float32).numpy()
+    return np.asarray(frames, dtype=np.float32)
 
 
 BT709 = 1   # AVCOL_PRI_BT709 / AVCOL_TRC_BT709 / AVCOL_SPC_BT709

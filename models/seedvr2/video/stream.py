@@ -26,10 +26,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Optional
 
 import numpy as np
+import torch
 
 from ..pipeline import blend_ramp, plan_chunks
 from .container import (BT709, SegmentWriter, VideoFileError, VideoInfo, concat_segments, copy_audio, get_codec,
-                        probe, read_frames, to_pixels, write_png_frames)
+                        host_floats, probe, read_frames, to_pixels, write_png_frames)
 from .scenes import DEFAULT_THRESHOLD, CutDetector
 from .workdir import WorkDir, work_dir_for
 
@@ -258,15 +259,19 @@ class Job:
         self.work.delete(*then_delete)
 
     def run_chunk(self, c: Chunk, frames: np.ndarray, upscale_chunk: Callable[[np.ndarray], np.ndarray]) -> None:
-        """Upscales one chunk and writes its units (body, weighted head and tail)."""
+        """Upscales one chunk and writes its units (body, weighted head and tail). ``upscale_chunk`` may return a
+        torch tensor on its device (a GPU output then reaches the host as the body's pixels and the overlaps'
+        floats only)."""
         n = c.end - c.start
-        up = np.asarray(upscale_chunk(frames), dtype=np.float32)
-        if up.shape != (n, self.oh, self.ow, 3):
-            raise RuntimeError(f"the upscaler returned {up.shape} for {n} frames of {self.oh}x{self.ow}")
+        up = upscale_chunk(frames)
+        if not isinstance(up, torch.Tensor):
+            up = np.asarray(up, dtype=np.float32)
+        if tuple(up.shape) != (n, self.oh, self.ow, 3):
+            raise RuntimeError(f"the upscaler returned {tuple(up.shape)} for {n} frames of {self.oh}x{self.ow}")
         if c.head:
-            self.work.save_array(f"head_{c.index:06d}.npy", up[:c.head] * ramp(c.head))
+            self.work.save_array(f"head_{c.index:06d}.npy", host_floats(up[:c.head]) * ramp(c.head))
         if c.tail:
-            self.work.save_array(f"tail_{c.index:06d}.npy", up[n - c.tail:] * (1.0 - ramp(c.tail)))
+            self.work.save_array(f"tail_{c.index:06d}.npy", host_floats(up[n - c.tail:]) * (1.0 - ramp(c.tail)))
         b0, b1 = c.body
         body = self._pixels(up[b0 - c.start:b1 - c.start])
         del up   # the chunk's floats go before its encoder starts: x264's frames then never sit beside them
