@@ -24,7 +24,7 @@ from ..models.seedvr2 import pipeline as P
 from ..models.seedvr2.video.container import CODECS, VideoFileError, available_codecs, probe
 from ..models.seedvr2.video.stream import StreamSettings, job_key, upscale_video
 from ..models.seedvr2.video.workdir import file_id, unfinished_output
-from ..models.seedvr2.video.workers import PoolJob, WorkerPool, devices_from_spec
+from ..models.seedvr2.video.workers import PARALLEL_MODES, PoolJob, WorkerPool, devices_from_spec
 from .seedvr2 import upscale_inputs, upscale_settings
 from .staging import ModelStager, plan_run
 from .types import CATEGORY, SeedVR2DiT, SeedVR2VAE
@@ -55,6 +55,10 @@ def _video_inputs() -> list:
                         tooltip="Several GPUs for one video: 'all' or a list such as 0,1,2 (empty: ComfyUI's GPU). "
                                 "Each runs a worker process with its own copy of the models, loaded once and kept "
                                 "for the next runs; a faster GPU takes more chunks. 'cpu' entries run CPU workers."),
+        io.Combo.Input("multi_gpu", options=list(PARALLEL_MODES), default="chunks", optional=True,
+                       tooltip="With several gpus: 'chunks' gives each GPU whole chunks (long videos); 'sequence' "
+                               "puts every GPU on every chunk, splitting the DiT's windows and the VAE's rows (for "
+                               "chunks too large or too slow for one GPU; the models stay on each GPU)."),
     ]
 
 
@@ -63,10 +67,10 @@ WORKER = Path(__file__).resolve().parents[1] / "scripts" / "seedvr2_worker.py"
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def _worker_pool(dit, vae, devices: list[str]) -> WorkerPool:
+def _worker_pool(dit, vae, devices: list[str], parallel: str = "chunks") -> WorkerPool:
     """The DiT handle's pool for these devices and this VAE (a new one when they changed); it lives as long as
     ComfyUI keeps the handle cached ("free model and node cache" closes it with the handle)."""
-    key = (tuple(devices), vae.path, dit.dtype, vae.dtype)
+    key = (tuple(devices), vae.path, dit.dtype, vae.dtype, parallel)
     if dit.workers is not None:
         old_key, pool = dit.workers
         if old_key == key and pool.alive:
@@ -77,7 +81,7 @@ def _worker_pool(dit, vae, devices: list[str]) -> WorkerPool:
         raise VideoFileError("several GPUs need the model files: load the DiT and VAE with the SeedVR2 loaders. "
                              "Fix: connect SeedVR2 Load DiT / Load VAE, or leave gpus empty.")
     argv = [sys.executable, str(WORKER), "--dit", dit.path, "--vae", vae.path,
-            "--dtype", _DTYPE_NAMES.get(dit.dtype, "bf16")]
+            "--dtype", _DTYPE_NAMES.get(dit.dtype, "bf16"), "--parallel", parallel]
     pool = WorkerPool(devices, argv)
     dit.workers = (key, pool)
     return pool
@@ -127,7 +131,8 @@ def _output_path(prefix: str, ext: str, key: dict) -> str:
 
 
 def run_video(src_path: str, dit, vae, seed, size_mode, resolution, scale_factor, max_resolution, batch_size,
-              temporal_overlap, color_correction, codec, filename_prefix, scene_threshold, node_id=None, gpus=""):
+              temporal_overlap, color_correction, codec, filename_prefix, scene_threshold, node_id=None, gpus="",
+              multi_gpu="chunks"):
     import comfy.model_management as mm
     import comfy.utils
     device = mm.get_torch_device()
@@ -137,6 +142,8 @@ def run_video(src_path: str, dit, vae, seed, size_mode, resolution, scale_factor
                             scene_threshold=scene_threshold, resume=True)
     stream.validate()   # settings and the input file are checked before any model is touched
     devices = devices_from_spec(gpus)
+    if multi_gpu not in PARALLEL_MODES:
+        raise VideoFileError(f"multi_gpu {multi_gpu!r}: one of {', '.join(PARALLEL_MODES)}.")
     info = probe(src_path)
     target = P.compute_target_size(info.height, info.width, settings.resolution, settings.scale_factor,
                                    settings.max_resolution)
@@ -155,7 +162,7 @@ def run_video(src_path: str, dit, vae, seed, size_mode, resolution, scale_factor
     if devices:
         for d in {d for d in devices if d.startswith("cuda")}:
             mm.free_memory(1e30, torch.device(d))   # the workers need these GPUs: ComfyUI's models leave them
-        pool = _worker_pool(dit, vae, devices)
+        pool = _worker_pool(dit, vae, devices, multi_gpu)
         return pool.run(PoolJob(src_path, out_path, target, stream, key["model"],
                                 {"settings": dataclasses.asdict(settings)}),
                         progress=progress, should_stop=mm.throw_exception_if_processing_interrupted)
@@ -209,10 +216,11 @@ class SeedVR2UpscaleVideo(io.ComfyNode):
     @classmethod
     def execute(cls, video, dit, vae, seed, size_mode, resolution, scale_factor, max_resolution, batch_size,
                 temporal_overlap, color_correction, codec, filename_prefix, scene_threshold,
-                gpus="") -> io.NodeOutput:
+                gpus="", multi_gpu="chunks") -> io.NodeOutput:
         return _node_output(cls, run_video(_source_path(video), dit, vae, seed, size_mode, resolution, scale_factor,
                                            max_resolution, batch_size, temporal_overlap, color_correction, codec,
-                                           filename_prefix, scene_threshold, _node_id(cls), gpus))
+                                           filename_prefix, scene_threshold, _node_id(cls), gpus,
+                                           multi_gpu))
 
 
 class SeedVR2UpscaleVideoFile(io.ComfyNode):
@@ -235,7 +243,7 @@ class SeedVR2UpscaleVideoFile(io.ComfyNode):
     @classmethod
     def execute(cls, path, dit, vae, seed, size_mode, resolution, scale_factor, max_resolution, batch_size,
                 temporal_overlap, color_correction, codec, filename_prefix, scene_threshold,
-                gpus="") -> io.NodeOutput:
+                gpus="", multi_gpu="chunks") -> io.NodeOutput:
         import folder_paths
         p = (path or "").strip().strip('"')
         if not p:
@@ -245,7 +253,7 @@ class SeedVR2UpscaleVideoFile(io.ComfyNode):
             p = os.path.join(folder_paths.get_input_directory(), p)
         return _node_output(cls, run_video(p, dit, vae, seed, size_mode, resolution, scale_factor, max_resolution,
                                            batch_size, temporal_overlap, color_correction, codec, filename_prefix,
-                                           scene_threshold, _node_id(cls), gpus))
+                                           scene_threshold, _node_id(cls), gpus, multi_gpu))
 
 
 def _node_id(cls):

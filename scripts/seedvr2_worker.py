@@ -2,7 +2,7 @@
 the two model files once (at its first chunk) and serves the pool's long-video jobs until the pool closes.
 
     python scripts/seedvr2_worker.py --dit DIT --vae VAE [--dtype bf16] [--attention auto] \\
-        --pool-store PATH --rank R --world N --device cuda:R
+        [--parallel chunks|sequence] --pool-store PATH --rank R --world N --device cuda:R
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from seedvr2bw.models.seedvr2 import pipeline as P
 from seedvr2bw.models.seedvr2.upscaler import FileUpscaler
-from seedvr2bw.models.seedvr2.video.workers import serve
+from seedvr2bw.models.seedvr2.video.workers import PARALLEL_MODES, serve
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -35,16 +35,24 @@ def main(argv=None) -> None:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--device", required=True)
+    ap.add_argument("--parallel", default="chunks", choices=list(PARALLEL_MODES),
+                    help="whole chunks per worker, or every worker on every chunk (models resident on each)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"[worker {a.rank}] %(message)s")
     device = torch.device(a.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    upscaler = FileUpscaler(a.dit, a.vae, device, DTYPES[a.dtype], a.attention)
+    made: list = []
+
+    def make_upscaler(params, group):
+        if not made:     # the group exists once the workers have met: the models are loaded for it
+            made.append(FileUpscaler(a.dit, a.vae, device, DTYPES[a.dtype], a.attention, group=group))
+        return made[0].chunk_upscaler(settings_from(params))
     try:
-        serve(a.pool_store, a.rank, a.world, a.device, lambda params: upscaler.chunk_upscaler(settings_from(params)))
+        serve(a.pool_store, a.rank, a.world, a.device, make_upscaler, parallel=a.parallel)
     finally:
-        upscaler.close()
+        for upscaler in made:
+            upscaler.close()
 
 
 if __name__ == "__main__":

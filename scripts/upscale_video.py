@@ -36,7 +36,7 @@ from seedvr2bw.models.seedvr2 import pipeline as P
 from seedvr2bw.models.seedvr2.upscaler import FileUpscaler
 from seedvr2bw.models.seedvr2.video.container import CODECS, VideoFileError
 from seedvr2bw.models.seedvr2.video.parallel import upscale_video_distributed
-from seedvr2bw.models.seedvr2.video.sequence import follow, lead
+from seedvr2bw.models.seedvr2.video.sequence import compute_group, follow, lead
 from seedvr2bw.models.seedvr2.video.stream import StreamSettings, upscale_video
 from seedvr2bw.models.seedvr2.video.workers import devices_from_spec
 from seedvr2bw.models.seedvr2.video.workdir import file_id
@@ -96,7 +96,7 @@ def run(a, device: torch.device, store=None, show_progress: bool = True) -> int:
         return P.compute_target_size(h, w, up.resolution, up.scale_factor, up.max_resolution)
 
     sequence = store is not None and a.parallel == "sequence"
-    group = _compute_group(device) if sequence else None
+    group = compute_group(device) if sequence else None
     upscaler = FileUpscaler(a.dit, a.vae, device, dtype, group=group)
     upscale_chunk = upscaler.chunk_upscaler(up)
     if sequence:
@@ -132,11 +132,6 @@ def run(a, device: torch.device, store=None, show_progress: bool = True) -> int:
         print(f"wrote {res.out_path}: {res.frames} frames, {res.chunks} chunks ({res.resumed_chunks} resumed), "
               f"{res.fps:.2f} frames/s")
     return 0
-
-
-def _compute_group(device: torch.device):
-    """The sequence-parallel group: NCCL between GPUs, gloo between CPU processes (the default group is gloo)."""
-    return dist.new_group(backend="nccl") if device.type == "cuda" else dist.group.WORLD
 
 
 def _worker(rank: int, world: int, store_path: str, a, devices: list) -> None:

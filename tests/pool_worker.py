@@ -24,19 +24,24 @@ def main():
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--device", required=True)
+    ap.add_argument("--parallel", default="chunks")
+    ap.add_argument("--calls", default="", help="each rank appends the frames of every chunk it upscaled")
     a = ap.parse_args()
     with open(a.loads, "a") as f:      # the model load: once per worker, whatever the number of jobs
         f.write(f"{a.rank}\n")
 
-    def make_upscaler(params):
+    def make_upscaler(params, group):
         def up(frames):   # slow_s: every rank takes chunks (one rank could otherwise take them all)
             time.sleep(params.get("slow_s", 0.0))
             if params.get("fail_rank") == a.rank:
                 raise ValueError("this worker was told to fail")
+            if a.calls:
+                with open(a.calls, "a") as f:
+                    f.write(f"{a.rank} {len(frames)} {group is not None}\n")
             return double(frames)
         return up
 
-    serve(a.pool_store, a.rank, a.world, a.device, make_upscaler)
+    serve(a.pool_store, a.rank, a.world, a.device, make_upscaler, parallel=a.parallel)
 
 
 if __name__ == "__main__":

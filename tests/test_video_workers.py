@@ -1,6 +1,7 @@
 """The persistent worker pool (models/seedvr2/video/workers.py) with CPU processes over gloo: jobs run one after
-another on workers started once, each output equals the single-process one, a cancel stops the workers and a new
-pool resumes the job, and a failing worker's message reaches the caller."""
+another on workers started once, each output equals the single-process one (chunk parallel, and sequence parallel
+with every worker on every chunk), a cancel stops the workers and a new pool resumes the job, and a failing worker's
+message reaches the caller."""
 from __future__ import annotations
 
 import sys
@@ -27,9 +28,10 @@ def _decode(path):
     return np.stack(list(C.read_frames(str(path))))
 
 
-def _pool(tmp_path, n=2):
+def _pool(tmp_path, n=2, *extra):
     loads = tmp_path / "loads.txt"
-    return WorkerPool(["cpu"] * n, [sys.executable, str(HERE / "pool_worker.py"), "--loads", str(loads)]), loads
+    return WorkerPool(["cpu"] * n, [sys.executable, str(HERE / "pool_worker.py"), "--loads", str(loads), *extra]), \
+        loads
 
 
 def _single(tmp_path, src, name):
@@ -92,3 +94,42 @@ def test_a_failing_worker_names_itself_and_closes_the_pool(tmp_path):
     assert not pool.alive
     with pytest.raises(WorkerError, match="closed"):
         pool.run(PoolJob(str(src), str(tmp_path / "pd.mkv"), (2 * H, 2 * W), STREAM))
+
+
+def _calls_when_all_ranks_are_through(calls, world, timeout_s=10.0):
+    """The calls file once every rank logged as many chunks (the followers' fake model has no collective to wait on,
+    so the last one may still be logging when rank 0 reports the result)."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = calls.read_text()
+        counts = [sum(line.split()[0] == str(r) for line in text.splitlines()) for r in range(world)]
+        if len(set(counts)) == 1 or time.monotonic() > deadline:
+            return text
+        time.sleep(0.05)
+
+
+def test_sequence_pool_puts_every_worker_on_every_chunk(tmp_path):
+    """``--parallel sequence``: rank 0 streams, each chunk reaches all three workers with the model group set, two
+    jobs run on the same workers, the file equals the single-process one, and a follower's failure is reported."""
+    a = tmp_path / "a.mkv"
+    write_clip(str(a), clip_frames([25, 15], H, W))
+    calls = tmp_path / "calls.txt"
+    pool, loads = _pool(tmp_path, 3, "--parallel", "sequence", "--calls", str(calls))
+    try:
+        for name in ("p1.mkv", "p2.mkv"):
+            res = pool.run(PoolJob(str(a), str(tmp_path / name), (2 * H, 2 * W), STREAM))
+            assert res.frames == 40
+        two_jobs = _calls_when_all_ranks_are_through(calls, 3)
+        with pytest.raises(WorkerError, match="worker 2 on cpu: ValueError: this worker was told to fail"):
+            pool.run(PoolJob(str(a), str(tmp_path / "p3.mkv"), (2 * H, 2 * W), STREAM, params={"fail_rank": 2}))
+    finally:
+        pool.close()
+    assert sorted(loads.read_text().split()) == ["0", "1", "2"]
+    seen = [line.split() for line in two_jobs.splitlines()]
+    assert seen and all(g == "True" for _, _, g in seen)
+    per_rank = {r: [n for rr, n, _ in seen if rr == r] for r in "012"}
+    assert per_rank["0"] == per_rank["1"] == per_rank["2"]
+    assert sum(int(n) for n in per_rank["1"]) >= 2 * 40          # both jobs, every chunk (overlaps counted twice)
+    single = _single(tmp_path, a, "s.mkv")
+    assert np.array_equal(_decode(tmp_path / "p1.mkv"), single) and np.array_equal(_decode(tmp_path / "p2.mkv"), single)

@@ -225,6 +225,32 @@ def test_file_node_on_two_workers_equals_one_process_and_keeps_them(rig, caplog)
     assert _worker_processes() == []
 
 
+def test_file_node_sequence_parallel_on_two_workers(rig):
+    """``multi_gpu: sequence`` through the executor with two CPU workers: every worker on every chunk (the tiny
+    models' DiT windows and VAE rows split over gloo), the frames within 16-bit rounding of this process's."""
+    import numpy as np
+    from seedvr2bw.models.seedvr2.video import container as C
+    comfy = rig
+    inp = Path(comfy.folder_paths.get_input_directory())
+    write_clip(str(inp / "seq.mkv"), clip_frames([11], 24, 40))
+    frames = {}
+    for name, extra in (("one", {}), ("seq", {"gpus": "cpu,cpu", "multi_gpu": "sequence"})):
+        prompt = _loaders()
+        prompt["4"] = {"class_type": "SeedVR2BW_UpscaleVideoFile",
+                       "inputs": {"path": "seq.mkv", **_settings(f"seq/{name}", codec="ffv1", **extra)}}
+        res = comfy.run(_fix_loader_inputs(comfy, prompt))
+        assert res.success, (res.status, res.error)
+        frames[name] = np.stack(list(C.read_frames(str(_out_file(comfy, res, "4"))))).astype(np.int64)
+        if extra:
+            workers = _worker_processes()
+            assert len(workers) == 2
+            for pid in workers:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    assert b"--parallel\x00sequence" in f.read()
+    assert frames["seq"].shape == frames["one"].shape
+    assert np.abs(frames["seq"] - frames["one"]).max() <= 1     # levels of 65535
+
+
 def test_gpus_setting_names_what_is_wrong(rig):
     comfy = rig
     prompt = _loaders()

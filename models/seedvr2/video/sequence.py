@@ -16,6 +16,12 @@ import torch.distributed as dist
 END, ABORT = 0, -1      # the header's first entry when no chunk follows
 
 
+def compute_group(device: torch.device):
+    """The group the model work runs on (call on every rank of an initialised default gloo group): NCCL between
+    GPUs, the default gloo group itself between CPU processes."""
+    return dist.new_group(backend="nccl") if torch.device(device).type == "cuda" else dist.group.WORLD
+
+
 def lead(upscale_chunk: Callable[[np.ndarray], np.ndarray], control=None):
     """(rank 0's chunk upscaler, ``done(ok)``): each chunk is sent to the other ranks before it is upscaled;
     ``done`` tells them the video ended (or failed) and must be called once, also after an error."""

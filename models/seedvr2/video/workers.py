@@ -1,5 +1,6 @@
-"""Persistent chunk-parallel workers: one process per device, started once, its models loaded once, serving one
-long-video job after another (``parallel.upscale_video_distributed``) until the pool is closed.
+"""Persistent multi-GPU workers: one process per device, started once, its models loaded once, serving one
+long-video job after another until the pool is closed: chunk parallel (``parallel.upscale_video_distributed``) or,
+for a pool started with ``--parallel sequence``, every worker on every chunk (``sequence.py``).
 
 Why: a node run inside ComfyUI cannot pay a process start and a model load per GPU on every run, and must not
 re-import ComfyUI's main module in children (``multiprocessing``'s spawn does): each worker is a fresh interpreter
@@ -35,7 +36,8 @@ import torch.distributed as dist
 
 from .container import VideoFileError
 from .parallel import upscale_video_distributed
-from .stream import StreamResult, StreamSettings
+from .sequence import compute_group, follow, lead
+from .stream import StreamResult, StreamSettings, upscale_video
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,9 @@ class PoolJob:
     stream: StreamSettings
     model_key: str = ""
     params: dict = field(default_factory=dict)
+
+
+PARALLEL_MODES = ("chunks", "sequence")   # whole chunks per worker, or every worker on every chunk
 
 
 def devices_from_spec(spec: str) -> list[str]:
@@ -177,12 +182,17 @@ class WorkerPool:
 
 
 def serve(store_path: str, rank: int, world: int, device: str,
-          make_upscaler: Callable[[dict], Callable[[np.ndarray], np.ndarray]], poll_s: float = 0.05) -> None:
+          make_upscaler: Callable[[dict, object], Callable[[np.ndarray], np.ndarray]], poll_s: float = 0.05,
+          parallel: str = "chunks") -> None:
     """A worker's loop: join the workers' process group, then run each job as it comes until ``shutdown``.
-    ``make_upscaler(params)`` gives the job's chunk upscaler (the worker's models are loaded before this is
-    called)."""
+    ``make_upscaler(params, group)`` gives the job's chunk upscaler (the worker's models are loaded before this is
+    called); ``group`` is None for chunk parallel, the model work's process group for ``parallel="sequence"``
+    (every worker on every chunk: rank 0 streams the file and sends each chunk to the others, ``sequence.py``)."""
+    if parallel not in PARALLEL_MODES:
+        raise ValueError(f"parallel {parallel!r}: one of {', '.join(PARALLEL_MODES)}")
     store = dist.FileStore(store_path, -1)
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world)
+    group = compute_group(torch.device(device)) if parallel == "sequence" else None
     store.set(f"ready/{rank}", device.encode())
     n = 0
     while True:
@@ -197,7 +207,7 @@ def serve(store_path: str, rank: int, world: int, device: str,
         jid = f"j{n}"
         n += 1
         try:
-            up = make_upscaler(job.params)
+            up = make_upscaler(job.params, group)
 
             def chunk(frames: np.ndarray) -> np.ndarray:
                 if store.check([f"{jid}/stop"]):
@@ -207,11 +217,32 @@ def serve(store_path: str, rank: int, world: int, device: str,
             def progress(done, total, fps, left):
                 store.set(f"{jid}/progress", _dump([done, total, fps, left]))
 
-            res = upscale_video_distributed(dist.PrefixStore(jid, store), job.in_path, job.out_path, chunk,
-                                            lambda h, w: tuple(job.target), job.stream, job.model_key,
-                                            progress=progress, run_id=jid)
+            if parallel == "sequence":
+                res = _sequence_job(rank, job, chunk, progress)
+            else:
+                res = upscale_video_distributed(dist.PrefixStore(jid, store), job.in_path, job.out_path, chunk,
+                                                lambda h, w: tuple(job.target), job.stream, job.model_key,
+                                                progress=progress, run_id=jid)
             if rank == 0:
                 store.set(f"{jid}/result", _dump(dataclasses.asdict(res)))
         except BaseException as exc:   # the pool closes; a rank left in a collective is killed with it
             store.set(f"{jid}/error", _dump(f"worker {rank} on {device}: {type(exc).__name__}: {exc}"))
             raise
+
+
+def _sequence_job(rank: int, job: PoolJob, chunk: Callable[[np.ndarray], np.ndarray],
+                  progress: Callable[[int, int, float, float], None]) -> Optional[StreamResult]:
+    """One job sequence parallel: rank 0 streams it (reads, resumes, writes) and sends each chunk's frames to the
+    others, which follow; the result on rank 0."""
+    if rank != 0:
+        follow(chunk)
+        return None
+    lead_chunk, done = lead(chunk)
+    ok = False
+    try:
+        res = upscale_video(job.in_path, job.out_path, lead_chunk, lambda h, w: tuple(job.target), job.stream,
+                            job.model_key, progress=progress)
+        ok = True
+    finally:
+        done(ok)
+    return res
