@@ -2,7 +2,9 @@
 
 Encode/decode time (median of N after warm-up) and peak VRAM at 720p and 1080p for 1 and 21 frames, one pass with
 the official temporal slicing and memory limits, and spatially tiled. Random weights: the speed and memory of
-the VAE do not depend on the values.
+the VAE do not depend on the values. Each row also gives the call's convolution FLOPs (torch's FlopCounterMode on a
+meta-device copy) and their rate against the dense matmul peak measured at the start of the same run, so the
+distance to the convolution floor is read off each row.
 
   python scripts/bench_vae.py                      # 720p + 1080p, 1 and 21 frames, untiled + tiled
   python scripts/bench_vae.py --quick --json out.json
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import _pack  # registers the pack as `seedvr2bw`
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from seedvr2bw.models.seedvr2.vae import SEEDVR2_VAE, VAEConfig, VideoAutoencoder
 from seedvr2bw.models.seedvr2.vae.tiling import estimate_decode_bytes, estimate_encode_bytes
@@ -51,6 +54,41 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def count_flops(config: VAEConfig, dtype, op: str, shape, tiled: bool, tile: int, overlap: int) -> dict:
+    """FLOPs of one call as ``bench_vae`` times it, counted by torch's ``FlopCounterMode`` on a meta-device copy of
+    the VAE (shapes only): ``{"conv": convolutions, "total": every counted op}``."""
+    with torch.device("meta"):
+        vae = VideoAutoencoder(config).to(dtype).eval().requires_grad_(False)
+        x = torch.empty(shape, dtype=dtype)
+    fn = {("encode", False): lambda: vae.encode(x), ("encode", True): lambda: vae.encode_tiled(x, tile, overlap),
+          ("decode", False): lambda: vae.decode(x), ("decode", True): lambda: vae.decode_tiled(x, tile, overlap)}
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        fn[(op, tiled)]()
+    counts = fc.get_flop_counts().get("Global", {})
+    return {"conv": sum(v for k, v in counts.items() if "convolution" in str(k)), "total": fc.get_total_flops()}
+
+
+def matmul_peak_tflops(device, dtype=torch.bfloat16, n: int = 8192, repeats: int = 20) -> float | None:
+    """The dense matmul rate this GPU sustains in ``dtype`` now (n x n x n, median of ``repeats``): the yardstick the
+    convolutions' rate is read against, measured in the same run (clocks and power caps move it)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n ** 3 / statistics.median(times) / 1e12
+
+
 
 def bench_vae(device="cuda", dtype=torch.bfloat16, resolutions=((1280, 720), (1920, 1080)), frames=(1, 21),
               ops=("encode", "decode"), tiled=(False, True), encode_tile=512, encode_overlap=64,
@@ -69,6 +107,10 @@ def bench_vae(device="cuda", dtype=torch.bfloat16, resolutions=((1280, 720), (19
     info = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", torch=torch.__version__,
                 commit=_pack.git_commit(), dtype=str(dtype).replace("torch.", ""))
     elem = torch.empty((), dtype=dtype).element_size()
+    peak = matmul_peak_tflops(device, dtype) if dtype in (torch.bfloat16, torch.float16) else None
+    if peak is not None:
+        info["matmul_peak_tflops"] = peak
+        log(f"{info['dtype']} matmul peak this run: {peak:.0f} TFLOP/s")
     configs = [(op, w, h, t, til) for t in frames for (w, h) in resolutions for op in ops for til in tiled]
     configs.sort(key=lambda c: c[1] * c[2] * c[3])          # cheapest first, so a time budget keeps the most rows
     rows, start = [], time.perf_counter()
@@ -97,6 +139,11 @@ def bench_vae(device="cuda", dtype=torch.bfloat16, resolutions=((1280, 720), (19
                        est_working_set_gib=estimate_decode_bytes(
                            (min(decode_tile, lh), min(decode_tile, lw)) if til else (lh, lw), vae.config, elem) / GIB)
             run = (lambda: vae.decode_tiled(inp, decode_tile, decode_overlap)) if til else (lambda: vae.decode(inp))
+        tile, overlap = (encode_tile, encode_overlap) if op == "encode" else (decode_tile, decode_overlap)
+        flops = count_flops(vae.config, dtype, op, tuple(inp.shape), til, tile, overlap)
+        row.update(conv_tflop=flops["conv"] / 1e12, tflop=flops["total"] / 1e12)
+        if peak is not None:
+            row["conv_floor_s"] = flops["conv"] / 1e12 / peak
         n = repeats if t == 1 or heavy_repeats is None else heavy_repeats
         try:
             for _ in range(warmup):
@@ -116,6 +163,9 @@ def bench_vae(device="cuda", dtype=torch.bfloat16, resolutions=((1280, 720), (19
                 times.append(time.perf_counter() - t0)
                 del out
             row.update(times_s=times, median_s=statistics.median(times))
+            row["conv_tflops"] = row["conv_tflop"] / row["median_s"]
+            if peak is not None:
+                row["conv_share_of_peak"] = row["conv_tflops"] / peak
             if cuda:
                 peak = torch.cuda.max_memory_allocated(device)
                 row.update(peak_vram_gib=peak / GIB, peak_above_inputs_gib=(peak - base) / GIB)
@@ -135,7 +185,10 @@ def _fmt(r) -> str:
     if "error" in r:
         return f"{head}  {r['error']}"
     peak = f"  peak {r['peak_vram_gib']:.2f} GiB (+{r['peak_above_inputs_gib']:.2f})" if "peak_vram_gib" in r else ""
-    return f"{head}  median {r['median_s'] * 1000:9.1f} ms{peak}  est {r['est_working_set_gib']:.2f} GiB"
+    rate = f"  conv {r['conv_tflop']:.3g} TFLOP at {r['conv_tflops']:.3g} TFLOP/s" if "conv_tflops" in r else ""
+    if "conv_share_of_peak" in r:
+        rate += f" ({100 * r['conv_share_of_peak']:.0f} % of the matmul peak; floor {r['conv_floor_s'] * 1000:.0f} ms)"
+    return f"{head}  median {r['median_s'] * 1000:9.1f} ms{peak}  est {r['est_working_set_gib']:.2f} GiB{rate}"
 
 
 def main(argv=None):

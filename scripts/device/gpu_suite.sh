@@ -10,12 +10,13 @@
 #   bash scripts/device/gpu_suite.sh flux       # FLUX LoRA s/step vs TrainLoraNode        (carry .comfy_src)
 #   bash scripts/device/gpu_suite.sh flux_budgets  # FLUX LoRA, automatic plan at 24-8 GiB vs resident fp8 (.comfy_src)
 #   bash scripts/device/gpu_suite.sh diag       # the diagnostic, --quick cold then warm, then the full run
-#   bash scripts/device/gpu_suite.sh ab BASE dit|nvfp4|blockswap   # this tree against an older one, same run
+#   bash scripts/device/gpu_suite.sh ab BASE dit|nvfp4|blockswap|vae  # this tree against an older one, same run
 #   bash scripts/device/gpu_suite.sh upscale 7b bf16,nvfp4   # the whole upscale at 6-32 GiB budgets vs resident
 #   bash scripts/device/gpu_suite.sh formats    # 7B DiT step per file format vs bf16 and vs dequantize + bf16
 #   bash scripts/device/gpu_suite.sh video      # streaming long video at a 12 GiB budget vs in-memory chunks
 #   bash scripts/device/gpu_suite.sh video_gpus # chunk-parallel long video on every GPU of the machine vs one
 #   bash scripts/device/gpu_suite.sh sequence   # one 7B 1080p x 21 upscale sequence parallel on 1, 2, (4) GPUs
+#   bash scripts/device/gpu_suite.sh vae        # VAE encode/decode, one pass: time, conv TFLOP/s against the matmul peak
 #
 # scripts/device/prepare_carry.sh builds .ck and .comfy_src here first. The device copy has no .git, so the
 # commit is passed in GIT_COMMIT (the device tool sends the working tree of this commit). The figures these
@@ -34,7 +35,7 @@ case "${1:-}" in
 ab)
     # BASE: the older tree (e.g. `git archive <commit> __init__.py pack_import.py optimization models nodes training
     # scripts | tar -x -C .baseline`, carried as .baseline); rounds alternate the two trees, JSON per run in $OUT
-    BASE=${2:?usage: gpu_suite.sh ab BASE_DIR dit|nvfp4|blockswap}
+    BASE=${2:?usage: gpu_suite.sh ab BASE_DIR dit|nvfp4|blockswap|vae}
     for round in 1 2; do
         for tree in . "$BASE"; do
             tag=$([ "$tree" = . ] && echo new || echo base)
@@ -43,6 +44,8 @@ ab)
                     --linears bf16,nvfp4 --warmup 2 --iters 7 --json "$OUT/dit_${tag}_${round}.json") 2>&1 | tail -12 ;;
             nvfp4) (cd "$tree" && python3 scripts/bench_nvfp4.py --m 16,256,1024,4096 --paths bf16,fidelity,fp8_speed \
                     --inner 8 --rounds 3 --rep-ms 50 --json "$OUT/nvfp4_${tag}_${round}.json") 2>&1 | tail -30 ;;
+            vae) (cd "$tree" && python3 scripts/bench_vae.py --resolutions 1280x720 --frames 21 --tiled no --repeats 3 \
+                    --json "$OUT/vae_${tag}_${round}.json") 2>&1 | tail -4 ;;
             blockswap) (cd "$tree" && python3 scripts/bench_blockswap.py --cases 720p21,1080p1 --swaps 18 --repeats 5 \
                     --sync-cases "" --rss-runs 2 --dtype-cases 720p1 --dtypes nvfp4 \
                     --json "$OUT/blockswap_${tag}_${round}.json") 2>&1 | tail -20 ;;
@@ -70,6 +73,9 @@ sequence)
     n=$(nvidia-smi -L | wc -l)
     python3 scripts/bench_sequence_parallel.py --model 7b --case "${2:-1080p:21}" --gpus "$( [ "$n" -ge 4 ] && echo 1,2,4 || echo 1,2)" \
         --commit "$GIT_COMMIT" --json "$OUT/sequence.json" 2>&1 | tee "$OUT/sequence.log" | tail -8 ;;
+vae)
+    python3 scripts/bench_vae.py --resolutions 1280x720,1920x1080 --frames 1,21 --tiled no --repeats 3 \
+        --json "$OUT/vae.json" 2>&1 | tee "$OUT/vae.log" | tail -8 ;;
 tests)
     python3 -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
 dit)
