@@ -12,13 +12,14 @@ output is ``dequantize_product`` of the kernel's own codes exactly, and within 1
 
 Each check runs in a subprocess so that the flag is set before Triton is imported."""
 import importlib.util
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from triton_interpreter import run_checked, skip_unless_loops_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -42,38 +43,13 @@ _PRELUDE = textwrap.dedent("""
 """)
 
 
-def _subprocess(code: str):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def interpreter_runs_loops():
-    """Some Triton / NumPy pairs cannot interpret a loop bounded by a kernel argument (Triton 3.6 with NumPy 2.x);
-    the rotate+quantize kernel loops over the groups of K. Skip there."""
-    r = _subprocess(textwrap.dedent("""
-        import os
-        os.environ["TRITON_INTERPRET"] = "1"
-        import torch, triton, triton.language as tl
-        @triton.jit
-        def k(o_ptr, n):
-            acc = tl.zeros((4,), tl.float32)
-            for _ in range(0, n):
-                acc += 1.0
-            tl.store(o_ptr + tl.arange(0, 4), acc)
-        o = torch.zeros(4)
-        k[(1,)](o, 3)
-        assert o.tolist() == [3.0] * 4
-    """))
-    if r.returncode != 0:
-        pytest.skip("this Triton interpreter cannot run a loop bounded by a kernel argument: "
-                    + (r.stderr.strip().splitlines() or ["?"])[-1][:200])
+    skip_unless_loops_run()
 
 
 def _run(body: str) -> str:
-    r = _subprocess(_PRELUDE.format(root=str(ROOT)) + textwrap.dedent(body))
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    return r.stdout
+    return run_checked(_PRELUDE.format(root=str(ROOT)) + textwrap.dedent(body), timeout=600)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
