@@ -11,7 +11,6 @@ output is ``dequantize_product`` of the kernel's own codes exactly, and within 1
 ``int8_linear``, the error 1e-4 of the codes off by one would give (the int8 quantization itself: ~1.3e-2).
 
 Each check runs in a subprocess so that the flag is set before Triton is imported."""
-import importlib.util
 import sys
 import textwrap
 from pathlib import Path
@@ -19,21 +18,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from triton_interpreter import run_checked, skip_unless_loops_run  # noqa: E402
+from triton_interpreter import needs_triton, pack_prelude, run_checked, skip_unless_loops_run  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+pytestmark = needs_triton
 
-_PRELUDE = textwrap.dedent("""
-    import os, sys, logging
-    os.environ["TRITON_INTERPRET"] = "1"
-    sys.path.insert(0, {root!r})
-    from pack_import import import_pack
-    import_pack()
-    import torch
-    from seedvr2bw.optimization.nvfp4 import int8 as I8, int8_kernels as K8, launch
-    assert launch.INTERPRET
-    gen = torch.Generator().manual_seed(0)
+_PRELUDE = pack_prelude("from seedvr2bw.optimization.nvfp4 import int8 as I8, int8_kernels as K8") + textwrap.dedent("""
     def rows_of_mixed_size(m, k, dtype):
         x = torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-6, 6, (m, 1), generator=gen).float())
         return (x * torch.exp2(torch.randint(-3, 3, (m, k), generator=gen).float())).to(dtype)
@@ -49,7 +38,7 @@ def interpreter_runs_loops():
 
 
 def _run(body: str) -> str:
-    return run_checked(_PRELUDE.format(root=str(ROOT)) + textwrap.dedent(body), timeout=600)
+    return run_checked(_PRELUDE + textwrap.dedent(body), timeout=600)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -11,7 +11,6 @@ Two limits of the interpreter shape these checks (Triton 3.x):
   in that cast; the GPU tests cover the rounding);
 * inline PTX cannot run, so the kernels take their arithmetic decode (``ASM_DECODE`` is off when interpreting).
 Each check runs in a subprocess so that the flag is set before Triton is imported."""
-import importlib.util
 import sys
 import textwrap
 from pathlib import Path
@@ -19,21 +18,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from triton_interpreter import run_checked, skip_unless_loops_run  # noqa: E402
+from triton_interpreter import needs_triton, pack_prelude, run_checked, skip_unless_loops_run  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+pytestmark = needs_triton
 
-_PRELUDE = textwrap.dedent("""
-    import os, sys
-    os.environ["TRITON_INTERPRET"] = "1"
-    sys.path.insert(0, {root!r})
-    from pack_import import import_pack
-    import_pack()
-    import torch
-    from seedvr2bw.optimization.nvfp4 import format as fmt, kernels as K, launch
-    assert launch.INTERPRET
-    gen = torch.Generator().manual_seed(0)
+_PRELUDE = pack_prelude("from seedvr2bw.optimization.nvfp4 import format as fmt, kernels as K") + textwrap.dedent("""
     def rnd(*s, scale=1.0):
         return torch.randn(*s, generator=gen) * scale
     def u8(t):
@@ -47,7 +36,7 @@ def interpreter_runs_loops():
 
 
 def _run(body: str) -> str:
-    return run_checked(_PRELUDE.format(root=str(ROOT)) + textwrap.dedent(body), timeout=900)
+    return run_checked(_PRELUDE + textwrap.dedent(body), timeout=900)
 
 
 def test_dequant_kernel_interpreted_bit_exact():

@@ -2,10 +2,12 @@
 kernels: each check runs in a subprocess so that the flag is set before Triton is imported."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +44,23 @@ def skip_unless_loops_run() -> None:
     if r.returncode != 0:
         pytest.skip("this Triton interpreter cannot run a loop bounded by a kernel argument: "
                     + (r.stderr.strip().splitlines() or ["?"])[-1][:200])
+
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+
+def pack_prelude(imports: str) -> str:
+    """The start of a check's code: the interpreter flag, the pack imported, the line ``imports``, the interpreter
+    confirmed by ``launch.INTERPRET``, and a seeded generator ``gen``."""
+    return textwrap.dedent("""
+        import os, sys, logging
+        os.environ["TRITON_INTERPRET"] = "1"
+        sys.path.insert(0, {root!r})
+        from pack_import import import_pack
+        import_pack()
+        import torch
+        from seedvr2bw.optimization.nvfp4 import launch
+        assert launch.INTERPRET
+        gen = torch.Generator().manual_seed(0)
+    """).format(root=str(ROOT)) + imports.strip() + "\n"
