@@ -11,7 +11,7 @@
 #   bash scripts/device/gpu_suite.sh flux_budgets  # FLUX LoRA, automatic plan at 24-8 GiB vs resident fp8 (.comfy_src)
 #   bash scripts/device/gpu_suite.sh diag       # the diagnostic, --quick cold then warm, then the full run
 #   bash scripts/device/gpu_suite.sh ab BASE dit|nvfp4|blockswap|vae  # this tree against an older one, same run
-#   bash scripts/device/gpu_suite.sh upscale 7b bf16,nvfp4   # the whole upscale at 6-32 GiB budgets vs resident
+#   bash scripts/device/gpu_suite.sh upscale 7b bf16,nvfp4   # the whole upscale at 6-32 GiB budgets vs resident (RUNS=3)
 #   bash scripts/device/gpu_suite.sh formats    # 7B DiT step per file format vs bf16 and vs dequantize + bf16
 #   bash scripts/device/gpu_suite.sh video      # streaming long video at a 12 GiB budget vs in-memory chunks
 #   bash scripts/device/gpu_suite.sh video_gpus # chunk-parallel long video on every GPU of the machine vs one
@@ -55,7 +55,7 @@ ab)
 upscale)
     # one model and its formats per call (each call stays under 10 min); JSON per call in $OUT
     python3 scripts/bench_upscale.py --commit "$GIT_COMMIT" --models "${2:-7b}" --linears "${3:-bf16,nvfp4}" \
-        --cases "${4:-720p:21,1080p:1,1080p:21}" --budgets "${5:-32,16,12,8,6}" --runs 3 \
+        --cases "${4:-720p:21,1080p:1,1080p:21}" --budgets "${5:-32,16,12,8,6}" --runs "${RUNS:-3}" \
         --json "$OUT/upscale_${2:-7b}.json" 2>&1 | tee "$OUT/upscale_${2:-7b}.log" | grep -v "phases\|retries\|peak GiB" ;;
 video)
     python3 scripts/bench_video.py --model 7b --linears bf16 --frames 1440 --budget 12 --inmem-chunks 24 --json "$OUT/video_bf16.json" 2>&1 \
