@@ -272,8 +272,8 @@ def bench_budget(mp, res, budget_gib, cfgdims, dev, warmup, steps, outdir):
         usable = free_device_bytes(dev) if cuda else None
         if cuda:
             check_budget(usable, budget_gib, "after the fill")
-        plan = plan_training(flux_dims(dm), PlanRequest(resolution=res, rank=16, cache_bytes=16 * (res // 8) ** 2 * 4),
-                             DeviceBudget.of(dev, usable if cuda else int(budget_gib * 2**30)))
+        request = PlanRequest(resolution=res, rank=16, cache_bytes=16 * (res // 8) ** 2 * 4)
+        plan = plan_training(flux_dims(dm), request, DeviceBudget.of(dev, usable if cuda else int(budget_gib * 2**30)))
         cfg = plan.apply(TrainConfig(rank=16, alpha=16, steps=10**6, learning_rate=1e-4, optimizer="adamw",
                                      compute_dtype="bf16" if cuda else "fp32", base_precision="auto",
                                      blocks_to_swap=-1, gradient_checkpointing=True, output_dir=outdir,

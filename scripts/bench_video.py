@@ -141,6 +141,17 @@ def chunk_upscaler(dit, vae, emb, settings, device, staging=None):
     return run
 
 
+def warm_up(up, src: str, args) -> list:
+    """Runs a chunk of each length the clip's plan has (scene cuts make shorter ones): kernels, cuDNN's autotuning
+    of each new shape and BlockSwap's first pass happen before any timed run, in every process (a rank of a wider
+    run would otherwise pay each new shape inside its timed run). Returns the plan's chunks."""
+    chunks = plan(C.read_frames(src), args.batch, args.overlap, StreamSettings().scene_threshold)
+    for n in sorted({c.end - c.start for c in chunks}, reverse=True):
+        up(np.stack([f for f, _ in zip(C.read_frames(src), range(n))]))
+    torch.cuda.synchronize()
+    return chunks
+
+
 def rss_peak_gib() -> float:
     """The process's peak RSS since start or since ``reset_rss_peak`` (Linux VmHWM)."""
     try:
@@ -189,12 +200,7 @@ def single(args, src, tmp):
 
     def size(h, w):
         return P.compute_target_size(h, w, settings.resolution)
-    # warm-up: a chunk of each length the plan has (scene cuts make shorter ones): kernels, cuDNN's autotuning of
-    # each new shape, BlockSwap's first pass; both timed runs then see the same warm state
-    chunks = plan(C.read_frames(src), args.batch, args.overlap, s.scene_threshold)
-    for n in sorted({c.end - c.start for c in chunks}, reverse=True):
-        up(np.stack([f for f, _ in zip(C.read_frames(src), range(n))]))
-    torch.cuda.synchronize()
+    chunks = warm_up(up, src, args)
     rss0 = reset_rss_peak()
     t0 = time.perf_counter()
     res = upscale_video(src, os.path.join(tmp, "out.mp4"), up, size, s)
@@ -218,7 +224,8 @@ def single(args, src, tmp):
     out = {"mode": "single", "model": args.model, "linears": args.linears, "budget_gib": args.budget,
            "swapped_blocks": len(up.memory().swapped) if up.memory() else 0, "frames": n, "chunks": len(chunks),
            "stream_s": t_stream, "stream_fps": n / t_stream, "inmem_frames": n_mem, "inmem_s": t_mem,
-           "inmem_fps": n_mem / t_mem, "ratio": (n / t_stream) / (n_mem / t_mem), "rss_gib_before": rss0, "rss_parts_gib_after": rss_parts,
+           "inmem_fps": n_mem / t_mem, "ratio": (n / t_stream) / (n_mem / t_mem), "rss_gib_before": rss0,
+           "rss_parts_gib_after": rss_parts,
            "pinned_gib": CudaBackend.registered_bytes() / GIB,
            "rss_peak_gib_stream": rss_stream}
     del hold
@@ -235,12 +242,7 @@ def _worker(rank, world, store_path, args, src, out_path, result_path):
     dit, vae, emb = build_models(args.model, args.linears, dev)
     settings = P.UpscaleSettings(resolution=args.resolution, batch_size=args.batch, temporal_overlap=0, seed=42)
     up = chunk_upscaler(dit, vae, emb, settings, dev)
-    # warm-up as in single(): a chunk of each length the plan has, so no rank pays cuDNN's autotuning inside the
-    # timed run (the 1-GPU row would pay each new shape once, every rank of a wider run once per rank)
-    for n in sorted({c.end - c.start for c in plan(C.read_frames(src), args.batch, args.overlap,
-                                                   StreamSettings().scene_threshold)}, reverse=True):
-        up(np.stack([f for f, _ in zip(C.read_frames(src), range(n))]))
-    torch.cuda.synchronize()
+    warm_up(up, src, args)
     dist.barrier()
     t0 = time.perf_counter()
     res = upscale_video_distributed(dist.PrefixStore("job", store), src, out_path, up,
