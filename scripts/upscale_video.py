@@ -36,7 +36,7 @@ from seedvr2bw.models.seedvr2 import pipeline as P
 from seedvr2bw.models.seedvr2.upscaler import FileUpscaler
 from seedvr2bw.models.seedvr2.video.container import CODECS, VideoFileError
 from seedvr2bw.models.seedvr2.video.parallel import upscale_video_distributed
-from seedvr2bw.models.seedvr2.video.sequence import compute_group, follow, lead
+from seedvr2bw.models.seedvr2.video.sequence import compute_group, upscale_video_sequence
 from seedvr2bw.models.seedvr2.video.stream import StreamSettings, upscale_video
 from seedvr2bw.models.seedvr2.video.workers import devices_from_spec
 from seedvr2bw.models.seedvr2.video.workdir import file_id
@@ -99,28 +99,15 @@ def run(a, device: torch.device, store=None, show_progress: bool = True) -> int:
     group = compute_group(device) if sequence else None
     upscaler = FileUpscaler(a.dit, a.vae, device, dtype, group=group)
     upscale_chunk = upscaler.chunk_upscaler(up)
-    if sequence:
-        if dist.get_rank() != 0:          # rank 0 reads, writes and sends the chunks
-            try:
-                follow(upscale_chunk)
-            finally:
-                upscaler.close()
-            return 0
-        upscale_chunk, done = lead(upscale_chunk)
-
     bar = _progress_bar() if show_progress else None
     key = f"dit={file_id(a.dit)} vae={file_id(a.vae)} res={a.resolution} scale={a.scale} max={a.max_resolution} " \
           f"seed={a.seed} cc={a.color_correction} dtype={a.dtype}"
     try:
-        if store is None or sequence:
-            ok = False
-            try:
-                res = upscale_video(a.input, a.output, upscale_chunk, out_size, settings, model_key=key,
-                                    progress=bar)
-                ok = True
-            finally:
-                if sequence:
-                    done(ok)
+        if sequence:
+            res = upscale_video_sequence(a.input, a.output, upscale_chunk, out_size, settings, model_key=key,
+                                         progress=bar)
+        elif store is None:
+            res = upscale_video(a.input, a.output, upscale_chunk, out_size, settings, model_key=key, progress=bar)
         else:
             res = upscale_video_distributed(store, a.input, a.output, upscale_chunk, out_size, settings,
                                             model_key=key, progress=bar)

@@ -7,11 +7,13 @@ The frames travel on ``control`` (a gloo group: CPU tensors), the model work on 
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from .stream import StreamResult, StreamSettings, upscale_video
 
 END, ABORT = 0, -1      # the header's first entry when no chunk follows
 
@@ -51,3 +53,21 @@ def follow(upscale_chunk: Callable[[np.ndarray], np.ndarray], control=None) -> i
         dist.broadcast(frames, 0, group=control)
         upscale_chunk(frames.numpy())
         n += 1
+
+
+def upscale_video_sequence(in_path: str, out_path: str, upscale_chunk: Callable[[np.ndarray], np.ndarray],
+                           out_size: Callable[[int, int], tuple[int, int]], settings: Optional[StreamSettings] = None,
+                           model_key: str = "", progress=None, control=None) -> Optional[StreamResult]:
+    """Call on every rank: rank 0 runs the streaming upscale (reads, resumes, writes) and sends each chunk to the
+    others, which follow (``upscale_chunk`` runs every chunk on every rank). Rank 0's result; None elsewhere."""
+    if dist.get_rank() != 0:
+        follow(upscale_chunk, control)
+        return None
+    chunk, done = lead(upscale_chunk, control)
+    ok = False
+    try:
+        res = upscale_video(in_path, out_path, chunk, out_size, settings, model_key=model_key, progress=progress)
+        ok = True
+    finally:
+        done(ok)
+    return res

@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from .container import VideoFileError
 from .parallel import upscale_video_distributed
-from .sequence import compute_group, follow, lead
-from .stream import StreamResult, StreamSettings, upscale_video
+from .sequence import compute_group, upscale_video_sequence
+from .stream import StreamResult, StreamSettings
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,8 @@ def serve(store_path: str, rank: int, world: int, device: str,
                 store.set(f"{jid}/progress", _dump([done, total, fps, left]))
 
             if parallel == "sequence":
-                res = _sequence_job(rank, job, chunk, progress)
+                res = upscale_video_sequence(job.in_path, job.out_path, chunk, lambda h, w: tuple(job.target),
+                                             job.stream, job.model_key, progress=progress)
             else:
                 res = upscale_video_distributed(dist.PrefixStore(jid, store), job.in_path, job.out_path, chunk,
                                                 lambda h, w: tuple(job.target), job.stream, job.model_key,
@@ -228,21 +229,3 @@ def serve(store_path: str, rank: int, world: int, device: str,
         except BaseException as exc:   # the pool closes; a rank left in a collective is killed with it
             store.set(f"{jid}/error", _dump(f"worker {rank} on {device}: {type(exc).__name__}: {exc}"))
             raise
-
-
-def _sequence_job(rank: int, job: PoolJob, chunk: Callable[[np.ndarray], np.ndarray],
-                  progress: Callable[[int, int, float, float], None]) -> Optional[StreamResult]:
-    """One job sequence parallel: rank 0 streams it (reads, resumes, writes) and sends each chunk's frames to the
-    others, which follow; the result on rank 0."""
-    if rank != 0:
-        follow(chunk)
-        return None
-    lead_chunk, done = lead(chunk)
-    ok = False
-    try:
-        res = upscale_video(job.in_path, job.out_path, lead_chunk, lambda h, w: tuple(job.target), job.stream,
-                            job.model_key, progress=progress)
-        ok = True
-    finally:
-        done(ok)
-    return res
