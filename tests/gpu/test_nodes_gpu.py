@@ -12,22 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_staging_gpu import gpu_bytes_in_use, settings_now
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 REPO = Path(__file__).resolve().parents[2]
-DEV = torch.device("cuda")
-
-
-def settings_now():
-    return (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
-            torch.get_float32_matmul_precision(), torch.backends.cudnn.deterministic)
-
-
-def gpu_bytes_in_use() -> int:
-    """Bytes allocated on the GPU, less cuBLAS's per-handle workspaces (torch's, kept after the first GEMM)."""
-    torch.cuda.synchronize()
-    torch._C._cuda_clearCublasWorkspaces()
-    return torch.cuda.memory_allocated(DEV)
 
 
 @pytest.fixture(scope="module")

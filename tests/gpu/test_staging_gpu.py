@@ -29,7 +29,7 @@ def gpu_bytes_in_use() -> int:
 
 def settings_now():
     return (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
-            torch.get_float32_matmul_precision())
+            torch.get_float32_matmul_precision(), torch.backends.cudnn.deterministic)
 
 
 def test_staged_run_equals_resident_and_pins_once():
