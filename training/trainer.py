@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from ..optimization.attention.sdpa_priority import preferred_backends, sdpa_priority
-from ..optimization.runtime import knobs
+from ..optimization.runtime import device_cache, knobs
 from .cuda_graph import GraphedLossAndGrads
 from .data import EMPTY_CAPTION
 from .ema import LoraEMA
@@ -138,6 +138,7 @@ class FluxLoraTrainer:
                 f"FLUX LoRA training needs a FLUX model, got {type(dm).__module__}.{type(dm).__name__}. "
                 "Fix: load a FLUX.1 model (UNETLoader / CheckpointLoaderSimple) and connect it to 'model'.")
         cfg.validate()
+        device_cache.lease(self)    # the quantized base's shared device tensors go with the last trainer
         if len(dataset) == 0:
             raise ValueError("the dataset is empty. Fix: add images to the dataset folder.")
         if cfg.caption_dropout > 0 and EMPTY_CAPTION not in dataset.conds:

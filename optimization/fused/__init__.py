@@ -30,13 +30,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..runtime import knobs, selftests
+from ..runtime import device_cache, knobs, selftests
 from . import reference
 
 log = logging.getLogger(__name__)
 
 _HALF = (torch.bfloat16, torch.float16)
-_sid_cache: Dict[tuple, torch.Tensor] = {}
+_sid_cache: Dict[tuple, torch.Tensor] = device_cache.cache()
 _kernels = None
 _import_error: Optional[str] = None
 

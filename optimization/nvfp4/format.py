@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime import device_cache
+
 F4_E2M1_MAX = 6.0
 F8_E4M3_MAX = 448.0
 BLOCK = 16
@@ -44,7 +46,7 @@ NIBBLE_ORDER = "hi_first"          # the pack's internal order (ComfyUI / comfy-
 NIBBLE_ORDERS = ("hi_first", "lo_first")
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-_LUT_CACHE: dict = {}
+_LUT_CACHE: dict = device_cache.cache()
 
 
 def roundup(x: int, m: int) -> int:

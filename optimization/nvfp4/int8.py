@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from ..runtime import selftests
+from ..runtime import device_cache, selftests
 from . import dispatch, int8_kernels, launch
 from .checkpoint import INT8_FORMATS, comfy_quant_tensor
 
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 INT8_FORMAT = INT8_FORMATS[0]
 _H4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))
-_HADAMARD: dict = {}
+_HADAMARD: dict = device_cache.cache()
 _ANNOUNCED: set = set()
 
 

@@ -19,7 +19,7 @@ bit. None of these kernels uses FP4 instructions, so they run (and are tested) o
 
 import torch
 
-from ..runtime import knobs
+from ..runtime import device_cache, knobs
 from . import launch
 from .format import E2M1_VALUES, fp8_row_exponent, quantize_act_fp8_rowwise_reference, roundup
 from .launch import HAS_TRITON, tl, triton, triton_usable  # noqa: F401 - triton_usable: asked here by callers
@@ -302,7 +302,7 @@ if HAS_TRITON:
             tl.store(ws_ptr + (pid_k * M + rm[None, :]).to(tl.int64) * N + rn[:, None], acc, mask=omask)
 
 
-_LUT_DEV: dict = {}
+_LUT_DEV: dict = device_cache.cache()
 
 
 def byte_lut(device) -> torch.Tensor:

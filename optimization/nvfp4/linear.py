@@ -14,7 +14,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ..runtime import policy
+from ..runtime import device_cache, policy
 from . import dispatch, kernels, launch
 from . import format as fmt
 from . import rs_w4a16 as R
@@ -34,7 +34,7 @@ W4A16_TRITON_BROKEN: list = []   # why the Triton W4A16 kernel failed to build/r
 FP8_NO_FAST_ACCUM: set = set()   # (M, K, N, device) where cuBLASLt refused bias + fast accumulation (fp8_speed)
 TIMED: dict = {}                 # (M, N, K, device) -> the faster of rs_w4a16 and dequant_cublas there
 _ANNOUNCED: set = set()          # (path, kernel, M) already logged
-_SCRATCH: dict = {}
+_SCRATCH: dict = device_cache.cache()
 
 
 def _scratch(device, dtype, numel: int):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..runtime import knobs, selftests
+from ..runtime import device_cache, knobs, selftests
 from . import launch
 from . import wgmma_w4a16 as W
 
@@ -160,7 +160,7 @@ def split(n_tiles: int, kt: int, sms: int) -> tuple[int, int, int]:
     return n_tiles - rem, rem, g_sk
 
 
-_SK_BUFFERS: dict = {}       # (device, stream) -> (workspace, flags); flags return to 0 after every launch
+_SK_BUFFERS: dict = device_cache.cache()     # (device, stream) -> (workspace, flags); flags return to 0 after every launch
 
 
 def _sk_buffers(device, stream: int, tn: int, ctas: int):

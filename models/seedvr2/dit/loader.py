@@ -24,6 +24,7 @@ import torch
 
 from ....optimization.gguf import GGUFLinear, GGUFTensor
 from ....optimization.nvfp4.surgery import make_keep_rule, replace_linears
+from ....optimization.runtime import device_cache
 from ..files import BAKED_CONDITIONING, read_tensors
 from .config import DiTConfig
 from .nadit import NaDiT
@@ -209,7 +210,9 @@ def _swap_gguf_linears(model: NaDiT, sd: Mapping[str, object], dtype: Optional[t
 # Building and loading
 # --------------------------------------------------------------------------------------------------
 def build_dit(config: DiTConfig, device="meta", dtype=None, attention_backend: str = "auto", block_runner=None) -> NaDiT:
-    return NaDiT(config, attention_backend=attention_backend, block_runner=block_runner, device=device, dtype=dtype)
+    model = NaDiT(config, attention_backend=attention_backend, block_runner=block_runner, device=device, dtype=dtype)
+    device_cache.lease(model)   # the ops' shared device tensors go when the last model does
+    return model
 
 
 def _fix_rope_buffers(model: NaDiT) -> None:
