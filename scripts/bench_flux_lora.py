@@ -251,10 +251,11 @@ def lora_keys_missing(mp, path: str) -> int:
     return sum(m.startswith(("lora key not loaded", "NOT LOADED")) for m in messages)
 
 
-def bench_budget(mp, res, budget_gib, cfgdims, dev, warmup, steps, outdir):
+def bench_budget(mp, res, budget_gib, cfgdims, dev, warmup, steps, outdir, precision="auto"):
     """The training node's path on a card of ``budget_gib``: the base back in host RAM (as the node leaves it), the
     GPU filled until that much stays usable, the automatic memory plan (training/memory_plan.py) made from what is
-    usable and applied to default settings (base precision and blocks to swap "auto"), then s/step and the trainer's
+    usable and applied to default settings (blocks to swap "auto"; base precision ``precision``, default "auto"),
+    then s/step and the trainer's
     peak above the fill. On the CPU (``--tiny``) the plan is made for a budget of that size and nothing is filled.
 
     The row also says whether training works there: ``loss_decreasing`` compares the validation loss (the node's:
@@ -272,10 +273,10 @@ def bench_budget(mp, res, budget_gib, cfgdims, dev, warmup, steps, outdir):
         usable = free_device_bytes(dev) if cuda else None
         if cuda:
             check_budget(usable, budget_gib, "after the fill")
-        request = PlanRequest(resolution=res, rank=16, cache_bytes=16 * (res // 8) ** 2 * 4)
+        request = PlanRequest(resolution=res, rank=16, cache_bytes=16 * (res // 8) ** 2 * 4, base_precision=precision)
         plan = plan_training(flux_dims(dm), request, DeviceBudget.of(dev, usable if cuda else int(budget_gib * 2**30)))
         cfg = plan.apply(TrainConfig(rank=16, alpha=16, steps=10**6, learning_rate=1e-4, optimizer="adamw",
-                                     compute_dtype="bf16" if cuda else "fp32", base_precision="auto",
+                                     compute_dtype="bf16" if cuda else "fp32", base_precision=precision,
                                      blocks_to_swap=-1, gradient_checkpointing=True, output_dir=outdir,
                                      output_name=f"bench_budget{budget_gib:g}_{res}", seed=0))
         base = torch.cuda.memory_allocated(dev) if cuda else 0
@@ -302,7 +303,7 @@ def bench_budget(mp, res, budget_gib, cfgdims, dev, warmup, steps, outdir):
         hold.clear()
         if cuda:
             release_cached(dev)
-    return {"impl": "ours", "mode": f"auto@{budget_gib:g}GiB", "res": res, "budget_gib": budget_gib,
+    return {"impl": "ours", "mode": f"{precision}@{budget_gib:g}GiB", "res": res, "budget_gib": budget_gib,
             "usable_gib_after_fill": None if usable is None else usable / 2**30,
             "usable_gib_after_run": None if usable_after_run is None else usable_after_run / 2**30,
             "plan": plan.line(), "median_s": statistics.median(times), "min_s": min(times),
@@ -513,7 +514,8 @@ def main():
                     help="ours: selective_checkpointing setting (auto|on|off|both)")
     ap.add_argument("--budgets", default="",
                     help="GiB list, e.g. 24,16,12,8: after --modes (use fp8 for the resident baseline), the node's "
-                         "path with the automatic memory plan on the GPU filled until B GiB stay free")
+                         "path with the automatic memory plan on the GPU filled until B GiB stay free; B:fp8 or "
+                         "B:nvfp4 fixes the plan's base precision (e.g. 16:nvfp4)")
     a = ap.parse_args()
     if a.host_ops:
         setup_comfy(a.comfy, True)
@@ -575,14 +577,16 @@ def main():
                 results.append(r)
                 print("[bench]", json.dumps(r), flush=True)
     for res in ress:
-        for b in [float(x) for x in a.budgets.split(",") if x]:
+        for spec in [x for x in a.budgets.split(",") if x]:
+            b, _, prec = spec.partition(":")
+            b, prec = float(b), prec or "auto"
             t1 = time.time()
             try:
-                r = bench_budget(mp, res, b, dims, dev, a.warmup, a.steps, a.outdir)
+                r = bench_budget(mp, res, b, dims, dev, a.warmup, a.steps, a.outdir, prec)
             except Exception as exc:  # noqa: BLE001  (an out-of-memory is a result here)
                 import traceback
                 traceback.print_exc()
-                r = {"impl": "ours", "mode": f"auto@{b:g}GiB", "res": res, "error": f"{type(exc).__name__}: {exc}"}
+                r = {"impl": "ours", "mode": f"{prec}@{b:g}GiB", "res": res, "error": f"{type(exc).__name__}: {exc}"}
             r["wall_s"] = round(time.time() - t1, 1)
             resident = next((x["median_s"] for x in results if x.get("mode") == "fp8" and x["res"] == res
                              and "error" not in x), None)
