@@ -42,6 +42,9 @@ FP8_WITHOUT_TENSORCORES = 1.3  # the fp8 base dequantizes per call where FP8 GEM
 # swapped step took its swapped blocks' bytes twice over at that rate), below the link's nominal 20+
 HOST_LINK_BYTES_S = 15e9
 SWAP_SLOWDOWN = 1.2            # BlockSwap turns CUDA graphs off: §6 measured graphs 1.17-1.22x faster
+# A swapped step costs this much more than both bounds above: §6's budget rows took 0.72-0.86 s with 4.4 to 6.6 GB
+# streamed (fp8 and NVFP4 alike), flat in the bytes, where compute and copy each predict 0.5-0.7 s
+SWAP_OVERHEAD_S = 0.15
 REF_TOKENS = 4096 + TEXT_TOKENS
 # A lower base precision is chosen only where it is estimated this much faster (it changes the base's numerics).
 PRECISION_PREFERENCE = {"as_loaded": 1.0, "fp8": 1.15, "nvfp4": 1.3}
@@ -241,7 +244,7 @@ def _evaluate(dims, req, dev, precision, swap, batch, resolution, selective_cap=
     step *= batch * (t_img + TEXT_TOKENS) / REF_TOKENS
     if swap:
         copy = 2 * sum(weights[i] for i in swapped) / HOST_LINK_BYTES_S   # forward and backward recompute
-        step = max(step * SWAP_SLOWDOWN, copy)
+        step = max(step * SWAP_SLOWDOWN, copy) + SWAP_OVERHEAD_S
     budget_sel = sum(kept[:n_sel]) if dev.vram is not None else None
     return TrainPlan(precision, swap, n_sel, budget_sel, batch, req.grad_accum * (req.batch_size // batch), need,
                      host, step, dev.vram, resolution)
