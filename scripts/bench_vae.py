@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from seedvr2bw.models.seedvr2.vae import SEEDVR2_VAE, VAEConfig, VideoAutoencoder
 from seedvr2bw.models.seedvr2.vae.tiling import estimate_decode_bytes, estimate_encode_bytes
+from seedvr2bw.optimization.runtime.policy import get_policy, torch_settings
 
 GIB = 1024 ** 3
 
@@ -90,15 +91,31 @@ def matmul_peak_tflops(device, dtype=torch.bfloat16, n: int = 8192, repeats: int
 
 
 
+def profile_call(run, device, path, title: str, rows: int = 45) -> None:
+    """One call of ``run`` under torch.profiler; the ops and kernels with the most self device time go to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        out = run()
+        _sync(device)
+        del out
+    key = "self_device_time_total" if torch.device(device).type == "cuda" else "self_cpu_time_total"
+    with open(path, "a") as f:
+        f.write(f"## {title}\n{prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=90)}\n")
+
+
 def bench_vae(device="cuda", dtype=torch.bfloat16, resolutions=((1280, 720), (1920, 1080)), frames=(1, 21),
               ops=("encode", "decode"), tiled=(False, True), encode_tile=512, encode_overlap=64,
               decode_tile=64, decode_overlap=8, warmup=1, repeats=3, heavy_repeats=None, vae=None,
-              time_budget_s=None, log=print) -> list:
+              time_budget_s=None, log=print, profile_path=None, cudnn_benchmark=None) -> list:
     """Time encode/decode. Returns one dict per (op, resolution, frames, tiled).
 
     frames are pixel frames (4n + 1); decode is timed on the latent of that clip ((T-1)/4 + 1 latent frames) and
     produces T frames. heavy_repeats (default: repeats) applies to clips of more than 1 frame. Configurations left
-    when time_budget_s is spent are returned with "skipped": True.
+    when time_budget_s is spent are returned with "skipped": True. ``profile_path``: one more call of each
+    configuration under torch.profiler, its ops and kernels by device time appended to that file. The calls run
+    under the hardware policy's TF32 / cuDNN settings, as the pipeline runs them (``cudnn_benchmark`` True/False
+    overrides its autotuning choice).
     """
     device = torch.device(device)
     vae = vae or make_random_vae(device, dtype)
@@ -113,6 +130,18 @@ def bench_vae(device="cuda", dtype=torch.bfloat16, resolutions=((1280, 720), (19
         log(f"{info['dtype']} matmul peak this run: {peak:.0f} TFLOP/s")
     configs = [(op, w, h, t, til) for t in frames for (w, h) in resolutions for op in ops for til in tiled]
     configs.sort(key=lambda c: c[1] * c[2] * c[3])          # cheapest first, so a time budget keeps the most rows
+    policy = get_policy(device, None if cudnn_benchmark is None else {"cudnn_benchmark": cudnn_benchmark})
+    info["cudnn_benchmark"] = policy.cudnn_benchmark
+    with torch_settings(policy):
+        return _run_configs(vae, device, dtype, info, peak, configs, encode_tile, encode_overlap, decode_tile,
+                            decode_overlap, warmup, repeats, heavy_repeats, time_budget_s, log, profile_path)
+
+
+def _run_configs(vae, device, dtype, info, peak, configs, encode_tile, encode_overlap, decode_tile, decode_overlap,
+                 warmup, repeats, heavy_repeats, time_budget_s, log, profile_path) -> list:
+    cuda = device.type == "cuda"
+    s, tf = vae.spatial_factor, vae.temporal_factor
+    elem = torch.empty((), dtype=dtype).element_size()
     rows, start = [], time.perf_counter()
     for op, w, h, t, til in configs:
         row = dict(info, op=op, width=w, height=h, frames=t, tiled=til)
@@ -167,8 +196,10 @@ def bench_vae(device="cuda", dtype=torch.bfloat16, resolutions=((1280, 720), (19
             if peak is not None:
                 row["conv_share_of_peak"] = row["conv_tflops"] / peak
             if cuda:
-                peak = torch.cuda.max_memory_allocated(device)
-                row.update(peak_vram_gib=peak / GIB, peak_above_inputs_gib=(peak - base) / GIB)
+                top = torch.cuda.max_memory_allocated(device)   # not `peak`: that is the matmul rate of every row
+                row.update(peak_vram_gib=top / GIB, peak_above_inputs_gib=(top - base) / GIB)
+            if profile_path:
+                profile_call(run, device, profile_path, _fmt(row))
         except torch.cuda.OutOfMemoryError as e:  # report and go on
             row.update(error=f"OOM: {str(e).splitlines()[0]}")
         finally:
@@ -207,20 +238,22 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--heavy-repeats", type=int, default=None, help="repeats for clips of more than one frame")
     ap.add_argument("--budget-s", type=float, default=None, help="skip configurations once this much time is spent")
-    ap.add_argument("--cudnn-benchmark", action="store_true")
+    ap.add_argument("--cudnn-benchmark", default="policy", choices=["policy", "on", "off"],
+                    help="cuDNN autotuning in the timed calls (default: the hardware policy's, as the pipeline)")
+    ap.add_argument("--profile", default=None, help="append a torch.profiler table of one more call per row here")
     ap.add_argument("--quick", action="store_true", help="repeats 3 (1 frame) / 2 (longer clips), budget 150 s")
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)
     if a.quick:
         a.repeats, a.heavy_repeats, a.budget_s = 3, 2, a.budget_s or 150.0
-    torch.backends.cudnn.benchmark = a.cudnn_benchmark
     res = [tuple(int(v) for v in r.lower().split("x")) for r in a.resolutions.split(",")]
     frames = [int(f) for f in a.frames.split(",")]
     tiled = {"both": (False, True), "yes": (True,), "no": (False,)}[a.tiled]
     print(f"device {a.device}, torch {torch.__version__}, dtype {a.dtype}, commit {_pack.git_commit()}", flush=True)
     rows = bench_vae(a.device, getattr(torch, a.dtype), res, frames, tuple(a.ops.split(",")), tiled,
                      a.encode_tile, a.encode_overlap, a.decode_tile, a.decode_overlap, a.warmup, a.repeats,
-                     a.heavy_repeats, time_budget_s=a.budget_s, log=lambda m: print(m, flush=True))
+                     a.heavy_repeats, time_budget_s=a.budget_s, log=lambda m: print(m, flush=True),
+                     profile_path=a.profile, cudnn_benchmark={"policy": None, "on": True, "off": False}[a.cudnn_benchmark])
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0
