@@ -286,7 +286,9 @@ def bench_budget(mp, res, budget_gib, cfgdims, dev, warmup, steps, outdir, preci
         tr = FluxLoraTrainer(dm, cfg, ds, latent_format=mp.model.latent_format, device=dev, validation=ds)
         try:
             val_before = tr.validation_loss()
+            stats0 = torch.cuda.memory_stats(dev) if cuda else {}
             times, losses = timed_steps(tr, dev, warmup, steps)
+            stats1 = torch.cuda.memory_stats(dev) if cuda else {}
             peak = (torch.cuda.max_memory_allocated(dev) - base) / 2**30 if cuda else float("nan")
             val_after = tr.validation_loss()
             lora_path = tr.save_lora()
@@ -309,7 +311,11 @@ def bench_budget(mp, res, budget_gib, cfgdims, dev, warmup, steps, outdir, preci
             "plan": plan.line(), "median_s": statistics.median(times), "min_s": min(times),
             "step_s": [round(t, 4) for t in times], "peak_gib": peak, "loss_first": losses[0],
             "loss_last": losses[-1], "val_loss_before": val_before, "val_loss_after": val_after,
-            "loss_decreasing": val_after < val_before, "lora_file": lora_path, "lora_keys_missing": missing}
+            "loss_decreasing": val_after < val_before, "lora_file": lora_path, "lora_keys_missing": missing,
+            # allocator events over warm-up + timed steps: a retry synchronises and frees the cache, a cudaMalloc
+            # is a driver call; either in every step would show as the swapped steps' unexplained cost
+            "alloc_retries": stats1.get("num_alloc_retries", 0) - stats0.get("num_alloc_retries", 0),
+            "device_mallocs": stats1.get("num_device_alloc", 0) - stats0.get("num_device_alloc", 0)}
 
 
 def bench_trainloranode(mp, res, cfgdims, dev, warmup, steps):
@@ -620,7 +626,8 @@ def main():
             print(f"[bench] {r['res']} at {r['budget_gib']:g} GiB: {r['median_s']:.3f} s/step{ratio}; {usable}"
                   f"peak {r['peak_gib']:.1f} GiB; loss decreasing {r['loss_decreasing']} (validation loss "
                   f"{r['val_loss_before']:.5f} -> {r['val_loss_after']:.5f}); LoRA keys missing in ComfyUI's "
-                  f"LoraLoader {r['lora_keys_missing']}; {r['plan']}")
+                  f"LoraLoader {r['lora_keys_missing']}; allocator retries {r['alloc_retries']}, cudaMallocs "
+                  f"{r['device_mallocs']} in {a.warmup + a.steps} steps; {r['plan']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"info": info, "results": results}, f, indent=1)
