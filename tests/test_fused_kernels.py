@@ -96,6 +96,35 @@ def test_group_norm_frames_kernel_interpreted():
 
 
 @needs_triton
+def test_group_norm_frames_channels_last_kernel_interpreted():
+    # channels-last 3-D input and output; 6 channels in 3 groups (a group narrower than its power-of-2 tile),
+    # 99 rows per frame in blocks of 16 (a 3-row tail), 3 frames, 2 samples; fp32 equals the NCDHW kernel's
+    out = _run("""
+        cl = torch.channels_last_3d
+        for dt, tol, mean in ((torch.float32, 2e-5, 40.0), (torch.bfloat16, 8e-3, 0.1)):
+            x = (rnd(2, 6, 3, 9, 11, dtype=torch.float32) * 0.5 + mean).to(dt).contiguous(memory_format=cl)
+            w, b = rnd(6, dtype=dt) + 1, rnd(6, dtype=dt)
+            for silu in (False, True):
+                got = k.group_norm_frames_cl(x, 3, w, b, 1e-6, silu=silu, block_rows=16)
+                want = ref.group_norm_frames(x.contiguous(), 3, w, b, 1e-6, silu=silu)
+                assert got.shape == x.shape and got.dtype == dt and got.is_contiguous(memory_format=cl)
+                assert rel(got, want) < tol, (dt, silu, rel(got, want))
+                if dt == torch.float32:
+                    same = k.group_norm_frames(x.contiguous(), 3, w, b, 1e-6, silu=silu, block=32)
+                    assert rel(got, same) < tol
+        x = rnd(1, 4, 2, 5, 7, dtype=torch.float32)
+        x2 = x.clone()
+        x2[:, :, 1] *= 1000
+        w, b = torch.ones(4), torch.zeros(4)
+        a = k.group_norm_frames_cl(x.contiguous(memory_format=cl), 2, w, b, 0.0, block_rows=16)
+        c = k.group_norm_frames_cl(x2.contiguous(memory_format=cl), 2, w, b, 0.0, block_rows=16)
+        assert rel(a, c) < 1e-5
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+@needs_triton
 @pytest.mark.parametrize("rope", [True, False])
 def test_qkv_pack_kernel_interpreted(rope):
     out = _run(f"""

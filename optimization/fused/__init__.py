@@ -141,6 +141,9 @@ def check_kernels(k, device, tol) -> Tuple[bool, str]:
     gw, gb = rnd(8, scale=0.3) + 1, rnd(8, scale=0.3)
     errs["group_norm_frames"] = _rel(k.group_norm_frames(xg, 4, gw, gb, 1e-6, silu=True),
                                      reference.group_norm_frames(xg, 4, gw, gb, 1e-6, silu=True))
+    errs["group_norm_frames_cl"] = _rel(k.group_norm_frames_cl(xg.contiguous(memory_format=torch.channels_last_3d),
+                                                               4, gw, gb, 1e-6, silu=True),
+                                        reference.group_norm_frames(xg, 4, gw, gb, 1e-6, silu=True))
     w, bias = rnd(96, d, scale=d ** -0.5), rnd(96, scale=0.1)
     xl = x[:, :d]
     ref = torch.nn.functional.gelu(torch.nn.functional.linear(xl.float(), w.float(), bias.float()), approximate="tanh")
@@ -248,8 +251,12 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def group_norm_frames(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool) -> torch.Tensor:
-    """GroupNorm ``norm`` of every frame of x (B, C, T, H, W) on its own, then SiLU if ``silu``."""
-    return _load().group_norm_frames(x.contiguous(), norm.num_groups, norm.weight, norm.bias, norm.eps, silu)
+    """GroupNorm ``norm`` of every frame of x (B, C, T, H, W) on its own, then SiLU if ``silu``; the output keeps
+    x's layout when that is channels-last 3-D (the VAE's NDHWC path), else it is contiguous."""
+    k = _load()
+    if not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return k.group_norm_frames_cl(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu)
+    return k.group_norm_frames(x.contiguous(), norm.num_groups, norm.weight, norm.bias, norm.eps, silu)
 
 
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -296,6 +296,90 @@ def _gn_apply_kernel(X, Y, MEAN, RSTD, W, BIAS, HW, T, C, CG, SILU: tl.constexpr
     tl.store(Y + plane * HW + offs, y, mask=mask)
 
 
+# The same on the channels-last 3-D layout (memory order B, T, H, W, C: what cuDNN's convolutions read and write
+# without transposing). A frame is an (H*W, C) matrix: the moments programs take (frame, group, block of rows),
+# the apply programs (block of rows, block of channels) of the (B*T*H*W, C) matrix.
+@triton.jit
+def _gn_cl_moments_kernel(X, PART, HW, T, C, CG, NBLK, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    frame = tl.program_id(0).to(tl.int64)          # b * T + t
+    g = tl.program_id(1)
+    j = tl.program_id(2)
+    rows = j * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_G)
+    mask = (rows[:, None] < HW) & (cols[None, :] < CG)
+    ptr = X + (frame * HW + rows[:, None]) * C + g * CG + cols[None, :]
+    x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    n = (tl.minimum(HW - j * BLOCK_R, BLOCK_R) * CG).to(tl.float32)
+    mean = tl.sum(tl.sum(x, axis=1), axis=0) / n
+    d = tl.where(mask, x - mean, 0.0)
+    m2 = tl.sum(tl.sum(d * d, axis=1), axis=0)
+    b = frame // T
+    t = frame % T
+    idx = (((b * (C // CG) + g) * T + t) * NBLK + j).to(tl.int64)   # (sample, group, frame, block)
+    tl.store(PART + 2 * idx, mean)
+    tl.store(PART + 2 * idx + 1, m2)
+
+
+@triton.jit
+def _gn_cl_apply_kernel(X, Y, MEAN, RSTD, W, BIAS, NROWS, HW, T, C, CG, SILU: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rmask, cmask = rows < NROWS, cols < C
+    mask = rmask[:, None] & cmask[None, :]
+    frame = rows // HW
+    b = frame // T
+    t = frame % T
+    stat = (b[:, None] * (C // CG) + cols[None, :] // CG) * T + t[:, None]
+    # torch's fused parameters: y = x * a + (beta - mean * a), a = rstd * gamma, in fp32
+    a = tl.load(RSTD + stat, mask=mask, other=0.0) * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    sh = tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)[None, :] - tl.load(MEAN + stat, mask=mask,
+                                                                                       other=0.0) * a
+    off = rows[:, None] * C + cols[None, :]
+    x = tl.load(X + off, mask=mask, other=0.0).to(tl.float32)
+    y = (x * a + sh).to(Y.dtype.element_ty)
+    if SILU:
+        yf = y.to(tl.float32)
+        y = (yf / (1.0 + tl.exp(-yf))).to(Y.dtype.element_ty)
+    tl.store(Y + off, y, mask=mask)
+
+
+def _combine_moments(part, cnt, n, eps, dtype):
+    """mean and rstd of each row of ``part`` (rows, blocks, 2: block mean and M2) over ``n`` values (Chan et al.),
+    rounded to ``dtype`` and back as torch's CUDA GroupNorm does."""
+    means, m2s = part[..., 0], part[..., 1]
+    dims = tuple(range(1, means.ndim))
+    shape = (-1,) + (1,) * len(dims)
+    mean = (means * cnt).sum(dims) / n
+    m2 = m2s.sum(dims) + (cnt * (means - mean.view(shape)).square()).sum(dims)
+    rstd = torch.rsqrt(m2 / n + eps)
+    return mean.to(dtype).float(), rstd.to(dtype).float()
+
+
+def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=None):
+    """``group_norm_frames`` of x (B, C, T, H, W) stored channels-last 3-D; the output is stored the same way."""
+    b, c, t = x.shape[:3]
+    hw = x[0, 0, 0].numel()
+    cg = c // groups
+    block_g = triton.next_power_of_2(cg)
+    block_r = block_rows or max(16, min(1024, 8192 // block_g))
+    nblk = triton.cdiv(hw, block_r)
+    part = torch.empty((b * groups * t, nblk, 2), device=x.device, dtype=torch.float32)
+    _gn_cl_moments_kernel[(b * t, groups, nblk)](x, part, hw, t, c, cg, nblk, BLOCK_R=block_r, BLOCK_G=block_g,
+                                                 num_warps=4)
+    cnt = torch.full((nblk,), float(block_r * cg), device=x.device)
+    cnt[-1] = (hw - (nblk - 1) * block_r) * cg
+    mean, rstd = _combine_moments(part, cnt, cg * hw, eps, x.dtype)
+    y = torch.empty_like(x)                          # keeps the channels-last strides
+    nrows = b * t * hw
+    block_c = min(triton.next_power_of_2(c), 128)
+    block_r2 = max(1, 4096 // block_c)
+    grid = (triton.cdiv(nrows, block_r2), triton.cdiv(c, block_c))
+    _gn_cl_apply_kernel[grid](x, y, mean, rstd, weight, bias, nrows, hw, t, c, cg, SILU=silu, BLOCK_R=block_r2,
+                              BLOCK_C=block_c, num_warps=8)
+    return y
+
+
 def group_norm_frames(x, groups, weight, bias, eps, silu=False, block=4096):
     """GroupNorm of x (B, C, T, H, W) over (channels of a group, H, W) for every frame on its own, then SiLU
     if asked; x contiguous. Statistics in fp32 (mean and M2 per block, combined pairwise), then rounded to x's
@@ -310,13 +394,9 @@ def group_norm_frames(x, groups, weight, bias, eps, silu=False, block=4096):
     _gn_moments_kernel[grid](x, part, hw, t, c, cg, nblk, BLOCK=block, num_warps=8)
     cnt = torch.full((nblk,), float(block), device=x.device)
     cnt[-1] = hw - (nblk - 1) * block
-    means, m2s = part[..., 0], part[..., 1]
-    mean = (means * cnt).sum((1, 2)) / (cg * hw)
-    m2 = m2s.sum((1, 2)) + (cnt * (means - mean[:, None, None]).square()).sum((1, 2))
-    rstd = torch.rsqrt(m2 / (cg * hw) + eps)
     # torch's CUDA GroupNorm stores mean and rstd in the input dtype before applying them: so do we, so that the
     # output is the official model's on a GPU (without this, half of the bf16 outputs differ by one unit)
-    mean, rstd = mean.to(x.dtype).float(), rstd.to(x.dtype).float()
+    mean, rstd = _combine_moments(part, cnt, cg * hw, eps, x.dtype)
     y = torch.empty_like(x)
     _gn_apply_kernel[grid](x, y, mean, rstd, weight, bias, hw, t, c, cg, SILU=silu, BLOCK=block, num_warps=8)
     return y
