@@ -241,6 +241,9 @@ def main(argv=None):
     ap.add_argument("--cudnn-benchmark", default="policy", choices=["policy", "on", "off"],
                     help="cuDNN autotuning in the timed calls (default: the hardware policy's, as the pipeline)")
     ap.add_argument("--profile", default=None, help="append a torch.profiler table of one more call per row here")
+    ap.add_argument("--layouts", default="default",
+                    help="activation layouts to time, one after the other on the same model: default (as "
+                         "SEEDVR2BW_VAE_CHANNELS_LAST says), ncdhw, ndhwc; e.g. ncdhw,ndhwc")
     ap.add_argument("--quick", action="store_true", help="repeats 3 (1 frame) / 2 (longer clips), budget 150 s")
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)
@@ -250,10 +253,18 @@ def main(argv=None):
     frames = [int(f) for f in a.frames.split(",")]
     tiled = {"both": (False, True), "yes": (True,), "no": (False,)}[a.tiled]
     print(f"device {a.device}, torch {torch.__version__}, dtype {a.dtype}, commit {_pack.git_commit()}", flush=True)
-    rows = bench_vae(a.device, getattr(torch, a.dtype), res, frames, tuple(a.ops.split(",")), tiled,
-                     a.encode_tile, a.encode_overlap, a.decode_tile, a.decode_overlap, a.warmup, a.repeats,
-                     a.heavy_repeats, time_budget_s=a.budget_s, log=lambda m: print(m, flush=True),
-                     profile_path=a.profile, cudnn_benchmark={"policy": None, "on": True, "off": False}[a.cudnn_benchmark])
+    dtype = getattr(torch, a.dtype)
+    vae = make_random_vae(a.device, dtype)
+    rows = []
+    for layout in a.layouts.split(","):
+        vae.channels_last = {"default": None, "ncdhw": False, "ndhwc": True}[layout]
+        print(f"layout {layout}: {vae.layout()}", flush=True)
+        got = bench_vae(a.device, dtype, res, frames, tuple(a.ops.split(",")), tiled, a.encode_tile,
+                        a.encode_overlap, a.decode_tile, a.decode_overlap, a.warmup, a.repeats, a.heavy_repeats,
+                        vae=vae, time_budget_s=a.budget_s, log=lambda m: print(m, flush=True),
+                        profile_path=a.profile,
+                        cudnn_benchmark={"policy": None, "on": True, "off": False}[a.cudnn_benchmark])
+        rows += [dict(r, layout=str(vae.layout()).replace("torch.", "")) for r in got]
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

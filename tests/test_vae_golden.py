@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import DATA
 from seedvr2bw.models.seedvr2.vae import VAEConfig, build_vae
+from seedvr2bw.models.seedvr2.vae.causal_conv import CausalConv3d
 
 GOLDEN = DATA / "golden"
 TOL = 1e-5
@@ -47,12 +48,24 @@ MODES = {
 }
 
 
+def _assert_channels_last(module, args):
+    x = args[0]
+    assert x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous(), \
+        f"{type(module).__name__} got an NCDHW input {tuple(x.stride())}"
+
+
+@pytest.mark.parametrize("layout", ["ncdhw", "ndhwc"])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("case", ["video", "image"])
-def test_golden(vae, manifest, case, mode):
+def test_golden(vae, manifest, case, mode, layout):
+    """Both activation layouts give the official numbers; the channels-last one keeps NDHWC from the first conv
+    to the last (every conv, the upsamplers' depth-to-space, the bands, the causal frames, the GroupNorms)."""
     split, conv_mem, norm_mem = MODES[mode]
     vae.set_causal_slicing(split)
     vae.set_memory_limit(conv_mem, norm_mem)
+    vae.channels_last = layout == "ndhwc"
+    hooks = [m.register_forward_pre_hook(_assert_channels_last) for m in vae.modules()
+             if isinstance(m, CausalConv3d)] if layout == "ndhwc" else []
     try:
         info = manifest["vae"]["cases"][case]
         d = load_file(str(GOLDEN / info["file"]))
@@ -71,6 +84,9 @@ def test_golden(vae, manifest, case, mode):
         mean, logvar = post
         assert mean is post.mean and logvar is post.logvar
     finally:
+        for h in hooks:
+            h.remove()
+        vae.channels_last = None
         vae.set_causal_slicing(4)
         vae.set_memory_limit(0.5, 0.5)
 
@@ -108,3 +124,16 @@ def test_batch_of_two_matches_golden(vae):
     out = vae.decode(z)
     assert rel_l2(out[:1], d["decoded"]) <= TOL
     assert rel_l2(out[1:], vae.decode(z[1:])) <= TOL
+
+
+def test_tiled_channels_last_equals_ncdhw(vae, manifest):
+    d = load_file(str(GOLDEN / manifest["vae"]["cases"]["video"]["file"]))
+    out = {}
+    for on in (False, True):
+        vae.channels_last = on
+        try:
+            out[on] = (vae.encode_tiled(d["x"], tile=24, overlap=8).mean, vae.decode_tiled(d["z"], tile=4, overlap=2))
+        finally:
+            vae.channels_last = None
+    assert rel_l2(out[True][0], out[False][0]) < 1e-6 and rel_l2(out[True][1], out[False][1]) < 1e-6
+    assert out[True][1].is_contiguous() and out[True][0].is_contiguous()

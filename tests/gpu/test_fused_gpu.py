@@ -69,9 +69,10 @@ def test_silu_mul_and_linear_gelu():
 
 
 @pytest.mark.parametrize("shape,groups", [((1, 128, 3, 180, 320), 32), ((2, 64, 1, 33, 47), 32), ((1, 512, 2, 90, 160), 32)])
-def test_group_norm_frames(shape, groups):
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last_3d])
+def test_group_norm_frames(shape, groups, layout):
     g = torch.Generator(device="cuda").manual_seed(shape[1])
-    x = (torch.randn(shape, device="cuda", generator=g) * 2 + 3).bfloat16()
+    x = (torch.randn(shape, device="cuda", generator=g) * 2 + 3).bfloat16().contiguous(memory_format=layout)
     norm = torch.nn.GroupNorm(groups, shape[1], eps=1e-6).cuda().bfloat16()
     with torch.no_grad():
         norm.weight.normal_(1, 0.2, generator=g)
@@ -79,6 +80,7 @@ def test_group_norm_frames(shape, groups):
         for silu in (False, True):
             got = fused.group_norm_frames(x, norm, silu)
             want = reference.group_norm_frames(x, groups, norm.weight, norm.bias, norm.eps, silu)
+            assert got.is_contiguous(memory_format=layout)
             # same math, other fp32 summation order: a few values round to the neighbouring bf16
             differ = float((got != want).float().mean())
             assert rel(got, want) < 2e-3 and differ < 0.02, (rel(got, want), differ)

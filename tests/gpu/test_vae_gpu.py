@@ -63,6 +63,31 @@ def test_golden_fp32_on_gpu(tiny):
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = prev
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_channels_last_equals_ncdhw(dtype):
+    """The NDHWC path (cuDNN without transposes, the channels-last GroupNorm kernel) against NCDHW, TF32 off: fp32
+    within rounding, bf16 within a few units of the last place; and the bf16 output's distance to the fp32 NCDHW
+    output no worse than the NCDHW bf16 one's (the issue's bound)."""
+    prev = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        sd = load_file(str(DATA / "golden" / "vae_tiny_weights.safetensors"))
+        vae = build_vae(sd, norm_num_groups=2, dtype=dtype, device="cuda")
+        d = load_file(str(DATA / "golden" / "vae_case_video.safetensors"), device="cuda")
+        out = {}
+        for on in (False, True):
+            vae.channels_last = on
+            out[on] = (vae.encode(d["x"].to(dtype)).mean, vae.decode(d["z"].to(dtype)))
+        r = [rel_l2(out[True][i], out[False][i]) for i in range(2)]
+        REPORT[f"channels_last_vs_ncdhw_{str(dtype)[6:]}"] = r
+        assert max(r) < (1e-5 if dtype == torch.float32 else 2e-2), r
+        if dtype == torch.bfloat16:
+            for i, key in enumerate(("posterior_mean", "decoded")):
+                assert rel_l2(out[True][i], d[key]) <= 1.1 * rel_l2(out[False][i], d[key]) + 1e-4
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = prev
+
+
 def test_bf16_vs_fp32(tiny, real_bf16):
     d = load_file(str(DATA / "golden" / "vae_case_video.safetensors"), device="cuda")
     ref = tiny.decode(d["z"])

@@ -17,6 +17,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ....optimization.runtime import knobs
 from . import tiling
 from .causal_conv import GIB, CausalConv3d, TemporalCache
 from .config import SEEDVR2_VAE, VAEConfig
@@ -44,6 +45,7 @@ class VideoAutoencoder(nn.Module):
         self.encoder = Encoder3D(config)
         self.decoder = Decoder3D(config)
         self.split_size = config.split_size
+        self.channels_last: Optional[bool] = None    # None: SEEDVR2BW_VAE_CHANNELS_LAST on CUDA
         self.set_memory_limit(config.conv_max_mem, config.norm_max_mem)
 
     # ---------------------------------------------------------------- properties and settings
@@ -83,6 +85,18 @@ class VideoAutoencoder(nn.Module):
             raise ValueError(f"split_size must be a multiple of {self.temporal_factor}, got {split_size}")
         self.split_size = split_size
 
+    def layout(self) -> torch.memory_format:
+        """How activations are stored inside encode/decode: channels-last 3-D (NDHWC: cuDNN's convolutions read and
+        write it without transposing) when ``channels_last`` says so, or when it is None, on CUDA with
+        ``SEEDVR2BW_VAE_CHANNELS_LAST``; NCDHW otherwise. Inputs and outputs are NCDHW either way."""
+        on = self.channels_last
+        if on is None:
+            on = self.device.type == "cuda" and bool(knobs.get("VAE_CHANNELS_LAST"))
+        return torch.channels_last_3d if on else torch.contiguous_format
+
+    def _model_input(self, x: torch.Tensor, layout: torch.memory_format) -> torch.Tensor:
+        return x.to(self.device, self.dtype).contiguous(memory_format=layout)
+
     # ---------------------------------------------------------------- chunked cores
     def _frames_check(self, t: int) -> None:
         if (t - 1) % self.temporal_factor:
@@ -94,10 +108,11 @@ class VideoAutoencoder(nn.Module):
         self._frames_check(x.shape[2])
         cache = TemporalCache()
         split = self.split_size
+        layout = self.layout()
         pos = 0
         for a, b in temporal_chunks(x.shape[2], 1 + (split or 0), split):
             check_stop(should_stop)
-            h = self.encoder(x[:, :, a:b].to(self.device, self.dtype), cache)
+            h = self.encoder(self._model_input(x[:, :, a:b], layout), cache).contiguous()
             cache.next_chunk()
             yield pos, h
             pos += h.shape[2]
@@ -107,10 +122,11 @@ class VideoAutoencoder(nn.Module):
         of split_size // 4 frames, the first one with the first latent frame in addition)."""
         cache = TemporalCache()
         step = self.split_size // self.temporal_factor if self.split_size else None
+        layout = self.layout()
         pos = 0
         for a, b in temporal_chunks(z.shape[2], 1 + (step or 0), step):
             check_stop(should_stop)
-            y = self.decoder(z[:, :, a:b].to(self.device, self.dtype), cache)
+            y = self.decoder(self._model_input(z[:, :, a:b], layout), cache).contiguous()
             cache.next_chunk()
             yield pos, y
             pos += y.shape[2]

@@ -43,6 +43,39 @@ class TemporalCache:
         self._memory.clear()
 
 
+def layout_of(x: torch.Tensor) -> torch.memory_format:
+    """channels_last_3d for an activation stored NDHWC (the VAE's channels-last path), else contiguous_format:
+    the layout every tensor the VAE makes from ``x`` is given, so the path never falls back to NCDHW midway."""
+    if x.ndim == 5 and x.stride(1) == 1 and not x.is_contiguous():     # channels innermost (a band's view too)
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def empty_like_layout(x: torch.Tensor, shape) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=x.dtype, device=x.device, memory_format=layout_of(x))
+
+
+def extend_time(prefix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``prefix`` (n frames, a broadcast view allowed) then ``x`` along time, in x's layout
+    (torch.cat would return NCDHW for a broadcast prefix)."""
+    n = prefix.shape[2]
+    shape = list(x.shape)
+    shape[2] += n
+    out = empty_like_layout(x, shape)
+    out[:, :, :n].copy_(prefix)
+    out[:, :, n:].copy_(x)
+    return out
+
+
+def pad_spatial(x: torch.Tensor, pad: Sequence[int]) -> torch.Tensor:
+    """Zero padding (top, bottom, left, right) of the last two dims, in x's layout."""
+    b, c, t, h, w = x.shape
+    out = empty_like_layout(x, (b, c, t, h + pad[0] + pad[1], w + pad[2] + pad[3]))
+    out.zero_()
+    out[:, :, :, pad[0]:pad[0] + h, pad[2]:pad[2] + w].copy_(x)
+    return out
+
+
 def _pad_bytes(x: torch.Tensor, pad: Sequence[int]) -> int:
     b, c, t, h, w = x.shape
     return b * c * t * (h + pad[0] + pad[1]) * (w + pad[2] + pad[3]) * x.element_size()
@@ -66,8 +99,11 @@ def conv3d_limited(
     """
     if _pad_bytes(x, pad) <= max_bytes or not split_dims:
         if pad[0] == pad[1] and pad[2] == pad[3]:
-            return F.conv3d(x, weight, bias, stride, padding=(0, pad[0], pad[2]))
-        return F.conv3d(F.pad(x, (pad[2], pad[3], pad[0], pad[1])), weight, bias, stride)
+            y = F.conv3d(x, weight, bias, stride, padding=(0, pad[0], pad[2]))
+        else:
+            y = F.conv3d(pad_spatial(x, pad), weight, bias, stride)
+        # cuDNN answers NDHWC with NDHWC; torch's CPU convolutions may not, and the next layer must not transpose
+        return y.contiguous(memory_format=layout_of(x))
 
     dim = split_dims[0]
     axis = dim - 3                       # 0 = H, 1 = W
@@ -92,7 +128,7 @@ def conv3d_limited(
         if out is None:
             shape = list(part.shape)
             shape[dim] = out_len
-            out = part.new_empty(shape)
+            out = empty_like_layout(part, shape)
         out.narrow(dim, o0, o1 - o0).copy_(part)
         del part
     return out
@@ -120,9 +156,9 @@ class CausalConv3d(nn.Conv3d):
         x = x.to(self.weight.dtype)
         memory = cache.get(self) if cache is not None else None
         if memory is not None:
-            x = torch.cat([memory, x], dim=2)
+            x = extend_time(memory, x)
         elif self.head_frames:
-            x = torch.cat([x[:, :, :1].expand(-1, -1, self.head_frames, -1, -1), x], dim=2)
+            x = extend_time(x[:, :, :1].expand(-1, -1, self.head_frames, -1, -1), x)
         if cache is not None and self.memory_frames:
             # clone: a view would keep the whole chunk alive until the next chunk.
             cache.put(self, x[:, :, -self.memory_frames:].clone())

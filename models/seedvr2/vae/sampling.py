@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .causal_conv import CausalConv3d, TemporalCache
+from .causal_conv import CausalConv3d, TemporalCache, empty_like_layout, layout_of
 
 
 class Downsample3D(nn.Module):
@@ -45,10 +45,30 @@ class Upsample3D(nn.Module):
     def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
         s, rt = self.spatial_ratio, self.temporal_ratio
         b, c, t, h, w = x.shape
-        y = self.upscale_conv(x.to(self.upscale_conv.weight.dtype))
+        y = self.upscale_conv(x.to(self.upscale_conv.weight.dtype)).contiguous(memory_format=layout_of(x))
+        drop = rt > 1 and (cache is None or cache.first_chunk)
+        if layout_of(y) == torch.channels_last_3d:
+            return self.conv(self._depth_to_space_ndhwc(y, drop), cache)
         y = (y.view(b, s, s, rt, c, t, h, w)
               .permute(0, 4, 5, 3, 6, 1, 7, 2)          # b, c, t, st, h, sx, w, sy
               .reshape(b, c, t * rt, h * s, w * s))
-        if rt > 1 and (cache is None or cache.first_chunk):
+        if drop:
             y = torch.cat([y[:, :, :1], y[:, :, 2:]], dim=2)
         return self.conv(y, cache)
+
+    def _depth_to_space_ndhwc(self, y: torch.Tensor, drop: bool) -> torch.Tensor:
+        """The same rearrangement written straight into an NDHWC tensor (one copy; the dropped frame is never
+        written): output (frame * rt + st, row * s + sx, col * s + sy, c) = y[((sx*s + sy)*rt + st)*C + c]."""
+        s, rt = self.spatial_ratio, self.temporal_ratio
+        b, cr, t, h, w = y.shape
+        c = cr // (s * s * rt)
+        src = y.view(b, s, s, rt, c, t, h, w).permute(0, 5, 3, 6, 1, 7, 2, 4)   # b, t, st, h, sx, w, sy, c
+        frames = t * rt - (1 if drop else 0)
+        out = empty_like_layout(y, (b, c, frames, h * s, w * s))
+        dst = out.permute(0, 2, 3, 4, 1)                                          # b, T, H, W, c: contiguous
+        if drop:
+            dst[:, :1].copy_(src[:, 0, 0].reshape(b, 1, h * s, w * s, c))
+            dst[:, 1:].view(b, t - 1, rt, h, s, w, s, c).copy_(src[:, 1:])
+        else:
+            dst.view(b, t, rt, h, s, w, s, c).copy_(src)
+        return out
