@@ -289,6 +289,7 @@ def bench_budget(mp, res, budget_gib, cfgdims, dev, warmup, steps, outdir, preci
             stats0 = torch.cuda.memory_stats(dev) if cuda else {}
             times, losses = timed_steps(tr, dev, warmup, steps)
             stats1 = torch.cuda.memory_stats(dev) if cuda else {}
+            swap = tr.block_runner.stats() if tr.block_runner is not None else {}
             peak = (torch.cuda.max_memory_allocated(dev) - base) / 2**30 if cuda else float("nan")
             val_after = tr.validation_loss()
             lora_path = tr.save_lora()
@@ -315,7 +316,11 @@ def bench_budget(mp, res, budget_gib, cfgdims, dev, warmup, steps, outdir, preci
             # allocator events over warm-up + timed steps: a retry synchronises and frees the cache, a cudaMalloc
             # is a driver call; either in every step would show as the swapped steps' unexplained cost
             "alloc_retries": stats1.get("num_alloc_retries", 0) - stats0.get("num_alloc_retries", 0),
-            "device_mallocs": stats1.get("num_device_alloc", 0) - stats0.get("num_device_alloc", 0)}
+            "device_mallocs": stats1.get("num_device_alloc", 0) - stats0.get("num_device_alloc", 0),
+            # the streamed blocks over the same steps: a demand load or a pageable copy waits for its bytes
+            "blockswap": {k: swap[k] for k in ("buffers", "prefetch", "copies", "bytes_copied", "pinned_copies",
+                                               "pageable_copies", "prefetched", "demand_loads", "slot_hits")
+                          if k in swap}}
 
 
 def bench_trainloranode(mp, res, cfgdims, dev, warmup, steps):
@@ -627,7 +632,8 @@ def main():
                   f"peak {r['peak_gib']:.1f} GiB; loss decreasing {r['loss_decreasing']} (validation loss "
                   f"{r['val_loss_before']:.5f} -> {r['val_loss_after']:.5f}); LoRA keys missing in ComfyUI's "
                   f"LoraLoader {r['lora_keys_missing']}; allocator retries {r['alloc_retries']}, cudaMallocs "
-                  f"{r['device_mallocs']} in {a.warmup + a.steps} steps; {r['plan']}")
+                  f"{r['device_mallocs']} in {a.warmup + a.steps} steps; BlockSwap {r['blockswap'] or 'off'}; "
+                  f"{r['plan']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"info": info, "results": results}, f, indent=1)
