@@ -27,9 +27,10 @@ def _inputs():
             "image_z": torch.randn(1, 16, 1, 9, 6, generator=g)}
 
 
-def _on_rank(rank, world):
+def _on_rank(rank, world, channels_last=False):
     from seedvr2bw.models.seedvr2.vae.row_parallel import decode_rows, encode_rows
     vae, inp, out = _vae(), _inputs(), {}
+    vae.channels_last = channels_last
     with torch.no_grad():
         for case in ("video", "image"):
             out[f"{case}.encode"] = encode_rows(vae, inp[f"{case}_x"]).moments
@@ -37,10 +38,15 @@ def _on_rank(rank, world):
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+def _on_rank_ndhwc(rank, world):
+    return _on_rank(rank, world, channels_last=True)
+
+
+@pytest.fixture(scope="module", params=[(2, "ncdhw"), (3, "ncdhw"), (2, "ndhwc")], ids=str)
 def ranks(request, tmp_path_factory):
-    world = request.param
-    return world, run_ranks(_on_rank, world, tmp_path_factory.mktemp(f"vae_rows{world}"))
+    world, layout = request.param
+    fn = _on_rank_ndhwc if layout == "ndhwc" else _on_rank
+    return world, run_ranks(fn, world, tmp_path_factory.mktemp(f"vae_rows{world}{layout}"))
 
 
 @pytest.fixture(scope="module")
