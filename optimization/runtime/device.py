@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ class DeviceInfo:
     os_name: str = "linux"                  # "linux", "windows", "wsl", "darwin"
     torch_version: str = ""
     torch_cuda: str | None = None           # torch.version.cuda
+    cudnn_version: int | None = None        # torch.backends.cudnn.version(), e.g. 91002 for 9.10.2
 
     @property
     def torch_device(self) -> torch.device:
@@ -102,8 +104,24 @@ def detect_device(device: torch.device | str | None = None) -> DeviceInfo:
     return DeviceInfo(
         type="cuda", index=index, name=props.name, capability=(props.major, props.minor),
         is_rocm=torch.version.hip is not None, arch_list=tuple(torch.cuda.get_arch_list()),
-        total_memory=int(props.total_memory), **common,
+        total_memory=int(props.total_memory), cudnn_version=torch.backends.cudnn.version(), **common,
     )
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+def torch_skips_cudnn_conv3d(info: DeviceInfo) -> bool:
+    """Whether torch runs half-precision NCDHW 3-D convolutions (kernel > 1) without cuDNN on this device, by
+    im2col at many times the memory: torch 2.9.0 does so with cuDNN 9.8+, later torch with cuDNN 9.8 to 9.14
+    (its guard against a cuDNN bug; channels-last inputs keep cuDNN)."""
+    if info.type != "cuda" or info.is_rocm or not info.cudnn_version or info.cudnn_version < 90800:
+        return False
+    tv = _version(info.torch_version)
+    if tv[:2] < (2, 9):
+        return False
+    return tv[:3] == (2, 9, 0) or info.cudnn_version < 91500
 
 
 def profile_for(info: DeviceInfo) -> str:

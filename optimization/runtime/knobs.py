@@ -62,6 +62,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("COPY_STREAMS", "count", None, "CUDA copy streams for BlockSwap"),
     Knob("TF32", "auto_switch", None, "TF32 matmuls and convolutions inside the pack's model calls"),
     Knob("CUDNN_BENCHMARK", "auto_switch", None, "cuDNN autotuning inside the pack's model calls"),
+    Knob("VAE_CHANNELS_LAST", "auto_switch", None, "the VAE's activations stored channels-last 3-D (NDHWC): "
+         "cuDNN's convolutions without layout transposes; auto: on where torch would skip cuDNN for NCDHW"),
     # kernels
     Knob("SDPA", "choice", "auto", "which F.scaled_dot_product_attention kernel goes first (FLUX training)",
          choices=("auto", "cudnn", "flash", "default")),
@@ -69,8 +71,6 @@ KNOBS: tuple[Knob, ...] = (
          "VAE's GroupNorm (self-tested per GPU)"),
     Knob("QKV_KERNEL", "choice", None, "force one variant of the fused q/k norm+RoPE kernel (default: the fastest "
          "that passes its self-test)", choices=("v3", "v2", "v1")),
-    Knob("VAE_CHANNELS_LAST", "switch", False, "the VAE's activations stored channels-last 3-D (NDHWC) on CUDA, "
-         "so cuDNN's convolutions run without layout transposes"),
     Knob("FUSED_GELU", "switch", True, "the 7B MLP's GELU in the cuBLASLt epilogue"),
     Knob("WGMMA", "switch", True, "NVFP4 fidelity path, 65 <= M <= 256 on sm_90: the CUDA wgmma W4A16 kernel "
          "(off: the Triton one)"),

@@ -26,7 +26,8 @@ from ..attention import resolve_backend
 from ..nvfp4 import dispatch
 from . import knobs
 from . import selftests as selftest_memo
-from .device import GiB, PROFILES, DeviceInfo, arch_problem, default_pinned_pool_bytes, detect_device, profile_for
+from .device import (GiB, PROFILES, DeviceInfo, arch_problem, default_pinned_pool_bytes, detect_device, profile_for,
+                     torch_skips_cudnn_conv3d)
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class Policy:
     copy_streams: int
     tf32: bool
     cudnn_benchmark: bool
+    vae_channels_last: bool = False
     reasons: Mapping[str, str] = field(default_factory=dict)
     arch_problem: str | None = None          # set when torch was not built for this GPU
 
@@ -72,6 +74,7 @@ class Policy:
             f"attention={self.attention}", f"pinned_pool={self.pinned_pool_bytes / GiB:.1f}GiB",
             f"copy_streams={self.copy_streams}", f"tf32={'on' if self.tf32 else 'off'}",
             f"cudnn_benchmark={'on' if self.cudnn_benchmark else 'off'}",
+            f"vae_channels_last={'on' if self.vae_channels_last else 'off'}",
         ]
         why = "; ".join(f"{k}: {v}" for k, v in self.reasons.items())
         line = f"[SeedVR2-BW] profile={self.profile} ({where}) " + " ".join(parts)
@@ -101,7 +104,7 @@ class Policy:
 SelfTest = Callable[[str, DeviceInfo], "tuple[bool, str]"]
 
 OVERRIDABLE = ("profile", "nvfp4_gemm", "fp8_gemm", "attention", "pinned_pool_bytes", "copy_streams", "tf32",
-               "cudnn_benchmark")
+               "cudnn_benchmark", "vae_channels_last")
 
 
 def read_env_overrides(environ: Mapping[str, str] | None = None) -> dict:
@@ -201,9 +204,20 @@ def decide(info: DeviceInfo, overrides: Mapping | None = None,
     copy_streams = overrides.get("copy_streams", 1 if is_gpu else 0)
     tf32 = overrides.get("tf32", profile in _TF32_CAPABLE)
     cudnn_benchmark = overrides.get("cudnn_benchmark", is_gpu and not info.is_rocm)
+    # the VAE's activation layout: NDHWC where torch would run its NCDHW 3-D convolutions without cuDNN
+    if "vae_channels_last" in overrides:
+        vae_cl, reasons["vae_channels_last"] = bool(overrides["vae_channels_last"]), "override"
+    elif is_gpu and torch_skips_cudnn_conv3d(info):
+        vae_cl = True
+        reasons["vae_channels_last"] = (f"torch {info.torch_version} with cuDNN {info.cudnn_version} runs NCDHW "
+                                        "half-precision 3-D convolutions without cuDNN (im2col, several times the "
+                                        "memory); NDHWC keeps cuDNN")
+    else:
+        vae_cl = False
     return Policy(profile=profile, device=info, nvfp4_gemm=nvfp4, fp8_gemm=fp8, attention=attention,
                   pinned_pool_bytes=int(pinned), copy_streams=int(copy_streams), tf32=bool(tf32),
-                  cudnn_benchmark=bool(cudnn_benchmark), reasons=reasons, arch_problem=problem)
+                  cudnn_benchmark=bool(cudnn_benchmark), vae_channels_last=vae_cl, reasons=reasons,
+                  arch_problem=problem)
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ....optimization.runtime import knobs
+from ....optimization.runtime.policy import get_policy
 from . import tiling
 from .causal_conv import GIB, CausalConv3d, TemporalCache
 from .config import SEEDVR2_VAE, VAEConfig
@@ -45,7 +45,7 @@ class VideoAutoencoder(nn.Module):
         self.encoder = Encoder3D(config)
         self.decoder = Decoder3D(config)
         self.split_size = config.split_size
-        self.channels_last: Optional[bool] = None    # None: SEEDVR2BW_VAE_CHANNELS_LAST on CUDA
+        self.channels_last: Optional[bool] = None    # None: the hardware policy's vae_channels_last
         self.set_memory_limit(config.conv_max_mem, config.norm_max_mem)
 
     # ---------------------------------------------------------------- properties and settings
@@ -87,11 +87,11 @@ class VideoAutoencoder(nn.Module):
 
     def layout(self) -> torch.memory_format:
         """How activations are stored inside encode/decode: channels-last 3-D (NDHWC: cuDNN's convolutions read and
-        write it without transposing) when ``channels_last`` says so, or when it is None, on CUDA with
-        ``SEEDVR2BW_VAE_CHANNELS_LAST``; NCDHW otherwise. Inputs and outputs are NCDHW either way."""
+        write it without transposing) when ``channels_last`` says so, or when it is None, as the hardware policy of
+        the VAE's device says (``vae_channels_last``); NCDHW otherwise. Inputs and outputs are NCDHW either way."""
         on = self.channels_last
         if on is None:
-            on = self.device.type == "cuda" and bool(knobs.get("VAE_CHANNELS_LAST"))
+            on = self.device.type == "cuda" and get_policy(self.device).vae_channels_last
         return torch.channels_last_3d if on else torch.contiguous_format
 
     def _model_input(self, x: torch.Tensor, layout: torch.memory_format) -> torch.Tensor:
