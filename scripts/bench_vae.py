@@ -132,82 +132,74 @@ def bench_vae(device="cuda", dtype=torch.bfloat16, resolutions=((1280, 720), (19
     configs.sort(key=lambda c: c[1] * c[2] * c[3])          # cheapest first, so a time budget keeps the most rows
     policy = get_policy(device, None if cudnn_benchmark is None else {"cudnn_benchmark": cudnn_benchmark})
     info["cudnn_benchmark"] = policy.cudnn_benchmark
-    with torch_settings(policy):
-        return _run_configs(vae, device, dtype, info, peak, configs, encode_tile, encode_overlap, decode_tile,
-                            decode_overlap, warmup, repeats, heavy_repeats, time_budget_s, log, profile_path)
-
-
-def _run_configs(vae, device, dtype, info, peak, configs, encode_tile, encode_overlap, decode_tile, decode_overlap,
-                 warmup, repeats, heavy_repeats, time_budget_s, log, profile_path) -> list:
-    cuda = device.type == "cuda"
-    s, tf = vae.spatial_factor, vae.temporal_factor
-    elem = torch.empty((), dtype=dtype).element_size()
     rows, start = [], time.perf_counter()
-    for op, w, h, t, til in configs:
-        row = dict(info, op=op, width=w, height=h, frames=t, tiled=til)
-        if (t - 1) % tf:
-            raise ValueError(f"frames must be {tf}n + 1, got {t}")
-        if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
-            rows.append(dict(row, skipped=True))
-            log(f"skip {op} {w}x{h}x{t} tiled={til} (time budget)")
-            continue
-        lt, lh, lw = (t - 1) // tf + 1, h // s, w // s
-        g = torch.Generator(device=device).manual_seed(1)
-        if op == "encode":
-            inp = torch.rand(1, 3, t, lh * s, lw * s, generator=g, device=device, dtype=dtype) * 2 - 1
-            row.update(tile=encode_tile if til else None, overlap=encode_overlap if til else None,
-                       latent_shape=[1, vae.config.latent_channels, lt, lh, lw],
-                       est_working_set_gib=estimate_encode_bytes(
-                           (min(encode_tile, lh * s), min(encode_tile, lw * s)) if til else (lh * s, lw * s),
-                           vae.config, elem) / GIB)
-            run = (lambda: vae.encode_tiled(inp, encode_tile, encode_overlap)) if til else (lambda: vae.encode(inp))
-        else:
-            inp = torch.randn(1, vae.config.latent_channels, lt, lh, lw, generator=g, device=device, dtype=dtype)
-            row.update(tile=decode_tile if til else None, overlap=decode_overlap if til else None,
-                       latent_shape=list(inp.shape),
-                       est_working_set_gib=estimate_decode_bytes(
-                           (min(decode_tile, lh), min(decode_tile, lw)) if til else (lh, lw), vae.config, elem) / GIB)
-            run = (lambda: vae.decode_tiled(inp, decode_tile, decode_overlap)) if til else (lambda: vae.decode(inp))
-        tile, overlap = (encode_tile, encode_overlap) if op == "encode" else (decode_tile, decode_overlap)
-        flops = count_flops(vae.config, dtype, op, tuple(inp.shape), til, tile, overlap)
-        row.update(conv_tflop=flops["conv"] / 1e12, tflop=flops["total"] / 1e12)
-        if peak is not None:
-            row["conv_floor_s"] = flops["conv"] / 1e12 / peak
-        n = repeats if t == 1 or heavy_repeats is None else heavy_repeats
-        try:
-            for _ in range(warmup):
-                out = run()
-                del out
-            _sync(device)
-            if cuda:
-                torch.cuda.empty_cache()
-                base = torch.cuda.memory_allocated(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            times = []
-            for _ in range(n):
-                _sync(device)
-                t0 = time.perf_counter()
-                out = run()
-                _sync(device)
-                times.append(time.perf_counter() - t0)
-                del out
-            row.update(times_s=times, median_s=statistics.median(times))
-            row["conv_tflops"] = row["conv_tflop"] / row["median_s"]
+    with torch_settings(policy):
+        for op, w, h, t, til in configs:
+            row = dict(info, op=op, width=w, height=h, frames=t, tiled=til)
+            if (t - 1) % tf:
+                raise ValueError(f"frames must be {tf}n + 1, got {t}")
+            if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+                rows.append(dict(row, skipped=True))
+                log(f"skip {op} {w}x{h}x{t} tiled={til} (time budget)")
+                continue
+            lt, lh, lw = (t - 1) // tf + 1, h // s, w // s
+            g = torch.Generator(device=device).manual_seed(1)
+            if op == "encode":
+                inp = torch.rand(1, 3, t, lh * s, lw * s, generator=g, device=device, dtype=dtype) * 2 - 1
+                row.update(tile=encode_tile if til else None, overlap=encode_overlap if til else None,
+                           latent_shape=[1, vae.config.latent_channels, lt, lh, lw],
+                           est_working_set_gib=estimate_encode_bytes(
+                               (min(encode_tile, lh * s), min(encode_tile, lw * s)) if til else (lh * s, lw * s),
+                               vae.config, elem) / GIB)
+                run = (lambda: vae.encode_tiled(inp, encode_tile, encode_overlap)) if til else (lambda: vae.encode(inp))
+            else:
+                inp = torch.randn(1, vae.config.latent_channels, lt, lh, lw, generator=g, device=device, dtype=dtype)
+                row.update(tile=decode_tile if til else None, overlap=decode_overlap if til else None,
+                           latent_shape=list(inp.shape),
+                           est_working_set_gib=estimate_decode_bytes(
+                               (min(decode_tile, lh), min(decode_tile, lw)) if til else (lh, lw), vae.config,
+                               elem) / GIB)
+                run = (lambda: vae.decode_tiled(inp, decode_tile, decode_overlap)) if til else (lambda: vae.decode(inp))
+            tile, overlap = (encode_tile, encode_overlap) if op == "encode" else (decode_tile, decode_overlap)
+            flops = count_flops(vae.config, dtype, op, tuple(inp.shape), til, tile, overlap)
+            row.update(conv_tflop=flops["conv"] / 1e12, tflop=flops["total"] / 1e12)
             if peak is not None:
-                row["conv_share_of_peak"] = row["conv_tflops"] / peak
-            if cuda:
-                top = torch.cuda.max_memory_allocated(device)   # not `peak`: that is the matmul rate of every row
-                row.update(peak_vram_gib=top / GIB, peak_above_inputs_gib=(top - base) / GIB)
-            if profile_path:
-                profile_call(run, device, profile_path, _fmt(row))
-        except torch.cuda.OutOfMemoryError as e:  # report and go on
-            row.update(error=f"OOM: {str(e).splitlines()[0]}")
-        finally:
-            del inp
-            if cuda:
-                torch.cuda.empty_cache()
-        log(_fmt(row))
-        rows.append(row)
+                row["conv_floor_s"] = flops["conv"] / 1e12 / peak
+            n = repeats if t == 1 or heavy_repeats is None else heavy_repeats
+            try:
+                for _ in range(warmup):
+                    out = run()
+                    del out
+                _sync(device)
+                if cuda:
+                    torch.cuda.empty_cache()
+                    base = torch.cuda.memory_allocated(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                times = []
+                for _ in range(n):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    out = run()
+                    _sync(device)
+                    times.append(time.perf_counter() - t0)
+                    del out
+                row.update(times_s=times, median_s=statistics.median(times))
+                row["conv_tflops"] = row["conv_tflop"] / row["median_s"]
+                if peak is not None:
+                    row["conv_share_of_peak"] = row["conv_tflops"] / peak
+                if cuda:
+                    top = torch.cuda.max_memory_allocated(device)   # not `peak`: that is the matmul rate of every row
+                    row.update(peak_vram_gib=top / GIB, peak_above_inputs_gib=(top - base) / GIB)
+                if profile_path:
+                    profile_call(run, device, profile_path, _fmt(row))
+            except torch.cuda.OutOfMemoryError as e:  # report and go on
+                row.update(error=f"OOM: {str(e).splitlines()[0]}")
+            finally:
+                del inp
+                if cuda:
+                    torch.cuda.empty_cache()
+            log(_fmt(row))
+            rows.append(row)
     return rows
 
 
@@ -242,8 +234,8 @@ def main(argv=None):
                     help="cuDNN autotuning in the timed calls (default: the hardware policy's, as the pipeline)")
     ap.add_argument("--profile", default=None, help="append a torch.profiler table of one more call per row here")
     ap.add_argument("--layouts", default="default",
-                    help="activation layouts to time, one after the other on the same model: default (as "
-                         "SEEDVR2BW_VAE_CHANNELS_LAST says), ncdhw, ndhwc; e.g. ncdhw,ndhwc")
+                    help="activation layouts to time, one after the other on the same model: default (the "
+                         "hardware policy's vae_channels_last), ncdhw, ndhwc; e.g. ncdhw,ndhwc")
     ap.add_argument("--quick", action="store_true", help="repeats 3 (1 frame) / 2 (longer clips), budget 150 s")
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)

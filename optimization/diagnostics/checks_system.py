@@ -22,10 +22,6 @@ from .result import FAIL, PASS, SKIP, WARN, CheckResult
 SECTION = "System"
 
 
-def _ver_tuple(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", text.split("+")[0])[:3])
-
-
 def check_python(ctx) -> CheckResult:
     v = sys.version_info
     value = f"{v.major}.{v.minor}.{v.micro}"
@@ -47,7 +43,7 @@ def check_torch(ctx) -> CheckResult:
             "has_float4_e2m1fn_x2": hasattr(torch, "float4_e2m1fn_x2"),
             "has_F_scaled_mm": hasattr(torch.nn.functional, "scaled_mm")}
     detail = f"torch {ver} ({build}); float4_e2m1fn_x2 {'present' if data['has_float4_e2m1fn_x2'] else 'missing'}"
-    vt = _ver_tuple(ver)
+    vt = devinfo.version_tuple(ver)
     if vt < (2, 1):
         return CheckResult("PyTorch", FAIL, ver, "", detail + "; torch >= 2.1 is needed", data=data)
     if vt < (2, 7):
@@ -102,10 +98,10 @@ def check_cuda_driver(ctx) -> CheckResult:
     if not runtime:
         return CheckResult(name, WARN, value, "", "an NVIDIA driver is installed but torch is a CPU-only build: "
                            "install a CUDA build of torch", data=data)
-    if drv is not None and _ver_tuple(data["driver_cuda"]) < _ver_tuple(runtime)[:2]:
+    if drv is not None and devinfo.version_tuple(data["driver_cuda"]) < devinfo.version_tuple(runtime)[:2]:
         # CUDA minor-version compatibility lets a 12.x runtime run on any 12.y driver for most kernels; a major
         # mismatch never works.
-        same_major = _ver_tuple(data["driver_cuda"])[0] == _ver_tuple(runtime)[0]
+        same_major = devinfo.version_tuple(data["driver_cuda"])[0] == devinfo.version_tuple(runtime)[0]
         return CheckResult(name, WARN if same_major else FAIL, value, "",
                            f"the driver supports CUDA {data['driver_cuda']} but torch was built with CUDA {runtime}: "
                            "update the NVIDIA driver (r580+ for CUDA 13, r570+ for CUDA 12.8)", data=data)
@@ -244,7 +240,7 @@ def check_comfyui(ctx) -> CheckResult:
                            f"folders above {ctx.pack_root})")
     status = PASS
     detail = f"ComfyUI {version} at {where}"
-    vt = _ver_tuple(version) if version != "unknown" else ()
+    vt = devinfo.version_tuple(version) if version != "unknown" else ()
     if vt and vt < (0, 3, 75):
         status = WARN
         detail += "; the pack's V3 nodes are tested with ComfyUI >= 0.3.75: update ComfyUI"

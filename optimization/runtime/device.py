@@ -108,7 +108,8 @@ def detect_device(device: torch.device | str | None = None) -> DeviceInfo:
     )
 
 
-def _version(text: str) -> tuple[int, ...]:
+def version_tuple(text: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a version string such as torch's "2.9.1+cu128"."""
     return tuple(int(p) for p in re.findall(r"\d+", text.split("+")[0])[:3])
 
 
@@ -118,7 +119,7 @@ def torch_skips_cudnn_conv3d(info: DeviceInfo) -> bool:
     (its guard against a cuDNN bug; channels-last inputs keep cuDNN)."""
     if info.type != "cuda" or info.is_rocm or not info.cudnn_version or info.cudnn_version < 90800:
         return False
-    tv = _version(info.torch_version)
+    tv = version_tuple(info.torch_version)
     if tv[:2] < (2, 9):
         return False
     return tv[:3] == (2, 9, 0) or info.cudnn_version < 91500

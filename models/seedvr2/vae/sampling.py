@@ -45,9 +45,10 @@ class Upsample3D(nn.Module):
     def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
         s, rt = self.spatial_ratio, self.temporal_ratio
         b, c, t, h, w = x.shape
-        y = self.upscale_conv(x.to(self.upscale_conv.weight.dtype)).contiguous(memory_format=layout_of(x))
+        layout = layout_of(x)
+        y = self.upscale_conv(x.to(self.upscale_conv.weight.dtype)).contiguous(memory_format=layout)
         drop = rt > 1 and (cache is None or cache.first_chunk)
-        if layout_of(y) == torch.channels_last_3d:
+        if layout == torch.channels_last_3d:
             return self.conv(self._depth_to_space_ndhwc(y, drop), cache)
         y = (y.view(b, s, s, rt, c, t, h, w)
               .permute(0, 4, 5, 3, 6, 1, 7, 2)          # b, c, t, st, h, sx, w, sy
