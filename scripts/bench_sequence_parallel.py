@@ -4,7 +4,7 @@
 ``pipeline.upscale(..., group=)``: every rank holds both models (random weights of the real shapes, resident), runs
 its share of the DiT's windows and a band of the VAE's rows, over NCCL; one process per GPU, timed from a barrier
 after a warm-up run. Prints the median latency per world size, the speed-up over 1 GPU of the same machine, each
-rank's peak memory, and the largest difference of the output to the 1-GPU output.
+rank's peak memory, each rank's time per phase, and the largest difference of the output to the 1-GPU output.
 
     python scripts/bench_sequence_parallel.py --model 7b --case 1080p:21 --gpus 1,2,4 --json out.json
 """
@@ -39,25 +39,41 @@ def _worker(rank, world, store_path, args, out_dir):
     frames, settings = case_inputs(args.case)
     group = dist.group.WORLD if world > 1 else None
 
+    marks = []
+
+    def mark(name):
+        torch.cuda.synchronize(dev)
+        marks.append((name, time.perf_counter()))
+    hooks = P.PipelineHooks(before_encode=lambda: mark("prepare"), before_dit=lambda: mark("encode"),
+                            after_dit=lambda: mark("dit") if marks[-1][0] == "encode" else None,
+                            before_decode=lambda: mark("between"))
+
     def run():
         return P.upscale(frames, dit, vae, emb, settings, device=dev, dit_dtype=torch.bfloat16,
-                         vae_dtype=torch.bfloat16, output_device="cpu", group=group)
+                         vae_dtype=torch.bfloat16, output_device="cpu", group=group, hooks=hooks)
     for _ in range(args.warmup):
         out = run()
-    times = []
+    times, phases = [], []
     for _ in range(args.runs):
         torch.cuda.synchronize(dev)
         if group is not None:
             dist.barrier()
-        t0 = time.perf_counter()
+        marks.clear()
+        mark("start")
         out = run()
-        torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - t0)
+        mark("decode")
+        times.append(marks[-1][1] - marks[0][1])
+        phases.append({b: tb - ta for (_, ta), (b, tb) in zip(marks, marks[1:])})
     peak = torch.cuda.max_memory_allocated(dev) / 2**30
     peaks = [torch.zeros(1, device=dev) for _ in range(world)]
     dist.all_gather(peaks, torch.tensor([peak], device=dev))
+    # each rank's median time per phase (prepare, encode, dit, decode + colour fix + the copy out)
+    ph = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
+    all_ph = [None] * world
+    dist.all_gather_object(all_ph, ph)
     if rank == 0:
-        torch.save({"times": times, "peaks": [float(p) for p in peaks], "out": out}, f"{out_dir}/w{world}.pt")
+        torch.save({"times": times, "peaks": [float(p) for p in peaks], "out": out, "phases": all_ph},
+                   f"{out_dir}/w{world}.pt")
     dist.destroy_process_group()
 
 
@@ -88,12 +104,15 @@ def main():
         ref = r["out"] if world == 1 else ref
         row = {"world": world, "median_s": med, "runs_s": r["times"], "peak_gib_per_gpu": r["peaks"],
                "speedup": base / med if base else None,
-               "max_diff_vs_1gpu": float((r["out"] - ref).abs().max()) if ref is not None else None}
+               "max_diff_vs_1gpu": float((r["out"] - ref).abs().max()) if ref is not None else None,
+               "phases_per_rank": r["phases"]}
         rows.append(row)
         print(f"{world} GPU(s): median {med:.2f} s" + (f" ({row['speedup']:.2f}x 1 GPU)" if base else "")
               + f", peak {max(r['peaks']):.1f} GiB/GPU, runs {[round(t, 2) for t in r['times']]}"
               + (f", output vs 1 GPU {row['max_diff_vs_1gpu']:.2e}" if row["max_diff_vs_1gpu"] is not None else ""),
               flush=True)
+        for k in r["phases"][0]:
+            print(f"    {k:8s} " + " ".join(f"{p[k]:6.2f}" for p in r["phases"]) + " s (per rank)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": info, "results": rows}, f, indent=1)

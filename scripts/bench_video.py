@@ -22,6 +22,7 @@ import os
 import resource
 import tempfile
 import time
+from collections import Counter
 
 import _pack  # noqa: F401  (registers the checkout as `seedvr2bw`)
 import numpy as np
@@ -243,17 +244,28 @@ def _worker(rank, world, store_path, args, src, out_path, result_path):
     settings = P.UpscaleSettings(resolution=args.resolution, batch_size=args.batch, temporal_overlap=0, seed=42)
     up = chunk_upscaler(dit, vae, emb, settings, dev)
     warm_up(up, src, args)
+    model_s = [0.0]
+
+    def timed(frames):   # the model's share of a chunk, to the end of its GPU work
+        t = time.perf_counter()
+        out = up(frames)
+        torch.cuda.synchronize(dev)
+        model_s[0] += time.perf_counter() - t
+        return out
+    parts = Counter()
     dist.barrier()
     t0 = time.perf_counter()
-    res = upscale_video_distributed(dist.PrefixStore("job", store), src, out_path, up,
+    res = upscale_video_distributed(dist.PrefixStore("job", store), src, out_path, timed,
                                     lambda h, w: P.compute_target_size(h, w, settings.resolution),
                                     StreamSettings(batch_size=args.batch, overlap=args.overlap, codec=args.codec,
-                                                   resume=False))
+                                                   resume=False), timings=parts)
     dist.barrier()
+    row = {"rank": rank, "model_s": model_s[0], **{f"{k}_s": v for k, v in parts.items()},
+           "peak_gib": torch.cuda.max_memory_allocated(dev) / GIB}
     if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump({"world": world, "seconds": time.perf_counter() - t0, "frames": res.frames,
-                       "peak_gib": torch.cuda.max_memory_allocated(dev) / GIB}, f)
+        row.update(world=world, seconds=time.perf_counter() - t0, frames=res.frames)
+    with open(f"{result_path}.{rank}", "w") as f:
+        json.dump(row, f)
     dist.destroy_process_group()
 
 
@@ -267,11 +279,15 @@ def multi(args, src, tmp):
         result = os.path.join(tmp, f"res{world}.json")
         mp.spawn(_worker, args=(world, store, args, src, os.path.join(tmp, f"out{world}.mp4"), result),
                  nprocs=world, join=True)
-        r = json.load(open(result))
+        ranks = [json.load(open(f"{result}.{k}")) for k in range(world)]
+        r = dict(ranks[0], ranks=ranks, peak_gib=max(x["peak_gib"] for x in ranks))
         r["fps"] = r["frames"] / r["seconds"]
         rows.append(r)
         print(f"  {world} GPU(s): {r['seconds']:.1f} s, {r['fps']:.2f} frames/s, peak {r['peak_gib']:.1f} GiB/GPU",
               flush=True)
+        for x in ranks:   # where each rank's time went (chunks includes the model's time)
+            print("    rank {}: ".format(x["rank"]) + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in x.items()
+                                                         if k.endswith("_s") and k != "seconds"), flush=True)
     base = next((r["fps"] for r in rows if r["world"] == 1), None)
     for r in rows:
         r["speedup"] = r["fps"] / base if base else None

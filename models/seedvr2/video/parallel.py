@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import pickle
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 import numpy as np
@@ -28,11 +30,14 @@ def upscale_video_distributed(store: dist.Store, in_path: str, out_path: str,
                               out_size: Callable[[int, int], tuple[int, int]],
                               settings: Optional[StreamSettings] = None, model_key: str = "",
                               progress: Optional[Callable[[int, int, float, float], None]] = None,
-                              run_id: str = "job") -> Optional[StreamResult]:
+                              run_id: str = "job", timings: Optional[Counter] = None) -> Optional[StreamResult]:
     """Call on every rank of an initialised default process group; ``store``: a store every rank shares (the one
     the group was made with, or one of its own). Returns the result on rank 0, None elsewhere. ``run_id`` separates
     the store keys of successive jobs. ``progress(frames_done, total, fps, seconds_left)`` is called on a rank after
-    each chunk it ran, with the frames done by all ranks (pass it on one rank for one bar)."""
+    each chunk it ran, with the frames done by all ranks (pass it on one rank for one bar). ``timings``, if given,
+    gets this rank's seconds per part (read: decoding input frames, chunks: the model and the units' floats, seams,
+    encoder: waiting for the encoder thread, others: waiting for the other ranks at the end); the same figures go
+    to the log, one line per rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     s = settings or StreamSettings()
     t0 = time.perf_counter()
@@ -53,24 +58,46 @@ def upscale_video_distributed(store: dist.Store, in_path: str, out_path: str,
     info = job.info
     resumed = len(job.chunks) - len(todo)
     cursor = FrameCursor(in_path, s.overlap)
+    t = timings if timings is not None else Counter()
     mine = 0
-    while True:
-        i = store.add(f"{key}/next", 1) - 1
-        if i >= len(todo):
-            break
-        c = job.chunks[todo[i]]
-        job.run_chunk(c, cursor.take(c.start, c.end), upscale_chunk)
-        mine += 1
-        done = store.add(f"{key}/frames", c.end - c.start - c.tail)
-        for k in job.seams_ready():
-            if store.add(f"{key}/seam/{k}", 1) == 1:
-                job.write_seam(k)
-        if progress is not None:   # any rank that ran a chunk: a rank may take none
-            el = time.perf_counter() - t0
-            rate = done / el if el > 0 else 0.0
-            progress(done, info.frames, rate, (info.frames - done) / rate if rate > 0 else float("nan"))
-    log.info("[SeedVR2-BW] rank %d of %d: %d chunk(s)", rank, world, mine)
+    # as in the single-process path, units are encoded on a thread while the next chunk runs on the model
+    job.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seedvr2bw-encode")
+    try:
+        while True:
+            i = store.add(f"{key}/next", 1) - 1
+            if i >= len(todo):
+                break
+            c = job.chunks[todo[i]]
+            t_read, w_read = time.perf_counter(), job.waited
+            frames = cursor.take(c.start, c.end)
+            t_run = time.perf_counter()
+            job.run_chunk(c, frames, upscale_chunk)
+            t_seams, w_run = time.perf_counter(), job.waited
+            mine += 1
+            done = store.add(f"{key}/frames", c.end - c.start - c.tail)
+            for k in job.seams_ready():
+                if store.add(f"{key}/seam/{k}", 1) == 1:
+                    job.write_seam(k)
+            t_end = time.perf_counter()
+            t["read"] += t_run - t_read
+            t["chunks"] += t_seams - t_run - (w_run - w_read)
+            t["seams"] += t_end - t_seams - (job.waited - w_run)
+            t["encoder"] += job.waited - w_read
+            if progress is not None:   # any rank that ran a chunk: a rank may take none
+                el = time.perf_counter() - t0
+                rate = done / el if el > 0 else 0.0
+                progress(done, info.frames, rate, (info.frames - done) / rate if rate > 0 else float("nan"))
+        t_drain = time.perf_counter()
+        job.drain()
+    finally:
+        job.encoder.shutdown(wait=True)   # a unit being encoded when an error came still lands whole
+        job.encoder = None
+    t_wait = time.perf_counter()
+    t["encoder"] += t_wait - t_drain
     dist.barrier()
+    t["others"] += time.perf_counter() - t_wait
+    log.info("[SeedVR2-BW] rank %d of %d: %d chunk(s); %s", rank, world, mine,
+             ", ".join(f"{k} {v:.2f} s" for k, v in t.items()))
     if rank != 0:
         return None
     for k in job.seams_ready():

@@ -205,6 +205,7 @@ class Job:
                                                               settings.overlap, settings.scene_threshold)
         self.encoder: Optional[ThreadPoolExecutor] = None   # set by the driver to encode in the background
         self.pending: deque[Future] = deque()
+        self.waited = 0.0   # seconds the caller waited for a free place in the encoder's queue
         self.seams_started: set[int] = set()   # seams queued in this process (their files may not exist yet)
 
     # ------------------------------------------------------------------ units
@@ -234,8 +235,10 @@ class Job:
         if self.encoder is None:
             self._encode_now(name, first, frames, then_delete)
             return
+        t0 = time.perf_counter()
         while len(self.pending) >= MAX_QUEUED_UNITS:   # bounded: a chunk's body and the seam before it
             self.pending.popleft().result()
+        self.waited += time.perf_counter() - t0
         self.pending.append(self.encoder.submit(self._encode_now, name, first, frames, then_delete))
 
     def drain(self) -> None:
