@@ -65,6 +65,16 @@ def _worker(rank, world, store_path, args, out_dir):
         times.append(marks[-1][1] - marks[0][1])
         phases.append({b: tb - ta for (_, ta), (b, tb) in zip(marks, marks[1:])})
     peak = torch.cuda.max_memory_allocated(dev) / 2**30
+    if args.profile:   # one more run under the profiler: rank 0's kernels and host calls, for where the time goes
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize(dev)
+        if rank == 0:
+            avg = prof.key_averages()
+            with open(f"{args.profile}.w{world}.txt", "w") as f:
+                f.write(avg.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70) + "\n")
+                f.write(avg.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70) + "\n")
     peaks = [torch.zeros(1, device=dev) for _ in range(world)]
     dist.all_gather(peaks, torch.tensor([peak], device=dev))
     # each rank's median time per phase (prepare, encode, dit, decode + colour fix + the copy out)
@@ -86,6 +96,7 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", ""))
     ap.add_argument("--json", default="")
+    ap.add_argument("--profile", default="", help="path prefix: profile one extra run per world size (rank 0)")
     args = ap.parse_args()
     import torch.multiprocessing as mp
     info = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__,

@@ -15,6 +15,7 @@ from seedvr2bw.models.seedvr2 import pipeline as P
 from seedvr2bw.models.seedvr2.embeddings import MissingEmbeddingError, load_text_embeddings
 from seedvr2bw.models.seedvr2.dit.loader import load_dit
 from seedvr2bw.models.seedvr2.vae import SEEDVR2_VAE, VideoAutoencoder, load_vae
+from seedvr2bw.models.seedvr2.vae.tiling import estimate_decode_bytes
 
 from conftest import DATA
 
@@ -306,11 +307,16 @@ def test_vae_tiles_follow_the_settings_and_free_memory():
     none = lambda: None  # noqa: E731 - free memory unknown (CPU)
     assert p.vae_tiles("encode", none, bf16, cfg) == (0, 0)                  # auto, unknown: no tiling
     on = P.plan(torch.zeros(1, 1080, 1920, 3), P.UpscaleSettings(tiling=P.VAETiling(encode="on", decode="on")))
-    assert on.vae_tiles("encode", none, bf16, cfg) == (512, 64)              # on, unknown: 512 px
-    assert on.vae_tiles("decode", none, bf16, cfg) == (64, 8)                # in latents
-    tight = on.vae_tiles("decode", lambda: 8 << 30, bf16, cfg)
-    assert 0 < tight[0] < 1920 // 8 and tight[1] <= tight[0] // 2
+    assert on.vae_tiles("encode", none, bf16, cfg) == ((512, 512), 64)       # on, unknown: 512 px
+    assert on.vae_tiles("decode", none, bf16, cfg) == ((64, 64), 8)          # in latents
+    (th, tw), ov = on.vae_tiles("decode", lambda: 8 << 30, bf16, cfg)
+    assert 0 < th <= 1088 // 8 and 0 < tw <= 1920 // 8 and th * tw < 1088 * 1920 // 64 and ov <= min(th, tw) // 2
     assert p.vae_tiles("decode", lambda: 1 << 50, bf16, cfg) == (0, 0)       # plenty free: one tile = none
+    # a frame whose whole-frame estimate fits is one pass, though a square tile of its width would not fit
+    whole = estimate_decode_bytes((1088 // 8, 1920 // 8))
+    square = estimate_decode_bytes((1920 // 8, 1920 // 8))
+    free = int((whole + square) / 2 / 0.8)
+    assert p.vae_tiles("decode", lambda: free, bf16, cfg) == (0, 0)
     off = P.plan(torch.zeros(1, 1080, 1920, 3), P.UpscaleSettings(tiling=P.VAETiling(encode="off", encode_tile=256)))
     assert off.vae_tiles("encode", none, bf16, cfg) == (0, 0)
 

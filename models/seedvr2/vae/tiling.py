@@ -275,34 +275,21 @@ def choose_run_tiles(kind: str, mode: str, tile_px: int, overlap_px: int, ph: in
 
 def plan_tiles(kind: str, mode: str, tile_px: int, overlap_px: int, height: int, width: int,
                free_bytes: Callable[[], Optional[int]], dtype: torch.dtype = torch.bfloat16,
-               config: VAEConfig = SEEDVR2_VAE) -> Tuple[int, int]:
-    """The tiling of one `kind` ("encode" / "decode") call on a height x width pixel frame: (tile, overlap) in the
-    units of encode_tiled (pixels) / decode_tiled (latents), (0, 0) for none.
+               config: VAEConfig = SEEDVR2_VAE, safety: float = 0.8) -> Tuple[Pair, int]:
+    """The tiling of one `kind` ("encode" / "decode") call on a height x width pixel frame, for a caller without a
+    memory plan: (tile, overlap) in the units of encode_tiled (pixels) / decode_tiled (latents), (0, 0) for none.
 
-    `mode` "off": none. A given `tile_px` > 0 is used as it is; otherwise the tile comes from `free_bytes()` (asked
-    only then) through choose_tile_size, and where free memory is unknown (None) "auto" does not tile and "on" uses
-    512 px. Tiles are whole 2x2 latent patches (multiples of 16 px, at least 32); a tile covering the frame means no
-    tiling. The overlap is `overlap_px` rounded down to the tile's unit, at most half a tile.
+    `mode` "off": none. A given `tile_px` > 0 is used as it is; otherwise `free_bytes()` is asked and the tiles are
+    choose_run_tiles' for `safety` x that budget: one pass where the whole frame's estimate fits, else tiles shaped
+    to the frame. Where free memory is unknown (None) "auto" does not tile and "on" uses 512 px.
     """
     if mode == "off":
         return 0, 0
-    s = config.spatial_factor
-    unit = 2 * s
-    if tile_px and tile_px > 0:
-        tile = tile_px
-    else:
+    budget = None
+    if not (tile_px and tile_px > 0):
         free = free_bytes()
-        if free is None:
-            tile = 0 if mode == "auto" else 512
-        else:
-            tile, _ = choose_tile_size(free, kind, dtype, config)
-            tile = tile if kind == "encode" else tile * s
-    if tile <= 0:
-        return 0, 0
-    tile = max(2 * unit, (tile // unit) * unit)
-    if tile >= height and tile >= width:
-        return 0, 0
-    if kind == "encode":
-        return tile, min(max(0, (overlap_px // unit) * unit), tile // 2)
-    tile_lat = tile // s
-    return tile_lat, min(max(0, overlap_px // s), tile_lat // 2)
+        budget = None if free is None else int(free * safety)
+    elem = torch.empty((), dtype=dtype).element_size()
+    (tile, overlap), _ = choose_run_tiles(kind, mode, max(0, tile_px or 0), overlap_px, height, width, budget, elem,
+                                          config)
+    return tile, overlap
