@@ -130,23 +130,22 @@ def test_overridden_path_is_still_selftested():
     assert "fp4_tensorcore failed self-test" in p.reasons["nvfp4_gemm"]
 
 
-@pytest.mark.parametrize("torch_version,cudnn,want", [
-    ("2.9.1+cu128", 91002, True),      # ComfyUI's late-2025 builds: torch skips cuDNN for NCDHW half 3-D convs
-    ("2.10.0+cu130", 91300, True),
-    ("2.9.0+cu128", 91501, True),      # 2.9.0 skips it for every cuDNN from 9.8
-    ("2.9.1+cu130", 91501, False),
-    ("2.8.0+cu128", 91002, False),     # before torch's guard
-    ("2.11.0+cu130", 90700, False),
-    ("2.11.0+cu130", None, False),
+@pytest.mark.parametrize("torch_version,cudnn,want,why", [
+    ("2.9.1+cu128", 91002, True, "without cuDNN"),   # ComfyUI's late-2025 builds: torch skips cuDNN for NCDHW half
+    ("2.10.0+cu130", 91300, True, "without cuDNN"),
+    ("2.9.0+cu128", 91501, True, "without cuDNN"),   # 2.9.0 skips it for every cuDNN from 9.8
+    ("2.9.1+cu130", 91501, True, "skip the layout transposes"),   # cuDNN runs NCDHW, NDHWC is faster there
+    ("2.8.0+cu128", 91002, True, "skip the layout transposes"),
+    ("2.11.0+cu130", 90700, True, "skip the layout transposes"),
+    ("2.11.0+cu130", None, False, "no cuDNN"),
 ])
-def test_vae_layout_follows_torchs_cudnn_guard(torch_version, cudnn, want):
+def test_vae_layout_follows_cudnn(torch_version, cudnn, want, why):
     info = device.DeviceInfo(type="cuda", index=0, name="GPU", capability=(8, 9), arch_list=("sm_89",),
                              torch_version=torch_version, cudnn_version=cudnn)
     p = hw.decide(info, selftests=passing())
     assert p.vae_channels_last is want
     assert ("vae_channels_last=on" if want else "vae_channels_last=off") in p.summary()
-    if want:
-        assert "without cuDNN" in p.reasons["vae_channels_last"]
+    assert why in p.reasons["vae_channels_last"]
     assert hw.decide(info, overrides={"vae_channels_last": not want}, selftests=passing()).vae_channels_last is not want
     assert hw.read_env_overrides({"SEEDVR2BW_VAE_CHANNELS_LAST": "on"}) == {"vae_channels_last": True}
     assert not hw.decide(device.DeviceInfo(type="cpu", torch_version=torch_version, cudnn_version=cudnn),
