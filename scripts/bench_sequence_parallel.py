@@ -28,6 +28,7 @@ from seedvr2bw.models.seedvr2.dit import SEEDVR2_3B, SEEDVR2_7B
 
 def _worker(rank, world, store_path, args, out_dir):
     import torch.distributed as dist
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))   # as the worker pool shares the cores out
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank, world_size=world,

@@ -236,6 +236,7 @@ def single(args, src, tmp):
 def _worker(rank, world, store_path, args, src, out_path, result_path):
     import torch.distributed as dist
     from seedvr2bw.models.seedvr2.video.parallel import upscale_video_distributed
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))   # as the worker pool shares the cores out
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     store = dist.FileStore(store_path, world)

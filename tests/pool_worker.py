@@ -9,6 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pack_import import import_pack  # noqa: E402
 
 import_pack()
+import torch  # noqa: E402
 from seedvr2bw.models.seedvr2.video.workers import serve  # noqa: E402
 
 
@@ -28,7 +29,7 @@ def main():
     ap.add_argument("--calls", default="", help="each rank appends the frames of every chunk it upscaled")
     a = ap.parse_args()
     with open(a.loads, "a") as f:      # the model load: once per worker, whatever the number of jobs
-        f.write(f"{a.rank}\n")
+        f.write(f"{a.rank} {torch.get_num_threads()}\n")
 
     def make_upscaler(params, group):
         def up(frames):   # slow_s: every rank takes chunks (one rank could otherwise take them all)

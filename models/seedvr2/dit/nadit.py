@@ -106,12 +106,23 @@ class NaDiT(nn.Module):
         axis = self.config.rope_dim // 3
         return lang_freqs(axis) if self.config.variant == "3b" else pixel_freqs(axis)
 
+    def cached(self, key: tuple, build: Callable[[], object]):
+        """The per-shape value under ``key`` (layouts and RoPE tables, a sequence-parallel plan), built by ``build()``
+        on first use; the ``max_cached_shapes`` most recently used are kept, all dropped by ``clear_cache``."""
+        value = self._contexts.get(key)
+        if value is not None:
+            self._contexts.move_to_end(key)
+            return value
+        value = self._contexts[key] = build()
+        while len(self._contexts) > self.max_cached_shapes:
+            self._contexts.popitem(last=False)
+        return value
+
     def _context(self, grids: List[Tuple[int, int, int]], txt_lens: List[int], device) -> Dict[str, AttentionContext]:
         key = (tuple(grids), tuple(txt_lens), str(device), self._attention_backend)
-        ctx = self._contexts.get(key)
-        if ctx is not None:
-            self._contexts.move_to_end(key)
-            return ctx
+        return self.cached(key, lambda: self._build_context(grids, txt_lens, device))
+
+    def _build_context(self, grids, txt_lens, device) -> Dict[str, AttentionContext]:
         backend = self.backend_for(device)
         kind = "mmrope3d" if self.config.variant == "3b" else "pixel"
         ctx = {}
@@ -123,9 +134,6 @@ class NaDiT(nn.Module):
             if kind == "mmrope3d":
                 txt_rope = make_rope_table(torch.cat([text_angles(freqs, L) for L in txt_lens]), device)
             ctx[method] = AttentionContext(lay, vid_rope, txt_rope, backend)
-        self._contexts[key] = ctx
-        while len(self._contexts) > self.max_cached_shapes:
-            self._contexts.popitem(last=False)
         return ctx
 
     # ---- forward ----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ at the end). Inference only: the collectives are not differentiable.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -145,9 +145,11 @@ def local_layout(lay: JointLayout, share: RankShare, txt_lens: Sequence[int], de
 
 @dataclass
 class _Part:
-    """This rank's view of one window method: its attention context and every rank's token ids."""
+    """This rank's view of one window method: its attention context (the text mean joined by the wrapper, which
+    knows the group), how many windows hold a copy of each text token, and every rank's token ids."""
 
     ctx: AttentionContext
+    copies: torch.Tensor
     ids: torch.Tensor  # its own token ids, on the device
     vid_lens: List[int]
     all_ids: List[torch.Tensor]  # every rank's ids, CPU
@@ -179,20 +181,22 @@ class SequenceParallelDiT:
     ``model.should_stop`` or the ``should_stop`` argument is asked between blocks on every rank, and all ranks stop
     together if any rank asks to."""
 
-    def __init__(self, model: NaDiT, group: Optional[dist.ProcessGroup] = None, max_cached_shapes: int = 4):
+    def __init__(self, model: NaDiT, group: Optional[dist.ProcessGroup] = None):
         self.model, self.group = model, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.max_cached_shapes = max_cached_shapes
-        self._plans: "OrderedDict[tuple, SequencePlan]" = OrderedDict()
+        self._joined: Dict[Tuple[int, str], Tuple[SequencePlan, AttentionContext]] = {}
 
     # ---- per-shape plan ---------------------------------------------------------------------------
     def plan(self, grids: List[Tuple[int, int, int]], txt_lens: List[int], device) -> SequencePlan:
-        """The shards of every window method on this rank, for patched ``grids`` and text lengths."""
+        """The shards of every window method on this rank, for patched ``grids`` and text lengths; kept in the
+        model's per-shape cache, so a wrapper made per run (one per ``pipeline.upscale`` call) builds it once."""
         m = self.model
-        key = (tuple(grids), tuple(txt_lens), str(device), m.attention_backend)
-        if key in self._plans:
-            self._plans.move_to_end(key)
-            return self._plans[key]
+        key = ("sequence_parallel", self.rank, self.world, tuple(grids), tuple(txt_lens), str(device),
+               m.attention_backend)
+        return m.cached(key, lambda: self._build_plan(grids, txt_lens, device))
+
+    def _build_plan(self, grids, txt_lens, device) -> SequencePlan:
+        m = self.model
         kind = "mmrope3d" if m.config.variant == "3b" else "pixel"
         freqs, backend = m.rope_freqs(), m.backend_for(device)
         txt_rope = None
@@ -205,18 +209,25 @@ class SequenceParallelDiT:
             mine = local_layout(lay, shares[self.rank], txt_lens, device)
             copies = torch.cat([torch.full((L,), float(len(w))) for L, w in zip(txt_lens, lay.windows)]).to(device)
             vid_rope = make_rope_table(video_angles(kind, freqs, mine.coords, mine.sizes, mine.txt_offset), device)
-            ctx = AttentionContext(mine, vid_rope, txt_rope, backend, txt_combine=self._text_mean(mine, copies))
-            parts[method] = _Part(ctx, shares[self.rank].ids.to(device), shares[self.rank].vid_lens,
+            parts[method] = _Part(AttentionContext(mine, vid_rope, txt_rope, backend), copies,
+                                  shares[self.rank].ids.to(device), shares[self.rank].vid_lens,
                                   [s.ids for s in shares])
         plan = SequencePlan(parts, {}, sum(t * h * w for t, h, w in grids))
         for a in parts:
             for b in parts:
                 if a != b:
                     plan.moves[(a, b)] = self._move_plan(parts[a].all_ids, parts[b].all_ids, plan.n_vid, device)
-        self._plans[key] = plan
-        while len(self._plans) > self.max_cached_shapes:
-            self._plans.popitem(last=False)
         return plan
+
+    def _context(self, plan: SequencePlan, method: str) -> AttentionContext:
+        """The cached context of ``method`` with its text mean joined over this wrapper's group."""
+        key = (id(plan), method)
+        if key not in self._joined:
+            part = plan.parts[method]
+            # the plan is kept beside its context, so its id is not reused while this wrapper lives
+            self._joined[key] = plan, dataclasses.replace(part.ctx, txt_combine=self._text_mean(part.ctx.layout,
+                                                                                                part.copies))
+        return self._joined[key][1]
 
     def _move_plan(self, src: List[torch.Tensor], dst: List[torch.Tensor], n_vid: int, device) -> _Move:
         owner, local = torch.empty(n_vid, dtype=torch.int64), torch.empty(n_vid, dtype=torch.int64)
@@ -286,7 +297,7 @@ class SequenceParallelDiT:
                 vid = self._reshard(vid, plan.moves[(method, block.window_method)])
                 method = block.window_method
                 part = plan.parts[method]
-            vid, txt = block(vid, txt, e, part.ctx, part.vid_lens, txt_lens)
+            vid, txt = block(vid, txt, e, self._context(plan, method), part.vid_lens, txt_lens)
 
         if m.config.has_out_norm:
             # the 3B output modulation takes the attention slot of the embedding (docs/SPEC.md §4.1)

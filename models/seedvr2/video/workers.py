@@ -112,9 +112,19 @@ def _shutdown(store_path: str, procs: list, folder: str, grace_s: float) -> None
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def worker_env(env: Optional[dict], workers: int) -> dict:
+    """The environment of each of ``workers`` processes: ``env`` (default: this process's) with OpenMP's threads
+    (torch's CPU ops) shared out, ``OMP_NUM_THREADS`` = cores // workers, unless it is set. Each torch process
+    otherwise starts one thread per core, and N of them on one machine spin against each other in every
+    parallel CPU op."""
+    out = dict(os.environ if env is None else env)
+    out.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, workers))))
+    return out
+
+
 class WorkerPool:
     """``devices``: one worker per entry ("cuda:0", "cpu", ...); ``worker_argv``: the command that starts one (the
-    pool appends ``--pool-store PATH --rank R --world N --device D``)."""
+    pool appends ``--pool-store PATH --rank R --world N --device D``); ``env``: theirs (``worker_env`` of it)."""
 
     def __init__(self, devices: Sequence[str], worker_argv: Sequence[str], env: Optional[dict] = None,
                  grace_s: float = 10.0):
@@ -127,7 +137,7 @@ class WorkerPool:
         self.jobs = 0
         n = len(self.devices)
         self.procs = [subprocess.Popen([*worker_argv, "--pool-store", self.store_path, "--rank", str(r),
-                                        "--world", str(n), "--device", d], env=env)
+                                        "--world", str(n), "--device", d], env=worker_env(env, n))
                       for r, d in enumerate(self.devices)]
         self._finalizer = weakref.finalize(self, _shutdown, self.store_path, self.procs, self.folder, grace_s)
         log.info("[SeedVR2-BW] worker pool: %d process(es) on %s", n, ", ".join(self.devices))
