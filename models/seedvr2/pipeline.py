@@ -51,7 +51,7 @@ from ...optimization.runtime.policy import get_policy, torch_settings
 from .color import COLOR_CORRECTION_MODES, color_correct
 from .dit import DiTInterrupted
 from .dit.sequence_parallel import SequenceParallelDiT, TooFewWindows, stop_together
-from .vae.row_parallel import TooFewRows, decode_rows, encode_rows
+from .vae.row_parallel import TooFewRows, bands, decode_rows, encode_rows, gather_uneven
 from .vae.tiling import plan_tiles
 
 _log = logging.getLogger(__name__)
@@ -394,6 +394,13 @@ class SeedVR2Runner:
             _log_once(f"[SeedVR2-BW] sequence parallel: {exc}; every rank runs the whole VAE call")
             return None
 
+    def frame_band(self, n: int) -> tuple[int, int]:
+        """The frames [f0, f1) of ``n`` this rank colour-corrects and blends: a band of them under a group, all of
+        them alone or where there are fewer frames than ranks."""
+        if self.group is None or n < dist.get_world_size(self.group):
+            return 0, n
+        return bands(n, dist.get_world_size(self.group))[dist.get_rank(self.group)]
+
     def dit_step(self, lq_latent: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """One Euler step at t = 1000. lq_latent, noise: (t, h, w, 16) -> x_0 (t, h, w, 16) float32."""
         self.should_stop()
@@ -533,14 +540,24 @@ def _run(frames, p: RunPlan, s: UpscaleSettings, runner: SeedVR2Runner, vae, hoo
         n = e0 - s0
         if px.shape[1] < n:
             raise RuntimeError(f"VAE decoded {px.shape[1]} frames for a chunk of {n}")
-        for i in range(0, n, sub):
-            k = min(sub, n - i)
+        # sequence parallel: each rank finishes a band of the frames and they are gathered (frames are independent)
+        f0, f1 = runner.frame_band(n)
+        mine = []
+        for i in range(f0, f1, sub):
+            k = min(sub, f1 - i)
             part = px[:, i:i + k, :th, :tw].permute(1, 0, 2, 3).float()              # (k, 3, th, tw)
             part = (part.clamp(-1.0, 1.0) + 1.0) * 0.5
             part = color_correct(part, resized_rgb(s0 + i, s0 + i + k), s.color_correction)
             w = weights[ci][i:i + k].to(part.device).reshape(-1, 1, 1, 1)
-            out[s0 + i:s0 + i + k] += (part * w).permute(0, 2, 3, 1).to(out_dev)
+            part = (part * w).permute(0, 2, 3, 1)
+            if (f0, f1) == (0, n):
+                out[s0 + i:s0 + i + k] += part.to(out_dev)
+            else:
+                mine.append(part)
             del part
+        if (f0, f1) != (0, n):
+            out[s0:e0] += gather_uneven(torch.cat(mine), 0, runner.group).to(out_dev)
+            del mine
         samples[ci] = None
         del px, z
         tick()

@@ -103,16 +103,23 @@ class RowShard:
 
     def gather_rows(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim`` in rank order (the bands may differ in size there)."""
-        sizes = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(self.world)]
-        dist.all_gather(sizes, torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device), group=self.group)
-        sizes = [int(s) for s in sizes]
-        pad_to = max(sizes)
-        xp = x.movedim(dim, 0)
-        if xp.shape[0] < pad_to:
-            xp = torch.cat([xp, xp.new_zeros((pad_to - xp.shape[0],) + xp.shape[1:])])
-        parts = [torch.empty_like(xp) for _ in range(self.world)]
-        dist.all_gather(parts, xp.contiguous(), group=self.group)
-        return torch.cat([p[:n] for p, n in zip(parts, sizes)]).movedim(0, dim)
+        return gather_uneven(x, dim, self.group)
+
+
+def gather_uneven(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order, on every rank of ``group``; the ranks' sizes along
+    ``dim`` may differ (all_gather needs equal sizes on gloo: each part is padded to the largest)."""
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device), group=group)
+    sizes = [int(s) for s in sizes]
+    pad_to = max(sizes)
+    xp = x.movedim(dim, 0)
+    if xp.shape[0] < pad_to:
+        xp = torch.cat([xp, xp.new_zeros((pad_to - xp.shape[0],) + xp.shape[1:])])
+    parts = [torch.empty_like(xp) for _ in range(world)]
+    dist.all_gather(parts, xp.contiguous(), group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)]).movedim(0, dim)
 
 
 def current() -> Optional[RowShard]:
