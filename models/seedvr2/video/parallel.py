@@ -35,13 +35,15 @@ def upscale_video_distributed(store: dist.Store, in_path: str, out_path: str,
     the group was made with, or one of its own). Returns the result on rank 0, None elsewhere. ``run_id`` separates
     the store keys of successive jobs. ``progress(frames_done, total, fps, seconds_left)`` is called on a rank after
     each chunk it ran, with the frames done by all ranks (pass it on one rank for one bar). ``timings``, if given,
-    gets this rank's seconds per part (read: decoding input frames, chunks: the model and the units' floats, seams,
-    encoder: waiting for the encoder thread, others: waiting for the other ranks at the end); the same figures go
-    to the log, one line per rank."""
+    gets this rank's seconds per part (plan: probing and planning, or waiting for rank 0's plan; read: decoding input
+    frames; chunks: the model and the units' floats; seams; encoder: waiting for the encoder thread; others: waiting
+    for the other ranks at the end; finish: rank 0's output file); the same figures go to the log, one line per
+    rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     s = settings or StreamSettings()
     t0 = time.perf_counter()
     key = f"seedvr2bw/{run_id}"
+    t = timings if timings is not None else Counter()
     if rank == 0:
         try:
             job = Job(in_path, out_path, out_size, s, model_key)
@@ -58,7 +60,7 @@ def upscale_video_distributed(store: dist.Store, in_path: str, out_path: str,
     info = job.info
     resumed = len(job.chunks) - len(todo)
     cursor = FrameCursor(in_path, s.overlap)
-    t = timings if timings is not None else Counter()
+    t["plan"] += time.perf_counter() - t0
     mine = 0
     # as in the single-process path, units are encoded on a thread while the next chunk runs on the model
     job.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seedvr2bw-encode")
@@ -95,13 +97,16 @@ def upscale_video_distributed(store: dist.Store, in_path: str, out_path: str,
     t_wait = time.perf_counter()
     t["encoder"] += t_wait - t_drain
     dist.barrier()
-    t["others"] += time.perf_counter() - t_wait
+    t_finish = time.perf_counter()
+    t["others"] += t_finish - t_wait
+    if rank == 0:
+        for k in job.seams_ready():
+            job.write_seam(k)
+        job.finish()
+        t["finish"] += time.perf_counter() - t_finish
     log.info("[SeedVR2-BW] rank %d of %d: %d chunk(s); %s", rank, world, mine,
              ", ".join(f"{k} {v:.2f} s" for k, v in t.items()))
     if rank != 0:
         return None
-    for k in job.seams_ready():
-        job.write_seam(k)
-    job.finish()
     frames = sum(c.end - c.start - c.tail for c in job.chunks)
     return StreamResult(out_path, frames, len(job.chunks), resumed, time.perf_counter() - t0)
