@@ -16,7 +16,7 @@ from video_clips import audio_seconds, clip_frames, write_clip  # noqa: E402
 av = pytest.importorskip("av", reason="PyAV (ComfyUI's video library) is not installed")
 
 from seedvr2bw.models.seedvr2.video import container as C  # noqa: E402
-from seedvr2bw.models.seedvr2.video.stream import StreamSettings, ramp, upscale_video  # noqa: E402
+from seedvr2bw.models.seedvr2.video.stream import FrameCursor, StreamSettings, ramp, upscale_video  # noqa: E402
 from seedvr2bw.models.seedvr2.video.workdir import work_dir_for  # noqa: E402
 
 H, W = 24, 32
@@ -233,3 +233,23 @@ def test_an_upscaler_returning_tensors_writes_the_same_file(tmp_path, codec):
         upscale_video(src, str(out), up, size2, StreamSettings(batch_size=5, overlap=2, codec=codec))
         outs.append(_decode(out))
     assert np.array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("codec", ["ffv1", "h264"])
+def test_frame_cursor_seeks_to_the_keyframe_before_a_far_range_and_reads_the_same_frames(tmp_path, codec):
+    src = write_clip(str(tmp_path / f"in.{'mkv' if codec == 'ffv1' else 'mp4'}"), clip_frames([60, 60, 30], H, W),
+                     codec=codec, audio=False)
+    stamps = C.FrameStamps()
+    assert len(list(C.read_frames(src, size=(16, 12), stamps=stamps))) == 150 and stamps.seekable()
+    every = np.stack(list(C.read_frames(src)))
+    ranges = [(0, 9), (70, 79), (77, 86), (140, 149)]   # as a rank takes them: forward, the next may overlap
+    cursor = FrameCursor(src, 2, stamps)
+    for a, b in ranges:
+        assert np.array_equal(cursor.take(a, b), every[a:b])
+    assert cursor.seeks >= 1   # the skip from frame 9 to 70 went to the keyframe at 60 (or later)
+    # stamps that do not match the file: the seek is noticed and the frames come from a decode from the start
+    wrong = C.FrameStamps([p + 1 for p in stamps.pts], list(stamps.keys))
+    cursor = FrameCursor(src, 2, wrong)
+    for a, b in ranges:
+        assert np.array_equal(cursor.take(a, b), every[a:b])
+    assert cursor.seeks == 0

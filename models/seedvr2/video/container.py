@@ -112,15 +112,50 @@ def _enum(cc, name) -> Optional[int]:
         return None
 
 
-def read_frames(path: str, start: int = 0, size: Optional[tuple[int, int]] = None) -> Iterator[np.ndarray]:
+@dataclasses.dataclass
+class FrameStamps:
+    """Each decoded frame's presentation time (in the stream's time base, None where the container has none) and
+    whether it is a keyframe, in decode-output order: what a later reader needs to seek to a frame exactly."""
+    pts: list = dataclasses.field(default_factory=list)
+    keys: list = dataclasses.field(default_factory=list)
+
+    def seekable(self) -> bool:
+        return bool(self.pts) and None not in self.pts and all(a < b for a, b in zip(self.pts, self.pts[1:]))
+
+    def key_before(self, index: int) -> int:
+        """The last keyframe at or before frame ``index`` (0 when none)."""
+        return next((k for k in range(min(index, len(self.keys) - 1), -1, -1) if self.keys[k]), 0)
+
+
+class SeekMismatch(RuntimeError):
+    """After a seek the decoder gave a frame whose time is not the expected one (an open GOP's leading frames, a
+    timestamp the container rewrote): the reader must decode from the start instead."""
+
+
+def read_frames(path: str, start: int = 0, size: Optional[tuple[int, int]] = None,
+                stamps: Optional[FrameStamps] = None, seek: Optional[tuple[int, FrameStamps]] = None
+                ) -> Iterator[np.ndarray]:
     """Decoded frames in order from frame ``start`` on, each (H, W, 3) float32 in [0, 1] as stored (rotation is
     metadata, carried to the output). One frame in memory at a time. ``size`` (w, h): scaled down by the decoder's
-    scaler instead (what the scene detector looks at: much cheaper than full frames)."""
+    scaler instead (what the scene detector looks at: much cheaper than full frames). ``stamps``: filled with every
+    frame's time and keyframe flag. ``seek`` (k, stamps of a full pass): start decoding at keyframe k (frames
+    before ``start`` from k on are decoded and dropped); every frame's time must match the stamps, else
+    SeekMismatch (raised before the first wrong frame is given)."""
     av = _av()
     with av.open(path) as container:
         vs = container.streams.video[0]
         vs.thread_type = "AUTO"
-        for i, frame in enumerate(container.decode(vs)):
+        first = 0
+        if seek is not None:
+            first, known = seek
+            container.seek(known.pts[first], stream=vs, backward=True, any_frame=False)
+        for i, frame in enumerate(container.decode(vs), start=first):
+            if seek is not None and (i >= len(known.pts) or frame.pts != known.pts[i]):
+                raise SeekMismatch(f"{path}: frame {i} after a seek has time {frame.pts}, expected "
+                                   f"{known.pts[i] if i < len(known.pts) else 'none'}")
+            if stamps is not None:
+                stamps.pts.append(frame.pts)
+                stamps.keys.append(bool(frame.key_frame))
             if i < start:
                 continue
             if size is not None:

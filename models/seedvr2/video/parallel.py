@@ -6,7 +6,8 @@ output when all ranks are through. The output equals the single-process one: eve
 alone.
 
 Rank 0 probes and plans and hands the plan to the others through the store (no tensors travel: frames are decoded
-by each process from the input file, forward only).
+by each process from the input file, forward only, seeking to the keyframe before its next chunk with the frame
+times the planning pass recorded).
 """
 from __future__ import annotations
 
@@ -48,18 +49,19 @@ def upscale_video_distributed(store: dist.Store, in_path: str, out_path: str,
         try:
             job = Job(in_path, out_path, out_size, s, model_key)
             todo = [c.index for c in job.chunks if not job.chunk_done(c)]
-            store.set(f"{key}/plan", pickle.dumps((job.info, job.chunks, todo, None)))
+            store.set(f"{key}/plan", pickle.dumps((job.info, job.chunks, job.stamps, todo, None)))
         except BaseException as exc:   # the others must not wait for a plan that never comes
-            store.set(f"{key}/plan", pickle.dumps((None, None, None, f"{type(exc).__name__}: {exc}")))
+            store.set(f"{key}/plan", pickle.dumps((None, None, None, None, f"{type(exc).__name__}: {exc}")))
             raise
     else:
-        info, chunks, todo, err = pickle.loads(store.get(f"{key}/plan"))
+        info, chunks, stamps, todo, err = pickle.loads(store.get(f"{key}/plan"))
         if err is not None:
             raise RuntimeError(f"rank 0 could not start the job: {err}")
-        job = Job(in_path, out_path, out_size, s, model_key, info=info, chunks=chunks, open_work=False)
+        job = Job(in_path, out_path, out_size, s, model_key, info=info, chunks=chunks, open_work=False,
+                  stamps=stamps)
     info = job.info
     resumed = len(job.chunks) - len(todo)
-    cursor = FrameCursor(in_path, s.overlap)
+    cursor = FrameCursor(in_path, s.overlap, job.stamps)   # a rank seeks past the chunks others took
     t["plan"] += time.perf_counter() - t0
     mine = 0
     # as in the single-process path, units are encoded on a thread while the next chunk runs on the model

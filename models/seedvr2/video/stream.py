@@ -29,13 +29,14 @@ import numpy as np
 import torch
 
 from ..pipeline import blend_ramp, plan_chunks
-from .container import (BT709, SegmentWriter, VideoFileError, VideoInfo, concat_segments, copy_audio, get_codec,
-                        host_floats, probe, read_frames, to_pixels, write_png_frames)
+from .container import (BT709, FrameStamps, SeekMismatch, SegmentWriter, VideoFileError, VideoInfo, concat_segments,
+                        copy_audio, get_codec, host_floats, probe, read_frames, to_pixels, write_png_frames)
 from .scenes import DEFAULT_THRESHOLD, CutDetector
 from .workdir import WorkDir, work_dir_for
 
 log = logging.getLogger(__name__)
 
+SEEK_MIN_FRAMES = 48   # frames a reader would skip before it seeks instead of decoding through
 MAX_QUEUED_UNITS = 2   # units waiting for the encoder thread: a chunk's body and the seam before it
 # bytes per output pixel a finished segment takes on disk, generously (for the free-space check before any work)
 _DISK_BYTES_PER_PIXEL = {"h264": 0.5, "h265": 0.5, "prores": 2.5, "ffv1": 5.0, "png16": 6.0}
@@ -157,19 +158,45 @@ def job_key(info: VideoInfo, settings: StreamSettings, size: tuple[int, int], mo
 
 class FrameCursor:
     """Frames of one file by index ranges that only move forward (a worker's chunks come in increasing order);
-    keeps the frames the next range may share with the last one."""
+    keeps the frames the next range may share with the last one. With the file's ``stamps`` (from the planning
+    pass) a range far ahead is reached by seeking to the keyframe before it, not by decoding every frame between;
+    a seek whose frames do not match the stamps falls back to decoding from the start (``seeks`` counts those that
+    held)."""
 
-    def __init__(self, path: str, keep: int):
+    def __init__(self, path: str, keep: int, stamps: Optional[FrameStamps] = None):
+        self.path, self.keep = path, keep
+        self.stamps = stamps if stamps is not None and stamps.seekable() else None
         self.it = iter(read_frames(path))
         self.pos = 0                  # index of the next frame the decoder gives
         self.cache: dict[int, np.ndarray] = {}
-        self.keep = keep
+        self.seeks = 0
+
+    def _skip_to(self, start: int) -> None:
+        if self.stamps is None:
+            return
+        k = self.stamps.key_before(start)
+        if k - self.pos >= SEEK_MIN_FRAMES:   # a shorter skip decodes through (a seek restarts the decoder)
+            self.it = iter(read_frames(self.path, start=k, seek=(k, self.stamps)))
+            self.pos = k
+            self.seeks += 1
+
+    def _next(self) -> np.ndarray:
+        try:
+            return next(self.it)
+        except SeekMismatch as exc:
+            log.info("[SeedVR2-BW] %s; decoding from the first frame instead", exc)
+            self.stamps = None
+            self.seeks -= 1
+            self.it = iter(read_frames(self.path, start=self.pos))
+            return next(self.it)
 
     def take(self, start: int, end: int) -> np.ndarray:
         for i in [i for i in self.cache if i < start]:
             del self.cache[i]
+        if start > self.pos:
+            self._skip_to(start)
         while self.pos < end:
-            f = next(self.it)
+            f = self._next()
             if self.pos >= start:
                 self.cache[self.pos] = f
             self.pos += 1
@@ -185,7 +212,8 @@ class Job:
 
     def __init__(self, in_path: str, out_path: str, out_size: Callable[[int, int], tuple[int, int]],
                  settings: StreamSettings, model_key: str = "", info: Optional[VideoInfo] = None,
-                 chunks: Optional[list[Chunk]] = None, open_work: bool = True):
+                 chunks: Optional[list[Chunk]] = None, open_work: bool = True,
+                 stamps: Optional[FrameStamps] = None):
         settings.validate()
         self.s = settings
         self.info = info or probe(in_path)
@@ -201,8 +229,11 @@ class Job:
         self.color = output_color(self.info)
         self.ext = "" if self.codec.sequence() else (".mov" if self.codec.segment_format == "mov" else ".nut")
         small = (128, max(2, 2 * round(64 * self.info.height / max(1, self.info.width))))   # enough for 8 x 8 cells
-        self.chunks = chunks if chunks is not None else plan(read_frames(in_path, size=small), settings.batch_size,
-                                                              settings.overlap, settings.scene_threshold)
+        # the planning pass also records each frame's time and keyframe flag, so readers can seek (FrameCursor)
+        self.stamps = stamps if stamps is not None else FrameStamps()
+        self.chunks = chunks if chunks is not None else plan(read_frames(in_path, size=small, stamps=self.stamps),
+                                                              settings.batch_size, settings.overlap,
+                                                              settings.scene_threshold)
         self.encoder: Optional[ThreadPoolExecutor] = None   # set by the driver to encode in the background
         self.pending: deque[Future] = deque()
         self.waited = 0.0   # seconds the caller waited for a free place in the encoder's queue
@@ -338,7 +369,7 @@ def upscale_video(in_path: str, out_path: str, upscale_chunk: Callable[[np.ndarr
                  job.work.path)
     total = job.info.frames
     done = sum(c.end - c.start - c.tail for c in job.chunks if c not in todo)
-    cursor = FrameCursor(in_path, job.s.overlap)
+    cursor = FrameCursor(in_path, job.s.overlap, job.stamps)
     t_run, fresh = time.perf_counter(), 0
     job.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seedvr2bw-encode")
     try:
