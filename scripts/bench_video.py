@@ -292,6 +292,8 @@ def multi(args, src, tmp):
     base = next((r["fps"] for r in rows if r["world"] == 1), None)
     for r in rows:
         r["speedup"] = r["fps"] / base if base else None
+        if base:
+            print(f"  {r['world']} GPU(s): {r['speedup']:.2f}x 1 GPU", flush=True)
     return {"mode": "multi", "model": args.model, "linears": args.linears, "rows": rows}
 
 

@@ -64,8 +64,9 @@ video)
         | tail -25 ;;
 video_gpus)
     n=$(nvidia-smi -L | wc -l)
-    python3 scripts/bench_video.py --model 7b --frames 504 --gpus "$(seq -s, 1 "$n" | sed 's/,3,/,/')" \
-        --json "$OUT/video_gpus.json" 2>&1 | tail -25 ;;
+    # 756 frames: 44 chunks, whole rounds on 1, 2 and 4 GPUs; per-rank parts under each row
+    python3 scripts/bench_video.py --model 7b --frames 756 --gpus "$(seq -s, 1 "$n" | sed 's/,3,/,/')" \
+        --json "$OUT/video_gpus.json" 2>&1 | tee "$OUT/video_gpus.log" | grep -E "^clip|GPU\(s\)|rank [0-9]:" ;;
 formats)
     python3 scripts/bench_formats.py --model 7b --case "${2:-720p:21}" --commit "$GIT_COMMIT" --json "$OUT/formats.json" \
         2>&1 | tee "$OUT/formats.log" | tail -14 ;;
