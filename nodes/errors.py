@@ -18,7 +18,7 @@ from ..models.seedvr2.pipeline import SeedVR2Cancelled, SeedVR2InputError
 from ..models.seedvr2.vae.loader import NotASeedVR2VAE
 from ..models.seedvr2.vae.posterior import VAECancelled
 from ..models.seedvr2.vae.row_parallel import TooFewRows
-from ..models.seedvr2.video.container import VideoFileError
+from ..models.seedvr2.video.container import SeekMismatch, VideoFileError
 from ..models.seedvr2.video.workers import JobCancelled, WorkerError
 from ..optimization.gguf.format import GGUFError
 from ..optimization.gguf.reader import GGUFPackageMissing
@@ -31,7 +31,7 @@ SHORT_MODULE = "seedvr2bw"
 USER_ERRORS = (
     SeedVR2InputError, SeedVR2MemoryError, SeedVR2Cancelled, DiTCheckpointError, DiTInterrupted, NotASeedVR2VAE, VAECancelled,
     ModelFileError, MissingEmbeddingError, VideoFileError, GGUFError, GGUFPackageMissing, DatasetError,
-    OutputNameError, TrainMemoryError, WorkerError, JobCancelled, TooFewWindows, TooFewRows,
+    OutputNameError, TrainMemoryError, WorkerError, JobCancelled, TooFewWindows, TooFewRows, SeekMismatch,
 )
 
 for _cls in USER_ERRORS:

@@ -18,8 +18,7 @@ from seedvr2bw.models.seedvr2.vae import VAEConfig, VAECancelled, VideoAutoencod
 from seedvr2bw.models.seedvr2.vae.autoencoder import temporal_chunks
 from seedvr2bw.models.seedvr2.vae.causal_conv import CausalConv3d, TemporalCache, conv3d_limited
 from seedvr2bw.models.seedvr2.vae.norm import causal_group_norm
-from seedvr2bw.models.seedvr2.vae.tiling import (blend_weights, choose_tile_size, decode_tiled,
-                                                 estimate_decode_bytes, tile_spans)
+from seedvr2bw.models.seedvr2.vae.tiling import blend_weights, decode_tiled, tile_spans
 
 
 def rel_l2(a, b):
@@ -280,12 +279,3 @@ def test_tiled_decode_memory_bounded(vae):
     assert peaks[12] <= 1.25 * peaks[6]
 
 
-def test_choose_tile_size():
-    gib = 1024 ** 3
-    small, _ = choose_tile_size(4 * gib)
-    big, ov = choose_tile_size(40 * gib)
-    assert 8 <= small < big and small % 8 == 0 and 2 <= ov < big
-    assert estimate_decode_bytes(big) <= 0.8 * 40 * gib
-    t_enc, o_enc = choose_tile_size(8 * gib, mode="encode")
-    assert t_enc % 8 == 0 and o_enc % 8 == 0 and t_enc >= 64
-    assert choose_tile_size(1000 * gib, max_tile=128)[0] == 128

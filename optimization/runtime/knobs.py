@@ -63,7 +63,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("TF32", "auto_switch", None, "TF32 matmuls and convolutions inside the pack's model calls"),
     Knob("CUDNN_BENCHMARK", "auto_switch", None, "cuDNN autotuning inside the pack's model calls"),
     Knob("VAE_CHANNELS_LAST", "auto_switch", None, "the VAE's activations stored channels-last 3-D (NDHWC): "
-         "cuDNN's convolutions without layout transposes; auto: on where torch would skip cuDNN for NCDHW"),
+         "cuDNN's convolutions without layout transposes; auto: on wherever cuDNN runs them"),
     # kernels
     Knob("SDPA", "choice", "auto", "which F.scaled_dot_product_attention kernel goes first (FLUX training)",
          choices=("auto", "cudnn", "flash", "default")),
@@ -183,6 +183,15 @@ def external(name: str) -> str | None:
     if name not in EXTERNAL:
         raise KeyError(f"{name} is not one of the external variables {EXTERNAL}")
     return os.environ.get(name)
+
+
+def child_environment(defaults: Mapping[str, str], base: Mapping[str, str] | None = None) -> dict:
+    """The environment of a process this one starts: ``base`` (default: this process's) with ``defaults`` added
+    where unset (a value the user set is kept)."""
+    out = dict(os.environ if base is None else base)
+    for k, v in defaults.items():
+        out.setdefault(k, v)
+    return out
 
 
 def markdown_table(names: Mapping[str, tuple[str, ...]]) -> str:

@@ -190,37 +190,6 @@ def estimate_encode_bytes(tile_px: Pair, config: VAEConfig = SEEDVR2_VAE, dtype_
     return int(tensors * config.block_out_channels[0] * frames * _area(tile_px) * dtype_bytes + fixed * GIB)
 
 
-def choose_tile_size(free_vram_bytes: int, mode: str = "decode", dtype: torch.dtype = torch.bfloat16,
-                     config: VAEConfig = SEEDVR2_VAE, safety: float = 0.8, split_size: int = 4,
-                     max_tile: Optional[int] = None) -> Tuple[int, int]:
-    """Largest square tile whose estimated peak (estimate_*_bytes) fits in `safety * free_vram_bytes`; the
-    smallest tile (8 latents / 64 px) when nothing fits.
-
-    Returns (tile, overlap): in latents for mode "decode", in pixels (multiples of 8) for "encode". The overlap is a
-    quarter of the tile (at least 2 latents / 16 pixels), enough to cross-fade the GroupNorm-statistics seam.
-    """
-    elem = torch.empty((), dtype=dtype).element_size()
-    budget = max(free_vram_bytes, 0) * safety
-    s = config.spatial_factor
-    if mode == "decode":
-        tile = 8
-        while estimate_decode_bytes(tile + 8, config, elem, split_size) <= budget:
-            tile += 8
-            if max_tile and tile >= max_tile:
-                break
-        tile = min(tile, max_tile) if max_tile else tile
-        return tile, max(2, tile // 4)
-    if mode == "encode":
-        tile = 8 * s
-        while estimate_encode_bytes(tile + 8 * s, config, elem, split_size) <= budget:
-            tile += 8 * s
-            if max_tile and tile >= max_tile:
-                break
-        tile = min(tile, max_tile) if max_tile else tile
-        return tile, max(2 * s, (tile // 4) // s * s)
-    raise ValueError(f"mode must be 'decode' or 'encode', got {mode!r}")
-
-
 def _tile_len(size: int, n: int, overlap: int, unit: int) -> int:
     """The shortest tile (a multiple of ``unit``) with which ``n`` tiles overlapping by ``overlap`` cover ``size``."""
     if n == 1:

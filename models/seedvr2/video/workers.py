@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ....optimization.runtime import knobs
 from .container import VideoFileError
 from .parallel import upscale_video_distributed
 from .sequence import compute_group, upscale_video_sequence
@@ -117,9 +118,7 @@ def worker_env(env: Optional[dict], workers: int) -> dict:
     (torch's CPU ops) shared out, ``OMP_NUM_THREADS`` = cores // workers, unless it is set. Each torch process
     otherwise starts one thread per core, and N of them on one machine spin against each other in every
     parallel CPU op."""
-    out = dict(os.environ if env is None else env)
-    out.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, workers))))
-    return out
+    return knobs.child_environment({"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, workers)))}, env)
 
 
 class WorkerPool:
