@@ -236,6 +236,9 @@ def main(argv=None):
     ap.add_argument("--layouts", default="default",
                     help="activation layouts to time, one after the other on the same model: default (the "
                          "hardware policy's vae_channels_last), ncdhw, ndhwc; e.g. ncdhw,ndhwc")
+    ap.add_argument("--conv-limits", default="official",
+                    help="the VAE's conv memory limit per pass, in GiB, or official (0.5 GiB: convs over it run in "
+                         "bands) or none (no bands); e.g. official,none times both and records each one's peak")
     ap.add_argument("--quick", action="store_true", help="repeats 3 (1 frame) / 2 (longer clips), budget 150 s")
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)
@@ -248,15 +251,18 @@ def main(argv=None):
     dtype = getattr(torch, a.dtype)
     vae = make_random_vae(a.device, dtype)
     rows = []
-    for layout in a.layouts.split(","):
-        vae.channels_last = {"default": None, "ncdhw": False, "ndhwc": True}[layout]
-        print(f"layout {layout}: {vae.layout()}", flush=True)
-        got = bench_vae(a.device, dtype, res, frames, tuple(a.ops.split(",")), tiled, a.encode_tile,
-                        a.encode_overlap, a.decode_tile, a.decode_overlap, a.warmup, a.repeats, a.heavy_repeats,
-                        vae=vae, time_budget_s=a.budget_s, log=lambda m: print(m, flush=True),
-                        profile_path=a.profile,
-                        cudnn_benchmark={"policy": None, "on": True, "off": False}[a.cudnn_benchmark])
-        rows += [dict(r, layout=str(vae.layout()).replace("torch.", "")) for r in got]
+    for limit in a.conv_limits.split(","):
+        conv = vae.config.conv_max_mem if limit == "official" else None if limit == "none" else float(limit)
+        vae.set_memory_limit(conv, vae.config.norm_max_mem)
+        for layout in a.layouts.split(","):
+            vae.channels_last = {"default": None, "ncdhw": False, "ndhwc": True}[layout]
+            print(f"layout {layout}: {vae.layout()}, conv memory limit {limit}", flush=True)
+            got = bench_vae(a.device, dtype, res, frames, tuple(a.ops.split(",")), tiled, a.encode_tile,
+                            a.encode_overlap, a.decode_tile, a.decode_overlap, a.warmup, a.repeats, a.heavy_repeats,
+                            vae=vae, time_budget_s=a.budget_s, log=lambda m: print(m, flush=True),
+                            profile_path=a.profile,
+                            cudnn_benchmark={"policy": None, "on": True, "off": False}[a.cudnn_benchmark])
+            rows += [dict(r, layout=str(vae.layout()).replace("torch.", ""), conv_limit=limit) for r in got]
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0
