@@ -250,13 +250,24 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _load().silu_mul(a.contiguous(), b.contiguous())
 
 
-def group_norm_frames(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool) -> torch.Tensor:
+def group_norm_frames(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """GroupNorm ``norm`` of every frame of x (B, C, T, H, W) on its own, then SiLU if ``silu``; the output keeps
-    x's layout when that is channels-last 3-D (the VAE's NDHWC path), else it is contiguous."""
+    x's layout when that is channels-last 3-D (the VAE's NDHWC path), else it is contiguous. ``out`` (x's shape):
+    written and returned; the channels-last kernel writes a one-sample channels-last ``out`` directly (a run of
+    frames inside a longer buffer), other cases copy into it."""
     k = _load()
     if not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d):
-        return k.group_norm_frames_cl(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu)
-    return k.group_norm_frames(x.contiguous(), norm.num_groups, norm.weight, norm.bias, norm.eps, silu)
+        direct = out is not None and out.dtype == x.dtype and out.shape[0] == 1 and \
+            out.is_contiguous(memory_format=torch.channels_last_3d)
+        y = k.group_norm_frames_cl(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu,
+                                   out=out if direct else None)
+    else:
+        y = k.group_norm_frames(x.contiguous(), norm.num_groups, norm.weight, norm.bias, norm.eps, silu)
+    if out is not None and y is not out:
+        out.copy_(y)
+        return out
+    return y
 
 
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -356,8 +356,10 @@ def _combine_moments(part, cnt, n, eps, dtype):
     return mean.to(dtype).float(), rstd.to(dtype).float()
 
 
-def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=None):
-    """``group_norm_frames`` of x (B, C, T, H, W) stored channels-last 3-D; the output is stored the same way."""
+def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=None, out=None):
+    """``group_norm_frames`` of x (B, C, T, H, W) stored channels-last 3-D; the output is stored the same way, in
+    ``out`` if given (x's shape and dtype, dense channels-last 3-D from its first element: a run of frames of a
+    longer one-sample buffer, e.g.)."""
     b, c, t = x.shape[:3]
     hw = x[0, 0, 0].numel()
     cg = c // groups
@@ -370,7 +372,7 @@ def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=No
     cnt = torch.full((nblk,), float(block_r * cg), device=x.device)
     cnt[-1] = (hw - (nblk - 1) * block_r) * cg
     mean, rstd = _combine_moments(part, cnt, cg * hw, eps, x.dtype)
-    y = torch.empty_like(x)                          # keeps the channels-last strides
+    y = torch.empty_like(x) if out is None else out     # keeps the channels-last strides
     nrows = b * t * hw
     block_c = min(triton.next_power_of_2(c), 128)
     block_r2 = max(1, 4096 // block_c)

@@ -84,6 +84,13 @@ def test_group_norm_frames(shape, groups, layout):
             # same math, other fp32 summation order: a few values round to the neighbouring bf16
             differ = float((got != want).float().mean())
             assert rel(got, want) < 2e-3 and differ < 0.02, (rel(got, want), differ)
+            # written behind 2 leading frames of a longer buffer (the causal conv's prefix): same values, the
+            # prefix untouched
+            buf = torch.full((shape[0], shape[1], 2 + shape[2]) + tuple(shape[3:]), 7.0, device="cuda",
+                             dtype=x.dtype).contiguous(memory_format=layout)
+            into = fused.group_norm_frames(x, norm, silu, out=buf[:, :, 2:])
+            assert into.data_ptr() == buf[:, :, 2:].data_ptr()
+            assert torch.equal(buf[:, :, 2:], got) and bool((buf[:, :, :2] == 7).all())
 
 
 def test_vae_fused_vs_torch_path(monkeypatch):

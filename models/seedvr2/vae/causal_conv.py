@@ -152,12 +152,26 @@ class CausalConv3d(nn.Conv3d):
         self.spatial_pad = tuple(spatial_pad) if spatial_pad is not None else (ph, ph, pw, pw)
         self.max_bytes = math.inf        # conv_max_mem, set by the autoencoder
 
-    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
-        x = x.to(self.weight.dtype)
+    def time_prefix(self, cache: Optional[TemporalCache] = None) -> int:
+        """Frames this conv puts in front of its input: the previous chunk's memory, else the replicated head."""
+        memory = cache.get(self) if cache is not None else None
+        return memory.shape[2] if memory is not None else self.head_frames
+
+    def fill_prefix(self, buf: torch.Tensor, n: int, cache: Optional[TemporalCache] = None) -> None:
+        """Writes the ``n`` = ``time_prefix(cache)`` leading frames of ``buf``, whose frames from n on are the input."""
         memory = cache.get(self) if cache is not None else None
         if memory is not None:
+            buf[:, :, :n].copy_(memory)
+        else:
+            buf[:, :, :n].copy_(buf[:, :, n:n + 1].expand(-1, -1, n, -1, -1))
+
+    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None, extended: bool = False) -> torch.Tensor:
+        """``extended``: x already starts with the ``time_prefix`` frames (``fill_prefix``)."""
+        x = x.to(self.weight.dtype)
+        memory = cache.get(self) if cache is not None and not extended else None
+        if memory is not None:
             x = extend_time(memory, x)
-        elif self.head_frames:
+        elif self.head_frames and not extended:
             x = extend_time(x[:, :, :1].expand(-1, -1, self.head_frames, -1, -1), x)
         if cache is not None and self.memory_frames:
             # clone: a view would keep the whole chunk alive until the next chunk.

@@ -10,7 +10,7 @@ import torch.nn as nn
 from .blocks import DownBlock3D, MidBlock3D
 from .causal_conv import CausalConv3d, TemporalCache
 from .config import VAEConfig
-from .norm import causal_group_norm
+from .norm import norm_silu_conv
 
 
 class Encoder3D(nn.Module):
@@ -37,5 +37,4 @@ class Encoder3D(nn.Module):
         for blk in self.down_blocks:
             x = blk(x, cache)
         x = self.mid_block(x, cache)
-        x = causal_group_norm(x, self.conv_norm_out, self.norm_max_bytes, silu=True)
-        return self.conv_out(x, cache)
+        return norm_silu_conv(x, self.conv_norm_out, self.conv_out, cache, self.norm_max_bytes)

@@ -9,6 +9,7 @@ avoid the full rearranged copy) and groups in the official chunks gives the offi
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from ....optimization import fused
 from . import row_parallel
+from .causal_conv import CausalConv3d, TemporalCache, empty_like_layout
 
 
 def _norm_frames(x4: torch.Tensor, norm: nn.GroupNorm, max_bytes: float) -> torch.Tensor:
@@ -31,27 +33,32 @@ def _norm_frames(x4: torch.Tensor, norm: nn.GroupNorm, max_bytes: float) -> torc
 
 
 def causal_group_norm(x: torch.Tensor, norm: nn.GroupNorm, max_bytes: float = math.inf, silu: bool = False,
-                      frame_batch_bytes: float = 256 * 1024 ** 2) -> torch.Tensor:
+                      frame_batch_bytes: float = 256 * 1024 ** 2, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-frame GroupNorm of x (B, C, T, H, W) (or (B, C, H, W)), optionally followed by SiLU (in place).
 
     The official limit is applied to the full ((b t) c h w) tensor, as there; the work is then done a few frames at
     a time (at most `frame_batch_bytes` of input) so no full-size rearranged copy is made. On a GPU with the fused
     kernels (bf16/fp16) one Triton kernel pair does it all on the 5-D layout: same math, fp32 statistics, no
-    temporary larger than the output, so the limit has nothing left to bound.
+    temporary larger than the output, so the limit has nothing left to bound. ``out`` (x's shape and dtype, any
+    layout): the result is written there and returned.
     """
     shard = row_parallel.current()
     if shard is not None:                # a band of rows: the frame's statistics come from every rank
-        return shard.group_norm(x, norm, silu)
+        y = shard.group_norm(x, norm, silu)
+        return y if out is None else out.copy_(y)
     if fused.enabled(x) and norm.affine:
-        y = fused.group_norm_frames(x if x.ndim == 5 else x.unsqueeze(2), norm, silu)
-        return y if x.ndim == 5 else y.squeeze(2)
+        if x.ndim == 5:
+            return fused.group_norm_frames(x, norm, silu, out=out)
+        y = fused.group_norm_frames(x.unsqueeze(2), norm, silu).squeeze(2)
+        return y if out is None else out.copy_(y)
     if x.ndim == 4:
         y = _norm_frames(x, norm, max_bytes)
-        return F.silu(y, inplace=True) if silu else y
+        y = F.silu(y, inplace=True) if silu else y
+        return y if out is None else out.copy_(y)
     b, c, t, h, w = x.shape
     over = x.numel() * x.element_size() > max_bytes
     limit = 0.0 if over else math.inf        # decide once for the whole tensor, like the official code
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else out
     frame_bytes = b * c * h * w * x.element_size()
     step = max(1, int(frame_batch_bytes // max(frame_bytes, 1)))
     for t0 in range(0, t, step):
@@ -63,3 +70,18 @@ def causal_group_norm(x: torch.Tensor, norm: nn.GroupNorm, max_bytes: float = ma
         out[:, :, t0:t1].copy_(y.view(b, t1 - t0, c, h, w).transpose(1, 2))
         del xf, y
     return out
+
+
+def norm_silu_conv(x: torch.Tensor, norm: nn.GroupNorm, conv: CausalConv3d, cache: Optional[TemporalCache] = None,
+                   max_bytes: float = math.inf) -> torch.Tensor:
+    """``conv(SiLU(GroupNorm(x)), cache)`` with the normalised frames written behind the frames the causal conv
+    prepends (its replicated first frame or the previous chunk's memory), so the conv's extended input is not a
+    second copy of the activation."""
+    n = conv.time_prefix(cache)
+    if x.ndim != 5 or n == 0:
+        return conv(causal_group_norm(x, norm, max_bytes, silu=True), cache)
+    b, c, t, h, w = x.shape
+    buf = empty_like_layout(x, (b, c, n + t, h, w))
+    causal_group_norm(x, norm, max_bytes, silu=True, out=buf[:, :, n:])
+    conv.fill_prefix(buf, n, cache)
+    return conv(buf, cache, extended=True)

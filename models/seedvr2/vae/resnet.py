@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from .causal_conv import CausalConv3d, TemporalCache
-from .norm import causal_group_norm
+from .norm import norm_silu_conv
 
 
 class ResnetBlock3D(nn.Module):
@@ -26,10 +26,8 @@ class ResnetBlock3D(nn.Module):
         self.norm_max_bytes = math.inf
 
     def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
-        h = causal_group_norm(x, self.norm1, self.norm_max_bytes, silu=True)
-        h = self.conv1(h, cache)
-        h = causal_group_norm(h, self.norm2, self.norm_max_bytes, silu=True)
-        h = self.conv2(h, cache)
+        h = norm_silu_conv(x, self.norm1, self.conv1, cache, self.norm_max_bytes)
+        h = norm_silu_conv(h, self.norm2, self.conv2, cache, self.norm_max_bytes)
         if self.conv_shortcut is not None:
             x = self.conv_shortcut(x, cache)
         return h.add_(x)
