@@ -48,8 +48,11 @@ class Upsample3D(nn.Module):
         layout = layout_of(x)
         y = self.upscale_conv(x.to(self.upscale_conv.weight.dtype)).contiguous(memory_format=layout)
         drop = rt > 1 and (cache is None or cache.first_chunk)
-        if layout == torch.channels_last_3d:
-            return self.conv(self._depth_to_space_ndhwc(y, drop), cache)
+        if layout == torch.channels_last_3d:   # written behind the conv's causal prefix (no extended copy)
+            n = self.conv.time_prefix(cache)
+            buf = self._depth_to_space_ndhwc(y, drop, n)
+            self.conv.fill_prefix(buf, n, cache)
+            return self.conv(buf, cache, extended=True)
         y = (y.view(b, s, s, rt, c, t, h, w)
               .permute(0, 4, 5, 3, 6, 1, 7, 2)          # b, c, t, st, h, sx, w, sy
               .reshape(b, c, t * rt, h * s, w * s))
@@ -57,16 +60,17 @@ class Upsample3D(nn.Module):
             y = torch.cat([y[:, :, :1], y[:, :, 2:]], dim=2)
         return self.conv(y, cache)
 
-    def _depth_to_space_ndhwc(self, y: torch.Tensor, drop: bool) -> torch.Tensor:
+    def _depth_to_space_ndhwc(self, y: torch.Tensor, drop: bool, prefix: int = 0) -> torch.Tensor:
         """The same rearrangement written straight into an NDHWC tensor (one copy; the dropped frame is never
-        written): output (frame * rt + st, row * s + sx, col * s + sy, c) = y[((sx*s + sy)*rt + st)*C + c]."""
+        written): output (frame * rt + st, row * s + sx, col * s + sy, c) = y[((sx*s + sy)*rt + st)*C + c], after
+        ``prefix`` frames left unwritten (the conv's causal prefix, filled by the caller)."""
         s, rt = self.spatial_ratio, self.temporal_ratio
         b, cr, t, h, w = y.shape
         c = cr // (s * s * rt)
         src = y.view(b, s, s, rt, c, t, h, w).permute(0, 5, 3, 6, 1, 7, 2, 4)   # b, t, st, h, sx, w, sy, c
         frames = t * rt - (1 if drop else 0)
-        out = empty_like_layout(y, (b, c, frames, h * s, w * s))
-        dst = out.permute(0, 2, 3, 4, 1)                                          # b, T, H, W, c: contiguous
+        out = empty_like_layout(y, (b, c, prefix + frames, h * s, w * s))
+        dst = out.permute(0, 2, 3, 4, 1)[:, prefix:]                             # b, T, H, W, c
         if drop:
             dst[:, :1].copy_(src[:, 0, 0].reshape(b, 1, h * s, w * s, c))
             dst[:, 1:].view(b, t - 1, rt, h, s, w, s, c).copy_(src[:, 1:])
