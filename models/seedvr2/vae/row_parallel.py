@@ -80,25 +80,30 @@ class RowShard:
         return t
 
     def group_norm(self, x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool) -> torch.Tensor:
-        """Per-frame GroupNorm of the band ``x`` (B, C, T, H, W) or (B, C, H, W) with whole-frame statistics."""
+        """Per-frame GroupNorm of the band ``x`` (B, C, T, H, W) or (B, C, H, W) with whole-frame statistics: the
+        mean first, then the centred squares (two passes, float32), one float32 temporary of the band in all."""
         five = x.ndim == 5
         x5 = x if five else x.unsqueeze(2)
         b, c, t, h, w = x5.shape
         g = norm.num_groups
-        xf = x5.float().view(b, g, c // g, t, h, w)
-        # the band's sums and its row count in one all-reduce
-        sums = self.all_sum(torch.cat([xf.sum(dim=(2, 4, 5)).flatten(), xf.new_tensor([float(h)])]))
+        xg = x5.reshape(b, g, c // g, t, h, w)
+        # the band's sums (accumulated in float32, no float32 copy of the band) and its row count in one all-reduce
+        sums = self.all_sum(torch.cat([xg.sum(dim=(2, 4, 5), dtype=torch.float32).flatten(),
+                                       torch.tensor([float(h)], device=x.device)]))
         count = sums[-1] * (c // g) * w
         mean = sums[:-1].view(b, g, t) / count
-        centred = xf - mean[:, :, None, :, None, None]
-        var = self.all_sum(centred.square().sum(dim=(2, 4, 5))) / count
-        y = centred * torch.rsqrt(var + norm.eps)[:, :, None, :, None, None]
-        y = y.view(b, c, t, h, w)
+        centred = xg - mean[:, :, None, :, None, None]            # float32 (type promotion)
+        var = self.all_sum(torch.linalg.vector_norm(centred, dim=(2, 4, 5)).square_()) / count
+        # y = centred * rstd * gamma + beta, scale and shift folded per (sample, channel, frame)
+        scale = torch.rsqrt(var + norm.eps)[:, :, None, :]                       # (b, g, 1, t)
         if norm.affine:
-            y = y * norm.weight.float().view(1, c, 1, 1, 1) + norm.bias.float().view(1, c, 1, 1, 1)
-        y = y.to(x.dtype)
+            scale = scale * norm.weight.float().view(1, g, c // g, 1)            # (b, g, cg, t)
+        centred.mul_(scale[..., None, None])
+        if norm.affine:
+            centred.add_(norm.bias.float().view(1, g, c // g, 1, 1, 1))
+        y = centred.view(b, c, t, h, w).to(x.dtype)      # keeps the band's layout (NDHWC on that path)
         if silu:
-            y = F.silu(y)
+            F.silu(y, inplace=True)
         return y if five else y.squeeze(2)
 
     def gather_rows(self, x: torch.Tensor, dim: int) -> torch.Tensor:
