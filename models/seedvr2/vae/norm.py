@@ -44,8 +44,7 @@ def causal_group_norm(x: torch.Tensor, norm: nn.GroupNorm, max_bytes: float = ma
     """
     shard = row_parallel.current()
     if shard is not None:                # a band of rows: the frame's statistics come from every rank
-        y = shard.group_norm(x, norm, silu)
-        return y if out is None else out.copy_(y)
+        return shard.group_norm(x, norm, silu, out=out)
     if fused.enabled(x) and norm.affine:
         if x.ndim == 5:
             return fused.group_norm_frames(x, norm, silu, out=out)

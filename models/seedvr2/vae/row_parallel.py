@@ -79,9 +79,11 @@ class RowShard:
         dist.all_reduce(t, group=self.group)
         return t
 
-    def group_norm(self, x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool) -> torch.Tensor:
+    def group_norm(self, x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per-frame GroupNorm of the band ``x`` (B, C, T, H, W) or (B, C, H, W) with whole-frame statistics: the
-        mean first, then the centred squares (two passes, float32), one float32 temporary of the band in all."""
+        mean first, then the centred squares (two passes, float32), one float32 temporary of the band in all.
+        ``out`` (x's shape and dtype, any layout): the result is written there and returned."""
         five = x.ndim == 5
         x5 = x if five else x.unsqueeze(2)
         b, c, t, h, w = x5.shape
@@ -101,10 +103,13 @@ class RowShard:
         centred.mul_(scale[..., None, None])
         if norm.affine:
             centred.add_(norm.bias.float().view(1, g, c // g, 1, 1, 1))
-        y = centred.view(b, c, t, h, w).to(x.dtype)      # keeps the band's layout (NDHWC on that path)
-        if silu:
-            F.silu(y, inplace=True)
-        return y if five else y.squeeze(2)
+        y = centred.view(b, c, t, h, w)
+        if out is not None:
+            y = out.copy_(y if five else y.squeeze(2))
+        else:
+            y = y.to(x.dtype)      # keeps the band's layout (NDHWC on that path)
+            y = y if five else y.squeeze(2)
+        return F.silu(y, inplace=True) if silu else y
 
     def gather_rows(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim`` in rank order (the bands may differ in size there)."""
