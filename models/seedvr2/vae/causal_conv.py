@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import row_parallel
+from .layout import empty_like_layout, layout_of
 
 GIB = 1024 ** 3
 
@@ -41,18 +42,6 @@ class TemporalCache:
 
     def clear(self) -> None:
         self._memory.clear()
-
-
-def layout_of(x: torch.Tensor) -> torch.memory_format:
-    """channels_last_3d for an activation stored NDHWC (the VAE's channels-last path), else contiguous_format:
-    the layout every tensor the VAE makes from ``x`` is given, so the path never falls back to NCDHW midway."""
-    if x.ndim == 5 and x.stride(1) == 1 and not x.is_contiguous():     # channels innermost (a band's view too)
-        return torch.channels_last_3d
-    return torch.contiguous_format
-
-
-def empty_like_layout(x: torch.Tensor, shape) -> torch.Tensor:
-    return torch.empty(tuple(shape), dtype=x.dtype, device=x.device, memory_format=layout_of(x))
 
 
 def extend_time(prefix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -165,19 +154,30 @@ class CausalConv3d(nn.Conv3d):
         else:
             buf[:, :, :n].copy_(buf[:, :, n:n + 1].expand(-1, -1, n, -1, -1))
 
-    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None, extended: bool = False) -> torch.Tensor:
-        """``extended``: x already starts with the ``time_prefix`` frames (``fill_prefix``)."""
+    def halo_rows(self) -> tuple[int, int]:
+        """Rows (above, below) of the neighbouring bands this conv reads under a row split (row_parallel)."""
+        shard = row_parallel.current()
+        if shard is None or self.kernel_size[1] == 1:
+            return 0, 0
+        return shard.halo_rows(self.spatial_pad, self.kernel_size[1], self.stride[1])
+
+    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None, extended: bool = False,
+                rows: tuple[int, int] = (0, 0)) -> torch.Tensor:
+        """``extended``: x already starts with the ``time_prefix`` frames (``fill_prefix``); ``rows``: and has
+        ``halo_rows()`` rows above and below its band, left for the neighbours' rows."""
         x = x.to(self.weight.dtype)
         memory = cache.get(self) if cache is not None and not extended else None
         if memory is not None:
             x = extend_time(memory, x)
         elif self.head_frames and not extended:
             x = extend_time(x[:, :, :1].expand(-1, -1, self.head_frames, -1, -1), x)
+        above, below = rows
         if cache is not None and self.memory_frames:
-            # clone: a view would keep the whole chunk alive until the next chunk.
-            cache.put(self, x[:, :, -self.memory_frames:].clone())
+            # clone: a view would keep the whole chunk alive until the next chunk; the band's own rows only
+            cache.put(self, x[:, :, -self.memory_frames:, above:x.shape[3] - below].clone())
         pad = self.spatial_pad
         shard = row_parallel.current()
         if shard is not None and self.kernel_size[1] > 1:     # the rows above and below come from other ranks
-            x, pad = shard.halo(x, pad, self.kernel_size[1], self.stride[1])
+            k, st = self.kernel_size[1], self.stride[1]
+            x, pad = shard.fill_halo(x, above, below, pad, k, st) if above or below else shard.halo(x, pad, k, st)
         return conv3d_limited(x, self.weight, self.bias, self.stride, pad, self.max_bytes)

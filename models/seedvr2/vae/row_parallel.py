@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .layout import empty_like_layout
 from .posterior import LatentDistribution
 
 _SHARD: contextvars.ContextVar = contextvars.ContextVar("seedvr2bw_vae_rows", default=None)
@@ -38,37 +39,56 @@ class RowShard:
     world: int
 
     # ------------------------------------------------------------------ convolutions
-    def halo(self, x: torch.Tensor, pad: Sequence[int], k: int, stride: int) -> tuple[torch.Tensor, tuple]:
-        """``x`` (..., H_band, W) extended by the rows its conv (kernel ``k`` rows, ``stride``, spatial ``pad`` (top,
-        bottom, left, right)) reads from the neighbouring bands, and the zero padding left to apply."""
+    def halo_rows(self, pad: Sequence[int], k: int, stride: int) -> tuple[int, int]:
+        """Rows (above, below) a conv (kernel ``k`` rows, ``stride``, spatial ``pad`` (top, bottom, left, right))
+        of this band reads from the neighbouring bands: none on the frame's edges, which pad with zeros."""
         top, below = pad[0], k - stride - pad[0]
-        first, last = self.rank == 0, self.rank == self.world - 1
+        return (0 if self.rank == 0 else top), (0 if self.rank == self.world - 1 else below)
+
+    def halo(self, x: torch.Tensor, pad: Sequence[int], k: int, stride: int) -> tuple[torch.Tensor, tuple]:
+        """``x`` (..., H_band, W) extended by the rows its conv reads from the neighbouring bands, and the zero
+        padding left to apply."""
+        above, below = self.halo_rows(pad, k, stride)
+        if not above and not below:
+            return self.fill_halo(x, 0, 0, pad, k, stride)
         h = x.shape[-2]
-        if h < max(top, below, 1):
-            raise RuntimeError(f"a band of {h} rows is thinner than the {max(top, below)} rows its neighbours read: "
-                               f"use fewer GPUs for this frame size")
+        buf = empty_like_layout(x, x.shape[:-2] + (above + h + below, x.shape[-1]))
+        buf[..., above:above + h, :].copy_(x)
+        return self.fill_halo(buf, above, below, pad, k, stride)
+
+    def fill_halo(self, buf: torch.Tensor, above: int, below: int, pad: Sequence[int], k: int,
+                  stride: int) -> tuple[torch.Tensor, tuple]:
+        """``buf`` (..., above + H_band + below, W), this band in its middle rows (``halo_rows``): its first
+        ``above`` and last ``below`` rows are received from the neighbours, which get this band's edge rows.
+        Returns ``buf`` and the zero padding left to apply."""
+        top, bottom = pad[0], k - stride - pad[0]
+        first, last = self.rank == 0, self.rank == self.world - 1
+        h = buf.shape[-2] - above - below
+        if h < max(top, bottom, 1):
+            raise RuntimeError(f"a band of {h} rows is thinner than the {max(top, bottom)} rows its neighbours "
+                               f"read: use fewer GPUs for this frame size")
+        x = buf[..., above:above + h, :]
         ops, got = [], {}
         if not first:
             if top:                           # my top halo: the previous band's last rows
-                got["top"] = x.new_empty(x.shape[:-2] + (top, x.shape[-1]))
-                ops.append(dist.P2POp(dist.irecv, got["top"], self._peer(-1), self.group))
-            if below:                         # the previous band's bottom halo: my first rows
-                ops.append(dist.P2POp(dist.isend, x[..., :below, :].contiguous(), self._peer(-1), self.group))
+                got["above"] = buf.new_empty(buf.shape[:-2] + (top, buf.shape[-1]))
+                ops.append(dist.P2POp(dist.irecv, got["above"], self._peer(-1), self.group))
+            if bottom:                        # the previous band's bottom halo: my first rows
+                ops.append(dist.P2POp(dist.isend, x[..., :bottom, :].contiguous(), self._peer(-1), self.group))
         if not last:
-            if below:                         # my bottom halo: the next band's first rows
-                got["below"] = x.new_empty(x.shape[:-2] + (below, x.shape[-1]))
+            if bottom:                        # my bottom halo: the next band's first rows
+                got["below"] = buf.new_empty(buf.shape[:-2] + (bottom, buf.shape[-1]))
                 ops.append(dist.P2POp(dist.irecv, got["below"], self._peer(1), self.group))
             if top:                           # the next band's top halo: my last rows
                 ops.append(dist.P2POp(dist.isend, x[..., h - top:, :].contiguous(), self._peer(1), self.group))
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
-        parts = [got["top"]] if "top" in got else []
-        parts.append(x)
+        if "above" in got:
+            buf[..., :above, :].copy_(got["above"])
         if "below" in got:
-            parts.append(got["below"])
-        x = torch.cat(parts, dim=-2) if len(parts) > 1 else x
-        return x, (pad[0] if first else 0, pad[1] if last else 0, pad[2], pad[3])
+            buf[..., above + h:, :].copy_(got["below"])
+        return buf, (pad[0] if first else 0, pad[1] if last else 0, pad[2], pad[3])
 
     def _peer(self, step: int) -> int:
         r = self.rank + step

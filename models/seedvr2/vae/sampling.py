@@ -6,7 +6,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .causal_conv import CausalConv3d, TemporalCache, empty_like_layout, layout_of
+from .causal_conv import CausalConv3d, TemporalCache
+from .layout import empty_like_layout, layout_of
 
 
 class Downsample3D(nn.Module):
