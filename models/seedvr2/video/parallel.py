@@ -15,7 +15,6 @@ import logging
 import pickle
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 import numpy as np
@@ -65,8 +64,7 @@ def upscale_video_distributed(store: dist.Store, in_path: str, out_path: str,
     t["plan"] += time.perf_counter() - t0
     mine = 0
     # as in the single-process path, units are encoded on a thread while the next chunk runs on the model
-    job.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seedvr2bw-encode")
-    try:
+    with job.encoding_in_background():
         while True:
             i = store.add(f"{key}/next", 1) - 1
             if i >= len(todo):
@@ -93,9 +91,6 @@ def upscale_video_distributed(store: dist.Store, in_path: str, out_path: str,
                 progress(done, info.frames, rate, (info.frames - done) / rate if rate > 0 else float("nan"))
         t_drain = time.perf_counter()
         job.drain()
-    finally:
-        job.encoder.shutdown(wait=True)   # a unit being encoded when an error came still lands whole
-        job.encoder = None
     t_wait = time.perf_counter()
     t["encoder"] += t_wait - t_drain
     dist.barrier()

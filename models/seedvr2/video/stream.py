@@ -16,6 +16,7 @@ The model is injected: ``upscale_chunk(frames)`` maps (n, H, W, 3) float32 in [0
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -234,10 +235,21 @@ class Job:
         self.chunks = chunks if chunks is not None else plan(read_frames(in_path, size=small, stamps=self.stamps),
                                                               settings.batch_size, settings.overlap,
                                                               settings.scene_threshold)
-        self.encoder: Optional[ThreadPoolExecutor] = None   # set by the driver to encode in the background
+        self.encoder: Optional[ThreadPoolExecutor] = None   # while encoding_in_background
         self.pending: deque[Future] = deque()
         self.waited = 0.0   # seconds the caller waited for a free place in the encoder's queue
         self.seams_started: set[int] = set()   # seams queued in this process (their files may not exist yet)
+
+    @contextlib.contextmanager
+    def encoding_in_background(self):
+        """Units are encoded on one thread while the caller runs the next chunk; on leaving, the thread finishes
+        what it holds (a unit being encoded when a stop or an error came still lands whole)."""
+        self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seedvr2bw-encode")
+        try:
+            yield
+        finally:
+            self.encoder.shutdown(wait=True)
+            self.encoder = None
 
     # ------------------------------------------------------------------ units
     def chunk_done(self, c: Chunk) -> bool:
@@ -371,8 +383,7 @@ def upscale_video(in_path: str, out_path: str, upscale_chunk: Callable[[np.ndarr
     done = sum(c.end - c.start - c.tail for c in job.chunks if c not in todo)
     cursor = FrameCursor(in_path, job.s.overlap, job.stamps)
     t_run, fresh = time.perf_counter(), 0
-    job.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seedvr2bw-encode")
-    try:
+    with job.encoding_in_background():
         for c in todo:
             if should_stop is not None:
                 should_stop()
@@ -386,9 +397,6 @@ def upscale_video(in_path: str, out_path: str, upscale_chunk: Callable[[np.ndarr
                 rate = fresh / el if el > 0 else 0.0
                 progress(done, total, rate, (total - done) / rate if rate > 0 else float("nan"))
         job.drain()
-    finally:
-        job.encoder.shutdown(wait=True)   # a unit being encoded when a stop came still lands whole
-        job.encoder = None
     for k in job.seams_ready():
         job.write_seam(k)
     job.finish()
