@@ -141,21 +141,34 @@ class CausalConv3d(nn.Conv3d):
         self.spatial_pad = tuple(spatial_pad) if spatial_pad is not None else (ph, ph, pw, pw)
         self.max_bytes = math.inf        # conv_max_mem, set by the autoencoder
 
-    def time_prefix(self, cache: Optional[TemporalCache] = None) -> int:
-        """Frames this conv puts in front of its input: the previous chunk's memory, else the replicated head."""
-        memory = cache.get(self) if cache is not None else None
-        return memory.shape[2] if memory is not None else self.head_frames
+    def input_buffer(self, like: torch.Tensor, shape: Sequence[int], cache: Optional[TemporalCache] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(buf, body): an empty input for this conv whose ``body`` has ``shape`` (B, C, T, H, W) and ``like``'s
+        dtype, device and layout, with room in front for the frames the conv prepends (the previous chunk's memory,
+        else the replicated first frame) and, under a row split, above and below for the neighbouring bands' rows.
+        The producer writes ``body``, then calls ``run_buffer(buf, cache)``: the conv's input is not a second copy."""
+        _, n = self._prefix(cache)
+        above, below = self._halo_rows()
+        b, c, t, h, w = shape
+        buf = empty_like_layout(like, (b, c, n + t, above + h + below, w))
+        return buf, buf[:, :, n:, above:above + h]
 
-    def fill_prefix(self, buf: torch.Tensor, n: int, cache: Optional[TemporalCache] = None) -> None:
-        """Writes the ``n`` = ``time_prefix(cache)`` leading frames of ``buf``, whose frames from n on are the input."""
-        memory = cache.get(self) if cache is not None else None
+    def run_buffer(self, buf: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
+        """The conv of an ``input_buffer`` whose body is written: fills the prepended frames, then runs."""
+        memory, n = self._prefix(cache)
+        above, below = self._halo_rows()
+        band = buf[:, :, :, above:buf.shape[3] - below]
         if memory is not None:
-            buf[:, :, :n].copy_(memory)
-        else:
-            buf[:, :, :n].copy_(buf[:, :, n:n + 1].expand(-1, -1, n, -1, -1))
+            band[:, :, :n].copy_(memory)
+        elif n:
+            band[:, :, :n].copy_(band[:, :, n:n + 1].expand(-1, -1, n, -1, -1))
+        return self(buf, cache, extended=True, rows=(above, below))
 
-    def halo_rows(self) -> tuple[int, int]:
-        """Rows (above, below) of the neighbouring bands this conv reads under a row split (row_parallel)."""
+    def _prefix(self, cache: Optional[TemporalCache]) -> tuple[Optional[torch.Tensor], int]:
+        memory = cache.get(self) if cache is not None else None
+        return memory, memory.shape[2] if memory is not None else self.head_frames
+
+    def _halo_rows(self) -> tuple[int, int]:
         shard = row_parallel.current()
         if shard is None or self.kernel_size[1] == 1:
             return 0, 0
@@ -163,8 +176,8 @@ class CausalConv3d(nn.Conv3d):
 
     def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None, extended: bool = False,
                 rows: tuple[int, int] = (0, 0)) -> torch.Tensor:
-        """``extended``: x already starts with the ``time_prefix`` frames (``fill_prefix``); ``rows``: and has
-        ``halo_rows()`` rows above and below its band, left for the neighbours' rows."""
+        """``extended``: x already starts with the prepended frames and has ``rows`` (above, below) around its band
+        for the neighbours' rows (``input_buffer`` / ``run_buffer``)."""
         x = x.to(self.weight.dtype)
         memory = cache.get(self) if cache is not None and not extended else None
         if memory is not None:

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from ....optimization import fused
 from . import row_parallel
 from .causal_conv import CausalConv3d, TemporalCache
-from .layout import empty_like_layout
 
 
 def _norm_frames(x4: torch.Tensor, norm: nn.GroupNorm, max_bytes: float) -> torch.Tensor:
@@ -74,16 +73,11 @@ def causal_group_norm(x: torch.Tensor, norm: nn.GroupNorm, max_bytes: float = ma
 
 def norm_silu_conv(x: torch.Tensor, norm: nn.GroupNorm, conv: CausalConv3d, cache: Optional[TemporalCache] = None,
                    max_bytes: float = math.inf) -> torch.Tensor:
-    """``conv(SiLU(GroupNorm(x)), cache)`` with the normalised frames written behind the frames the causal conv
-    prepends (its replicated first frame or the previous chunk's memory), and under a row split between the rows
-    the neighbouring bands send: the conv's input is not a second copy of the activation."""
+    """``conv(SiLU(GroupNorm(x)), cache)`` with the normalised frames written straight into the conv's input
+    (``CausalConv3d.input_buffer``): behind its prepended frames and, under a row split, between the neighbours'
+    rows, so that input is not a second copy of the activation."""
     if x.ndim != 5:
         return conv(causal_group_norm(x, norm, max_bytes, silu=True), cache)
-    n = conv.time_prefix(cache)
-    above, below = conv.halo_rows()
-    b, c, t, h, w = x.shape
-    buf = empty_like_layout(x, (b, c, n + t, above + h + below, w))
-    band = buf[:, :, :, above:above + h] if above or below else buf
-    causal_group_norm(x, norm, max_bytes, silu=True, out=band[:, :, n:])
-    conv.fill_prefix(band, n, cache)
-    return conv(buf, cache, extended=True, rows=(above, below))
+    buf, body = conv.input_buffer(x, x.shape, cache)
+    causal_group_norm(x, norm, max_bytes, silu=True, out=body)
+    return conv.run_buffer(buf, cache)

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from .causal_conv import CausalConv3d, TemporalCache
-from .layout import empty_like_layout, layout_of
+from .layout import layout_of
 
 
 class Downsample3D(nn.Module):
@@ -49,11 +49,10 @@ class Upsample3D(nn.Module):
         layout = layout_of(x)
         y = self.upscale_conv(x.to(self.upscale_conv.weight.dtype)).contiguous(memory_format=layout)
         drop = rt > 1 and (cache is None or cache.first_chunk)
-        if layout == torch.channels_last_3d:   # written behind the conv's causal prefix (no extended copy)
-            n = self.conv.time_prefix(cache)
-            buf = self._depth_to_space_ndhwc(y, drop, n)
-            self.conv.fill_prefix(buf, n, cache)
-            return self.conv(buf, cache, extended=True)
+        if layout == torch.channels_last_3d:   # written straight into the conv's input (no extended copy)
+            buf, body = self.conv.input_buffer(y, (b, c, t * rt - (1 if drop else 0), h * s, w * s), cache)
+            self._depth_to_space_ndhwc(y, drop, body)
+            return self.conv.run_buffer(buf, cache)
         y = (y.view(b, s, s, rt, c, t, h, w)
               .permute(0, 4, 5, 3, 6, 1, 7, 2)          # b, c, t, st, h, sx, w, sy
               .reshape(b, c, t * rt, h * s, w * s))
@@ -61,20 +60,16 @@ class Upsample3D(nn.Module):
             y = torch.cat([y[:, :, :1], y[:, :, 2:]], dim=2)
         return self.conv(y, cache)
 
-    def _depth_to_space_ndhwc(self, y: torch.Tensor, drop: bool, prefix: int = 0) -> torch.Tensor:
-        """The same rearrangement written straight into an NDHWC tensor (one copy; the dropped frame is never
-        written): output (frame * rt + st, row * s + sx, col * s + sy, c) = y[((sx*s + sy)*rt + st)*C + c], after
-        ``prefix`` frames left unwritten (the conv's causal prefix, filled by the caller)."""
+    def _depth_to_space_ndhwc(self, y: torch.Tensor, drop: bool, out: torch.Tensor) -> None:
+        """The same rearrangement written straight into ``out`` (NDHWC, one copy; the dropped frame is never
+        written): out (frame * rt + st, row * s + sx, col * s + sy, c) = y[((sx*s + sy)*rt + st)*C + c]."""
         s, rt = self.spatial_ratio, self.temporal_ratio
         b, cr, t, h, w = y.shape
         c = cr // (s * s * rt)
         src = y.view(b, s, s, rt, c, t, h, w).permute(0, 5, 3, 6, 1, 7, 2, 4)   # b, t, st, h, sx, w, sy, c
-        frames = t * rt - (1 if drop else 0)
-        out = empty_like_layout(y, (b, c, prefix + frames, h * s, w * s))
-        dst = out.permute(0, 2, 3, 4, 1)[:, prefix:]                             # b, T, H, W, c
+        dst = out.permute(0, 2, 3, 4, 1)                                          # b, T, H, W, c
         if drop:
             dst[:, :1].copy_(src[:, 0, 0].reshape(b, 1, h * s, w * s, c))
             dst[:, 1:].view(b, t - 1, rt, h, s, w, s, c).copy_(src[:, 1:])
         else:
             dst.view(b, t, rt, h, s, w, s, c).copy_(src)
-        return out
