@@ -49,7 +49,8 @@ def plan_run(dit, vae, device, frames_shape, settings: P.UpscaleSettings) -> Mem
         footprint, budget = DiTFootprint((), (), 0, 0), None
     reserve = dit.blockswap.reserve_bytes if dit.blockswap is not None else None
     mem = plan_memory(run, settings, footprint, module_bytes(vae.model), budget, blocks_to_swap=blocks,
-                      buffers=buffers, vae_dtype=vae.dtype, channels=frames_shape[-1], reserve=reserve)
+                      buffers=buffers, vae_dtype=vae.dtype, channels=frames_shape[-1], reserve=reserve,
+                      whole_convs=vae.model.layout_on(device) == torch.channels_last_3d)
     _log.info("%s", mem.line())
     return mem
 

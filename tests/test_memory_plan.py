@@ -197,3 +197,21 @@ def test_vae_peak_model_follows_the_bands_and_single_images():
     area = lambda t: t[0][0] * t[0][1] if t[0] else 10 ** 9                    # noqa: E731
     assert area(still.decode_tiles) > area(video.decode_tiles)
     assert area(still.encode_tiles) > area(video.encode_tiles)
+
+
+def test_convs_run_whole_where_the_tiles_stay_the_same():
+    """NDHWC (``whole_convs``): no conv bands where the official-band estimate, which bounds the peak without bands,
+    picks the same tiles; where it would tile more, the plan keeps its small bands. NCDHW keeps bands always."""
+    s = P.UpscaleSettings(resolution=720, batch_size=21)
+    run = P.plan(frames(21), s)
+    plans = {(b, whole): plan_memory(run, s, BF16_7B, VAE, b * GiB, host_available=HOST, whole_convs=whole)
+             for b in (8, 32) for whole in (False, True)}
+    big = plans[32, True]
+    assert big.vae_conv_bytes is None and "VAE convs whole" in big.line()
+    assert big.decode_tiles == plans[32, False].decode_tiles == (0, 0)
+    assert plans[32, False].vae_conv_bytes and plans[8, False].vae_conv_bytes
+    small = plans[8, True]                                     # 720p decode tiles at 8 GiB
+    assert small.vae_conv_bytes == plans[8, False].vae_conv_bytes and small.decode_tiles != (0, 0)
+    assert small.decode_tiles == plans[8, False].decode_tiles
+    for m in plans.values():
+        assert on_gpu(run, m) <= m.budget

@@ -78,3 +78,28 @@ def test_bands_cover_every_row_on_whole_units():
         assert all(a % unit == 0 and a1 > a for a, a1 in b)
     with pytest.raises(ValueError, match="fewer GPUs"):
         bands(16, 3, 8)
+
+
+def _band_moments(rank, world):
+    """Each rank's band of a frame's rows: its (mean, M2) per (sample, group, frame), gathered and merged as the
+    fused GroupNorm's ``combine`` does."""
+    from seedvr2bw.models.seedvr2.vae.row_parallel import split_rows, current
+    from seedvr2bw.optimization.fused.reference import merge_moments
+    x = torch.randn(2, 8, 3, 13, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64).float() * 3 + 2
+    r0, r1 = bands(13, world)[rank]
+    xg = x[..., r0:r1, :].reshape(2, 4, 2, 3, r1 - r0, 5).permute(0, 1, 3, 2, 4, 5).reshape(24, -1)
+    local = torch.stack([xg.mean(1), (xg - xg.mean(1, keepdim=True)).square().sum(1)], dim=1)
+    with split_rows():
+        part, counts = current().gather_moments(local, xg.shape[1])
+    return {"mean": merge_moments(part, counts)[0], "m2": merge_moments(part, counts)[1], "counts": counts}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gathered_band_moments_give_the_frames_statistics(world, tmp_path):
+    got = run_ranks(_band_moments, world, tmp_path)
+    x = torch.randn(2, 8, 3, 13, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64).float() * 3 + 2
+    xg = x.reshape(2, 4, 2, 3, 13, 5).permute(0, 1, 3, 2, 4, 5).reshape(24, -1)
+    for r in got.values():
+        assert r["counts"].tolist() == [2.0 * (b - a) * 5 for a, b in bands(13, world)]
+        torch.testing.assert_close(r["mean"], xg.mean(1), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(r["m2"], (xg - xg.mean(1, keepdim=True)).square().sum(1), rtol=1e-5, atol=1e-5)

@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten
 
 from seedvr2bw.models.seedvr2.vae import VAEConfig, VAECancelled, VideoAutoencoder
 from seedvr2bw.models.seedvr2.vae.autoencoder import temporal_chunks
+from seedvr2bw.models.seedvr2.vae import causal_conv
 from seedvr2bw.models.seedvr2.vae.causal_conv import CausalConv3d, TemporalCache, conv3d_limited
 from seedvr2bw.models.seedvr2.vae.norm import causal_group_norm
 from seedvr2bw.models.seedvr2.vae.tiling import blend_weights, decode_tiled, tile_spans
@@ -81,6 +82,27 @@ def test_conv_banded_equals_plain(kernel, stride, pad, monkeypatch):
     monkeypatch.setattr(F, "conv3d", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     out = conv3d_limited(x, w, b, stride, pad, max_bytes=x.numel() * 4 / 6)
     assert len(calls) > 6 and any(s[-1] < x.shape[-1] for s in calls)   # split along H and recursed into W
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_bands_keep_one_sample_under_the_index_limit(monkeypatch):
+    """Without a memory limit a conv is still cut into bands when one sample of its input or output would pass
+    the 32-bit index limit (torch then leaves cuDNN); the bands give the plain result."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 5, 17, 13)
+    w, b = torch.randn(8, 4, 3, 3, 3), torch.randn(8)
+    ref = F.conv3d(F.pad(x, (1, 1, 1, 1)), w, b)
+    calls = []
+    real = F.conv3d
+    monkeypatch.setattr(F, "conv3d", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    conv3d_limited(x, w, b, (1, 1, 1), (1, 1, 1, 1))
+    assert len(calls) == 1                                  # under the limit: one call
+    calls.clear()
+    limit = 8 * 3 * 17 * 13 // 2                             # about half of one sample's output
+    monkeypatch.setattr(causal_conv, "INDEX_LIMIT", limit)
+    out = conv3d_limited(x, w, b, (1, 1, 1), (1, 1, 1, 1))
+    assert len(calls) >= 2
+    assert all(s[1] * s[2] * s[3] * s[4] <= limit for s in calls)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -121,7 +121,7 @@ class MemoryPlan:
     host_bytes: int = 0
     notes: tuple = field(default_factory=tuple)
     vae_stays: bool = False                      # the VAE may stay on the GPU through the DiT phase (room for both)
-    vae_conv_bytes: Optional[int] = None         # the VAE's conv band size for this run (None: the official 0.5 GiB)
+    vae_conv_bytes: Optional[int] = None         # the VAE's conv band size for this run (None: no bands)
 
     def line(self) -> str:
         """The one log line: what was decided and why."""
@@ -134,8 +134,8 @@ class MemoryPlan:
                  "VAE " + _tiles_text(self.encode_tiles, self.decode_tiles) +
                  f" (peaks {self.vae_peak_bytes[0] / GiB:.1f} / {self.vae_peak_bytes[1] / GiB:.1f} GiB)",
                  f"chunks of {self.settings.batch_size} frames"]
-        if self.vae_conv_bytes:
-            parts.append(f"VAE conv bands {self.vae_conv_bytes / MiB:.0f} MiB")
+        parts.append(f"VAE conv bands {self.vae_conv_bytes / MiB:.0f} MiB" if self.vae_conv_bytes else
+                     "VAE convs whole")
         return "[SeedVR2-BW] memory plan: " + "; ".join(parts) + "".join(f"; {n}" for n in self.notes)
 
 
@@ -149,11 +149,12 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
                 budget: Optional[int], host_available: Optional[int] = None, blocks_to_swap="auto",
                 buffers: int = 2, vae_dtype: torch.dtype = torch.bfloat16,
                 vae_config: VAEConfig = SEEDVR2_VAE, channels: int = 3,
-                reserve: Optional[int] = None) -> MemoryPlan:
+                reserve: Optional[int] = None, whole_convs: bool = False) -> MemoryPlan:
     """The plan of ``run`` (``pipeline.plan``) within ``budget`` bytes of VRAM (None: unknown, e.g. the CPU) and
     ``host_available`` bytes of RAM (None: asked from the system). ``blocks_to_swap``: "auto" or a count (a
     BlockSwap node's setting, kept as given); ``reserve``: the least VRAM kept for the DiT's activations (the
-    BlockSwap node's; None: the estimate alone). Raises ``SeedVR2MemoryError`` before any work when nothing fits."""
+    BlockSwap node's; None: the estimate alone). ``whole_convs``: the VAE may run its convs without bands where the
+    tiles stay the same (its NDHWC layout: cuDNN then needs no transposed copy beside them). Raises ``SeedVR2MemoryError`` before any work when nothing fits."""
     ph, pw = run.model
     th, tw = run.target
     host_available = available_host_bytes() if host_available is None else host_available
@@ -168,10 +169,10 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
     t = run.tiling
     conv = None if budget is None else min(CONV_BAND_MAX, max(CONV_BAND_MIN, budget // CONV_BAND_DIVISOR))
 
-    def tiles(kind, vae_budget):
+    def tiles(kind, vae_budget, bands=conv):
         mode, tile = (t.encode, t.encode_tile) if kind == "encode" else (t.decode, t.decode_tile)
         return choose_run_tiles(kind, mode, tile, t.overlap, ph, pw, vae_budget, elem, vae_config, VAE_PEAK_FACTOR,
-                                conv, one_frame=run.chunk_frames == 1)
+                                bands, one_frame=run.chunk_frames == 1)
 
     if budget is None:
         enc, enc_peak = tiles("encode", None)
@@ -184,6 +185,11 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
     vae_budget = budget - margin - vae_bytes - io
     enc, enc_peak = tiles("encode", vae_budget)
     dec, dec_peak = tiles("decode", vae_budget)
+    # Without bands the convs run whole (faster, and no higher a peak than with the official 0.5 GiB bands, which
+    # the larger estimate covers): taken where that estimate picks the same tiles.
+    (enc_w, enc_w_peak), (dec_w, dec_w_peak) = tiles("encode", vae_budget, None), tiles("decode", vae_budget, None)
+    if whole_convs and (enc_w, dec_w) == (enc, dec) and max(enc_w_peak, dec_w_peak) <= vae_budget:
+        conv, enc_peak, dec_peak = None, enc_w_peak, dec_w_peak
     if max(enc_peak, dec_peak) > vae_budget:
         raise SeedVR2MemoryError(
             f"the VAE needs {vae_bytes / GiB:.2f} GiB of weights plus {max(enc_peak, dec_peak) / GiB:.2f} GiB for its "
@@ -220,7 +226,7 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
         settings = replace(settings, batch_size=batch, temporal_overlap=min(settings.temporal_overlap, batch - 1))
     stays = gpu + act + vae_bytes <= budget - dit_margin
     return MemoryPlan(budget, settings, swapped, path, enc, dec, gpu, act, (enc_peak, dec_peak), host, tuple(notes),
-                      stays, None if conv >= CONV_BAND_MAX else conv)
+                      stays, conv)
 
 
 def _impossible(run: RunPlan, dit: DiTFootprint, budget: int, margin: int, act: int, gpu: int, buffers: int) -> str:

@@ -457,12 +457,14 @@ def upscale(frames: torch.Tensor, dit, vae, text_embedding: torch.Tensor, settin
               T, W, H, tw, th, pw, ph, len(chunks), s.batch_size, s.temporal_overlap)
 
     sub = max(1, int(frame_group))
-    if memory is not None and memory.vae_conv_bytes:
-        vae.set_memory_limit(memory.vae_conv_bytes / 2**30, vae.config.norm_max_mem)
+    planned = memory is not None and memory.budget is not None      # the plan chose the conv bands
+    if planned:
+        vae.set_memory_limit(memory.vae_conv_bytes / 2**30 if memory.vae_conv_bytes else None,
+                             vae.config.norm_max_mem)
     try:
         return _run(frames, p, s, runner, vae, hooks, dev, off, output_device, memory, sub, total, progress)
     finally:
-        if memory is not None and memory.vae_conv_bytes:
+        if planned:
             vae.set_memory_limit(vae.config.conv_max_mem, vae.config.norm_max_mem)
 
 

@@ -81,7 +81,8 @@ class Staging:
         device = torch.device(device)
         budget = device_budget(device) if budget is None else budget
         mem = plan_memory(run, settings, self.dit.footprint(device), self.vae_bytes, budget,
-                          blocks_to_swap=blocks_to_swap, vae_dtype=vae_dtype)
+                          blocks_to_swap=blocks_to_swap, vae_dtype=vae_dtype,
+                          whole_convs=self.vae.model.layout_on(device) == torch.channels_last_3d)
         _log.info("%s", mem.line())
         return mem
 

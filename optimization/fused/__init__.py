@@ -251,23 +251,31 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def group_norm_frames(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool,
-                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      out: Optional[torch.Tensor] = None, combine=None) -> torch.Tensor:
     """GroupNorm ``norm`` of every frame of x (B, C, T, H, W) on its own, then SiLU if ``silu``; the output keeps
     x's layout when that is channels-last 3-D (the VAE's NDHWC path), else it is contiguous. ``out`` (x's shape):
-    written and returned; the channels-last kernel writes a one-sample channels-last ``out`` directly (a run of
-    frames inside a longer buffer), other cases copy into it."""
+    written and returned; the channels-last kernel writes an ``out`` whose channels and row pixels are dense
+    directly (frames and rows of a larger buffer), other cases copy into it. ``combine``: x is a band of each
+    frame's rows, and ``combine`` merges the bands' statistics (``kernels.group_norm_frames_cl``; channels-last
+    only, see ``channels_last``)."""
     k = _load()
-    if not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d):
-        direct = out is not None and out.dtype == x.dtype and out.shape[0] == 1 and \
-            out.is_contiguous(memory_format=torch.channels_last_3d)
+    if channels_last(x):
+        direct = out is not None and out.dtype == x.dtype and out.stride(1) == 1 and out.stride(4) == x.shape[1]
         y = k.group_norm_frames_cl(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu,
-                                   out=out if direct else None)
+                                   out=out if direct else None, combine=combine)
+    elif combine is not None:
+        raise ValueError("group_norm_frames: band statistics (combine) need a channels-last 3-D x")
     else:
         y = k.group_norm_frames(x.contiguous(), norm.num_groups, norm.weight, norm.bias, norm.eps, silu)
     if out is not None and y is not out:
         out.copy_(y)
         return out
     return y
+
+
+def channels_last(x: torch.Tensor) -> bool:
+    """x is stored channels-last 3-D (and not also plain contiguous, as a one-channel or one-pixel tensor is)."""
+    return not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d)
 
 
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import merge_moments
+
 
 # --------------------------------------------------------------------------------------------------
 # (a) [gated residual +] RMSNorm (fp32 statistics, no weight) + modulation, one row per program
@@ -321,7 +323,7 @@ def _gn_cl_moments_kernel(X, PART, HW, T, C, CG, NBLK, BLOCK_R: tl.constexpr, BL
 
 
 @triton.jit
-def _gn_cl_apply_kernel(X, Y, MEAN, RSTD, W, BIAS, NROWS, HW, T, C, CG, SILU: tl.constexpr,
+def _gn_cl_apply_kernel(X, Y, MEAN, RSTD, W, BIAS, NROWS, HW, WIDTH, T, C, CG, YB, YT, YH, SILU: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -335,33 +337,35 @@ def _gn_cl_apply_kernel(X, Y, MEAN, RSTD, W, BIAS, NROWS, HW, T, C, CG, SILU: tl
     a = tl.load(RSTD + stat, mask=mask, other=0.0) * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     sh = tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)[None, :] - tl.load(MEAN + stat, mask=mask,
                                                                                        other=0.0) * a
-    off = rows[:, None] * C + cols[None, :]
-    x = tl.load(X + off, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     y = (x * a + sh).to(Y.dtype.element_ty)
     if SILU:
         yf = y.to(tl.float32)
         y = (yf / (1.0 + tl.exp(-yf))).to(Y.dtype.element_ty)
-    tl.store(Y + off, y, mask=mask)
+    # Y may be a window of a larger buffer (rows of a band between its neighbours' halo rows): strided per sample,
+    # frame and row; a row's pixels and channels are dense
+    p = rows % HW
+    h = p // WIDTH
+    yrow = b * YB + t * YT + h * YH + (p - h * WIDTH) * C
+    tl.store(Y + yrow[:, None] + cols[None, :], y, mask=mask)
 
 
 def _combine_moments(part, cnt, n, eps, dtype):
-    """mean and rstd of each row of ``part`` (rows, blocks, 2: block mean and M2) over ``n`` values (Chan et al.),
-    rounded to ``dtype`` and back as torch's CUDA GroupNorm does."""
-    means, m2s = part[..., 0], part[..., 1]
-    dims = tuple(range(1, means.ndim))
-    shape = (-1,) + (1,) * len(dims)
-    mean = (means * cnt).sum(dims) / n
-    m2 = m2s.sum(dims) + (cnt * (means - mean.view(shape)).square()).sum(dims)
+    """mean and rstd of each row of ``part`` over ``n`` values (``merge_moments``), rounded to ``dtype`` and back
+    as torch's CUDA GroupNorm does."""
+    mean, m2 = merge_moments(part, cnt, n)
     rstd = torch.rsqrt(m2 / n + eps)
     return mean.to(dtype).float(), rstd.to(dtype).float()
 
 
-def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=None, out=None):
+def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=None, out=None, combine=None):
     """``group_norm_frames`` of x (B, C, T, H, W) stored channels-last 3-D; the output is stored the same way, in
-    ``out`` if given (x's shape and dtype, dense channels-last 3-D from its first element: a run of frames of a
-    longer one-sample buffer, e.g.)."""
-    b, c, t = x.shape[:3]
-    hw = x[0, 0, 0].numel()
+    ``out`` if given (x's shape and dtype; channels and a row's pixels dense, samples, frames and rows at any
+    stride: e.g. a run of frames and rows inside a larger buffer). ``combine`` (for a band of a frame's rows):
+    takes this band's (rows, 2) float32 (mean, M2) per (sample, group, frame) and its value count per row, returns
+    every band's as (rows, bands, 2) and (bands,), whose merge gives the whole frame's statistics."""
+    b, c, t, h, w = x.shape
+    hw = h * w
     cg = c // groups
     block_g = triton.next_power_of_2(cg)
     block_r = block_rows or max(16, min(1024, 8192 // block_g))
@@ -371,14 +375,18 @@ def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=No
                                                  num_warps=4)
     cnt = torch.full((nblk,), float(block_r * cg), device=x.device)
     cnt[-1] = (hw - (nblk - 1) * block_r) * cg
-    mean, rstd = _combine_moments(part, cnt, cg * hw, eps, x.dtype)
+    n = cg * hw
+    if combine is not None:
+        part, cnt = combine(torch.stack(merge_moments(part, cnt, n), dim=1), n)
+        n = cnt.sum()
+    mean, rstd = _combine_moments(part, cnt, n, eps, x.dtype)
     y = torch.empty_like(x) if out is None else out     # keeps the channels-last strides
     nrows = b * t * hw
     block_c = min(triton.next_power_of_2(c), 128)
     block_r2 = max(1, 4096 // block_c)
     grid = (triton.cdiv(nrows, block_r2), triton.cdiv(c, block_c))
-    _gn_cl_apply_kernel[grid](x, y, mean, rstd, weight, bias, nrows, hw, t, c, cg, SILU=silu, BLOCK_R=block_r2,
-                              BLOCK_C=block_c, num_warps=8)
+    _gn_cl_apply_kernel[grid](x, y, mean, rstd, weight, bias, nrows, hw, w, t, c, cg, y.stride(0), y.stride(2),
+                              y.stride(3), SILU=silu, BLOCK_R=block_r2, BLOCK_C=block_c, num_warps=8)
     return y
 
 
@@ -398,7 +406,7 @@ def group_norm_frames(x, groups, weight, bias, eps, silu=False, block=4096):
     cnt[-1] = hw - (nblk - 1) * block
     # torch's CUDA GroupNorm stores mean and rstd in the input dtype before applying them: so do we, so that the
     # output is the official model's on a GPU (without this, half of the bf16 outputs differ by one unit)
-    mean, rstd = _combine_moments(part, cnt, cg * hw, eps, x.dtype)
+    mean, rstd = _combine_moments(part.view(rows, cg * nblk, 2), cnt.repeat(cg), cg * hw, eps, x.dtype)
     y = torch.empty_like(x)
     _gn_apply_kernel[grid](x, y, mean, rstd, weight, bias, hw, t, c, cg, SILU=silu, BLOCK=block, num_warps=8)
     return y

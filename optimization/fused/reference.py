@@ -66,3 +66,12 @@ def group_norm_frames(x, groups, weight, bias, eps, silu=False):
     if silu:
         y = torch.nn.functional.silu(y)
     return y.view(b, t, c, h, w).transpose(1, 2).contiguous()
+
+
+def merge_moments(part, cnt, n=None):
+    """(mean, M2) over the blocks of each row of ``part`` (rows, blocks, 2: each block's mean and M2) with ``cnt``
+    values per block (blocks,) and ``n`` in all (default: their sum) (Chan et al.), in float32."""
+    means, m2s = part[..., 0], part[..., 1]
+    mean = (means * cnt).sum(1) / (cnt.sum() if n is None else n)
+    m2 = m2s.sum(1) + (cnt * (means - mean[:, None]).square()).sum(1)
+    return mean, m2

@@ -91,6 +91,15 @@ def test_group_norm_frames(shape, groups, layout):
             into = fused.group_norm_frames(x, norm, silu, out=buf[:, :, 2:])
             assert into.data_ptr() == buf[:, :, 2:].data_ptr()
             assert torch.equal(buf[:, :, 2:], got) and bool((buf[:, :, :2] == 7).all())
+            # and between a halo row above and two below (a band of rows of a row split), channels-last only
+            if layout == torch.channels_last_3d:
+                h = shape[3]
+                buf = torch.full(shape[:3] + (h + 3, shape[4]), 7.0, device="cuda",
+                                 dtype=x.dtype).contiguous(memory_format=layout)
+                into = fused.group_norm_frames(x, norm, silu, out=buf[:, :, :, 1:1 + h])
+                assert into.data_ptr() == buf[:, :, :, 1:].data_ptr()
+                assert torch.equal(buf[:, :, :, 1:1 + h], got)
+                assert bool((buf[:, :, :, :1] == 7).all()) and bool((buf[:, :, :, 1 + h:] == 7).all())
 
 
 def test_vae_fused_vs_torch_path(monkeypatch):

@@ -41,3 +41,46 @@ def test_two_gpus_equal_one(tmp_path, monkeypatch):
         diff = float((ranks[0][name] - ref).abs().max())
         print(f"{name}: largest pixel difference {diff:.2e}")
         assert diff <= 1e-4, name
+
+
+def _norm_worker(rank, world, store_path, out_dir):
+    import torch.distributed as dist
+    from seedvr2bw.models.seedvr2.vae.norm import causal_group_norm
+    from seedvr2bw.models.seedvr2.vae.row_parallel import bands, split_rows
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            device_id=dev)
+    x, norm = _norm_case(dev)
+    r0, r1 = bands(x.shape[3], world)[rank]
+    band = x[:, :, :, r0:r1].contiguous(memory_format=torch.channels_last_3d)
+    with torch.no_grad(), split_rows():
+        y = causal_group_norm(band, norm, silu=True)
+    torch.save(y.cpu(), f"{out_dir}/norm{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _norm_case(dev):
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = (torch.randn(1, 256, 3, 135, 96, device=dev, generator=g) * 2 + 1).bfloat16()
+    norm = torch.nn.GroupNorm(32, 256, eps=1e-6).to(dev).bfloat16()
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.2, generator=g)
+        norm.bias.normal_(0, 0.2, generator=g)
+    return x.contiguous(memory_format=torch.channels_last_3d), norm
+
+
+def test_row_split_fused_group_norm_equals_whole_frame(tmp_path):
+    """bf16, NDHWC: each rank's fused GroupNorm of its band with the frame's statistics merged across ranks gives
+    the one-GPU fused GroupNorm of the whole frame (other fp32 summation order: a few values one bf16 step off)."""
+    import torch.multiprocessing as mp
+    from seedvr2bw.models.seedvr2.vae.norm import causal_group_norm
+    from seedvr2bw.optimization import fused
+    mp.spawn(_norm_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    x, norm = _norm_case(torch.device("cuda", 0))
+    assert fused.enabled(x)
+    with torch.no_grad():
+        ref = causal_group_norm(x, norm, silu=True).float().cpu()
+    got = torch.cat([torch.load(tmp_path / f"norm{r}.pt") for r in range(2)], dim=3).float()
+    differ = float((got != ref).float().mean())
+    assert differ < 0.02 and float((got - ref).abs().max()) < 0.05, differ

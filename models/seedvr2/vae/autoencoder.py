@@ -89,9 +89,14 @@ class VideoAutoencoder(nn.Module):
         """How activations are stored inside encode/decode: channels-last 3-D (NDHWC: cuDNN's convolutions read and
         write it without transposing) when ``channels_last`` says so, or when it is None, as the hardware policy of
         the VAE's device says (``vae_channels_last``); NCDHW otherwise. Inputs and outputs are NCDHW either way."""
+        return self.layout_on(self.device)
+
+    def layout_on(self, device) -> torch.memory_format:
+        """``layout()`` once the weights are on ``device`` (a memory plan is made while they are elsewhere)."""
+        device = torch.device(device)
         on = self.channels_last
         if on is None:
-            on = self.device.type == "cuda" and get_policy(self.device).vae_channels_last
+            on = device.type == "cuda" and get_policy(device).vae_channels_last
         return torch.channels_last_3d if on else torch.contiguous_format
 
     def _model_input(self, x: torch.Tensor, layout: torch.memory_format) -> torch.Tensor:

@@ -70,6 +70,24 @@ def _pad_bytes(x: torch.Tensor, pad: Sequence[int]) -> int:
     return b * c * t * (h + pad[0] + pad[1]) * (w + pad[2] + pad[3]) * x.element_size()
 
 
+# torch hands a convolution whose one sample (input or output) has more elements than a 32-bit index reaches to a
+# generic fallback instead of cuDNN: measured on an H100, a 1080p x 21 decode without bands did not finish in
+# minutes (its 256-channel full-resolution convs hold 3.2e9 elements a sample). Bands keep every call below it.
+INDEX_LIMIT = 2 ** 31 - 1
+
+
+def _bands_needed(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], pad: Sequence[int],
+                  max_bytes: float) -> float:
+    """How many times over its limits this conv is: padded input bytes against ``max_bytes``, and one sample's
+    input and output elements against INDEX_LIMIT."""
+    _, c, t, h, w = x.shape
+    hp, wp = h + pad[0] + pad[1], w + pad[2] + pad[3]
+    k = weight.shape[2:]
+    out = weight.shape[0] * ((t - k[0]) // stride[0] + 1) * ((hp - k[1]) // stride[1] + 1) * \
+        ((wp - k[2]) // stride[2] + 1)
+    return max(_pad_bytes(x, pad) / max_bytes, c * t * hp * wp / INDEX_LIMIT, out / INDEX_LIMIT)
+
+
 def conv3d_limited(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -84,9 +102,10 @@ def conv3d_limited(
     When the padded input exceeds `max_bytes`, the output is computed in bands along H (then W, recursively),
     each band from the input rows it needs plus their halo, and written into one preallocated output. This is the
     official conv_max_mem path (`memory_limit_conv`): mathematically exact, it bounds the padded copies and conv
-    workspace to one band.
+    workspace to one band. Without a limit, bands still keep one sample under INDEX_LIMIT elements.
     """
-    if _pad_bytes(x, pad) <= max_bytes or not split_dims:
+    over = _bands_needed(x, weight, stride, pad, max_bytes)
+    if over <= 1 or not split_dims:
         if pad[0] == pad[1] and pad[2] == pad[3]:
             y = F.conv3d(x, weight, bias, stride, padding=(0, pad[0], pad[2]))
         else:
@@ -100,7 +119,7 @@ def conv3d_limited(
     p0, p1 = pad[2 * axis], pad[2 * axis + 1]
     size = x.shape[dim]
     out_len = (size + p0 + p1 - k) // s + 1
-    n = max(1, min(out_len, math.ceil(_pad_bytes(x, pad) / max_bytes)))
+    n = max(1, min(out_len, math.ceil(over)))
     bounds = [round(i * out_len / n) for i in range(n + 1)]
 
     out = None

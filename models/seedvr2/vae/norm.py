@@ -44,6 +44,8 @@ def causal_group_norm(x: torch.Tensor, norm: nn.GroupNorm, max_bytes: float = ma
     """
     shard = row_parallel.current()
     if shard is not None:                # a band of rows: the frame's statistics come from every rank
+        if fused.enabled(x) and norm.affine and x.ndim == 5 and fused.channels_last(x):
+            return fused.group_norm_frames(x, norm, silu, out=out, combine=shard.gather_moments)
         return shard.group_norm(x, norm, silu, out=out)
     if fused.enabled(x) and norm.affine:
         if x.ndim == 5:

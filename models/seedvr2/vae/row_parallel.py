@@ -99,6 +99,16 @@ class RowShard:
         dist.all_reduce(t, group=self.group)
         return t
 
+    def gather_moments(self, local: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's per-row statistics of its band: ``local`` (rows, 2) float32 (mean, M2) over ``count``
+        values a row -> (rows, world, 2) and the counts (world,), in one all-gather (the fused GroupNorm's
+        ``combine``)."""
+        mine = torch.cat([local.flatten(), local.new_tensor([float(count)])])
+        parts = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(parts, mine, group=self.group)     # gloo has no all_gather_into_tensor
+        every = torch.stack(parts)
+        return every[:, :-1].view(self.world, -1, 2).transpose(0, 1), every[:, -1]
+
     def group_norm(self, x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per-frame GroupNorm of the band ``x`` (B, C, T, H, W) or (B, C, H, W) with whole-frame statistics: the
