@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ...optimization.runtime.host_copy import copy_to_host
 from ...optimization.runtime.policy import get_policy, torch_settings
 from .color import COLOR_CORRECTION_MODES, color_correct
 from .dit import DiTInterrupted
@@ -538,12 +539,16 @@ def _run(frames, p: RunPlan, s: UpscaleSettings, runner: SeedVR2Runner, vae, hoo
     written = [False] * T
 
     def put(first: int, part: torch.Tensor) -> None:
-        for j in range(part.shape[0]):
-            if written[first + j]:
-                out[first + j] += part[j].to(out_dev)
-            else:
-                out[first + j].copy_(part[j])
-                written[first + j] = True
+        n = part.shape[0]
+        if not any(written[first:first + n]):
+            copy_to_host(out[first:first + n], part)
+        else:
+            for j in range(n):
+                if written[first + j]:
+                    out[first + j] += part[j].to(out_dev)
+                else:
+                    copy_to_host(out[first + j], part[j])
+        written[first:first + n] = [True] * n
     for ci, ((s0, e0), x0) in enumerate(zip(chunks, samples)):
         stop()
         z = (x0.to(dev) / runner.scaling_factor).permute(3, 0, 1, 2).unsqueeze(0)  # (1, 16, t, h, w)
