@@ -64,8 +64,8 @@ video)
         | tail -25 ;;
 video_gpus)
     n=$(nvidia-smi -L | wc -l)
-    # 756 frames: 44 chunks, whole rounds on 1, 2 and 4 GPUs; per-rank parts under each row
-    python3 scripts/bench_video.py --model 7b --frames 756 --gpus "$(seq -s, 1 "$n" | sed 's/,3,/,/')" \
+    # 756 frames: 44 chunks, whole rounds on 1, 2 and 4 GPUs; per-rank parts under each row (FRAMES: a shorter clip)
+    python3 scripts/bench_video.py --model 7b --frames "${FRAMES:-756}" --gpus "$(seq -s, 1 "$n" | sed 's/,3,/,/')" \
         --json "$OUT/video_gpus.json" 2>&1 | tee "$OUT/video_gpus.log" | grep -E "^clip|GPU\(s\)|rank [0-9]:" ;;
 formats)
     python3 scripts/bench_formats.py --model 7b --case "${2:-720p:21}" --commit "$GIT_COMMIT" --json "$OUT/formats.json" \
