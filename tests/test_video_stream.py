@@ -1,10 +1,12 @@
 """The streaming upscale (models/seedvr2/video) with an injected upscaler: frame count, fps, audio, rotation and
-colour tags carried over; blending as the in-memory plan; scene cuts; resume; errors before any work."""
+colour tags carried over; blending as the in-memory plan; scene cuts; resume; errors before any work; the next
+chunk's frames decoded and the finished units remuxed while the model runs; capped decoder threads."""
 from __future__ import annotations
 
 import fractions
 import os
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -253,3 +255,146 @@ def test_frame_cursor_seeks_to_the_keyframe_before_a_far_range_and_reads_the_sam
     for a, b in ranges:
         assert np.array_equal(cursor.take(a, b), every[a:b])
     assert cursor.seeks == 0
+
+
+def _spy_reads(monkeypatch) -> list:
+    """Patches FrameCursor.take to note each range as its decoding starts (in whichever thread reads)."""
+    started = []
+    take = FrameCursor.take
+
+    def spy(self, start, end):
+        started.append((start, end))
+        return take(self, start, end)
+    monkeypatch.setattr(FrameCursor, "take", spy)
+    return started
+
+
+def test_the_next_chunks_frames_are_decoded_while_the_model_runs(tmp_path, monkeypatch):
+    src = write_clip(str(tmp_path / "in.mkv"), clip_frames([40], H, W), audio=False)
+    started = _spy_reads(monkeypatch)
+    calls, ahead, most = [], [], []
+
+    def model(frames):
+        calls.append(len(frames))
+        n = len(calls)
+        # a synchronous reader would start the next range only after this returns: wait for it here instead
+        for _ in range(400):
+            if len(started) > n or n == 6:   # 40 frames, batch 9, overlap 2: 6 chunks
+                break
+            threading.Event().wait(0.01)
+        ahead.append(len(started) > n)
+        threading.Event().wait(0.05)   # time for a reader that would run further ahead than one chunk
+        most.append(len(started) - n)
+        return double(frames)
+    out = tmp_path / "out.mkv"
+    s = StreamSettings(batch_size=9, overlap=2, codec="ffv1")
+    upscale_video(src, str(out), model, size2, s)
+    assert len(calls) == 6 and ahead == [True] * 5 + [False], ahead
+    assert max(most) <= 1, most   # one chunk decoded ahead at most
+    assert started == sorted(started)   # forward only
+    want = reference(list(C.read_frames(src)), [40], 9, 2)
+    assert np.abs(_decode(out) - want).max() <= 1.0 / 65535 + 1e-7
+
+
+def _threads() -> set:
+    return {t.ident for t in threading.enumerate()}
+
+
+def test_a_read_error_or_a_stop_ends_the_run_cleanly_and_it_resumes(tmp_path, monkeypatch):
+    src = write_clip(str(tmp_path / "in.mp4"), clip_frames([45], H, W), codec="h264")
+    s = StreamSettings(batch_size=9, overlap=2)
+    full = tmp_path / "full.mp4"
+    upscale_video(src, str(full), double, size2, s)
+    before = _threads()
+    take = FrameCursor.take
+
+    def broken(self, start, end):
+        if start >= 14:   # the third chunk's frames, decoded ahead while the second chunk runs
+            raise OSError("disk gone")
+        return take(self, start, end)
+    monkeypatch.setattr(FrameCursor, "take", broken)
+    ran = []
+
+    def model(frames):
+        ran.append(len(frames))
+        return double(frames)
+    out = tmp_path / "out.mp4"
+    with pytest.raises(OSError, match="disk gone"):
+        upscale_video(src, str(out), model, size2, s)
+    assert len(ran) == 2   # the error is raised where the third chunk's frames are taken
+    assert _threads() == before   # the reader and encoder threads are gone
+    assert not out.exists() and not list(tmp_path.glob("out.mp4.partial*"))
+    monkeypatch.setattr(FrameCursor, "take", take)
+    stops = {"n": 0}
+
+    def stop_at_fourth():
+        stops["n"] += 1
+        if stops["n"] == 2:   # this run's second chunk: the fourth of the video
+            raise KeyboardInterrupt("cancel")
+    with pytest.raises(KeyboardInterrupt):
+        upscale_video(src, str(out), model, size2, s, should_stop=stop_at_fourth)
+    assert len(ran) == 3 and _threads() == before
+    assert not out.exists() and not list(tmp_path.glob("out.mp4.partial*"))
+    res = upscale_video(src, str(out), model, size2, s)
+    assert res.resumed_chunks == 3 and len(ran) == res.chunks
+    assert out.read_bytes() == full.read_bytes()
+
+
+def _within(seconds: float, ready) -> bool:
+    for _ in range(int(seconds / 0.01)):
+        if ready():
+            return True
+        threading.Event().wait(0.01)
+    return ready()
+
+
+@pytest.mark.parametrize("codec", ["h264", "png16"])
+def test_units_go_into_the_output_while_the_chunks_run(tmp_path, monkeypatch, codec):
+    src = write_clip(str(tmp_path / "in.mp4"), clip_frames([50], H, W), codec="h264")
+    out = tmp_path / ("out" if codec == "png16" else "out.mp4")
+    appended = []
+    append = C.ConcatWriter.append
+
+    def spy(self, segment):
+        appended.append(segment)
+        return append(self, segment)
+    monkeypatch.setattr(C.ConcatWriter, "append", spy)
+    partial = tmp_path / "out.partial"
+    calls = []
+
+    def model(frames):
+        n = len(calls)   # 50 frames, batch 9, overlap 2: chunk n starts at frame 7n
+        # when chunk n starts, the encoder (two units queued at most) has written every unit up to chunk n - 2's
+        # body, frames 0 .. 7(n - 1) - 1: the writer puts them into the output without waiting for the end
+        if codec == "png16":
+            calls.append(_within(5, lambda: n < 2 or partial.exists() and len(os.listdir(partial)) >= 7 * (n - 1)))
+        else:
+            calls.append(_within(5, lambda: len(appended) >= 2 * n - 3))
+        assert not out.exists()   # the final name never holds a partial output
+        return double(frames)
+    s = StreamSettings(batch_size=9, overlap=2, codec=codec)
+    res = upscale_video(src, str(out), model, size2, s)
+    assert res.chunks == 7 and calls == [True] * 7
+    if codec == "png16":
+        assert len(list(out.iterdir())) == 50 + 1   # and audio.m4a
+    else:
+        assert len(appended) == 2 * 7 - 1 and C.probe(str(out)).frames == 50
+
+
+def test_decoders_use_at_most_the_capped_threads(tmp_path, monkeypatch):
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("counts threads with Linux's /proc")
+    src = write_clip(str(tmp_path / "in.mp4"), clip_frames([40], H, W), codec="h264", audio=False)
+
+    def extra_threads() -> int:
+        base = most = len(os.listdir("/proc/self/task"))
+        for _ in C.read_frames(src):
+            most = max(most, len(os.listdir("/proc/self/task")))
+        return most - base
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert C.decoder_threads() == 8
+    monkeypatch.setattr(C, "DECODER_THREADS_MAX", 1)
+    # FFmpeg's own choice is a decoder thread per core, and PyAV 17's a thread per core for each frame's conversion
+    assert extra_threads() == 0
+    monkeypatch.setattr(C, "DECODER_THREADS_MAX", 3)
+    assert extra_threads() >= 2

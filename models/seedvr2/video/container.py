@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import fractions
+import functools
 import os
 from typing import Iterator, Optional
 
@@ -127,6 +128,26 @@ class FrameStamps:
         return next((k for k in range(min(index, len(self.keys) - 1), -1, -1) if self.keys[k]), 0)
 
 
+# FFmpeg's "auto" is a thread per core for each decoder and (PyAV 17 and later) for each frame's pixel conversion,
+# started again for every frame: 4 ranks on a 64-core host would each start 64
+DECODER_THREADS_MAX = 8
+
+
+def decoder_threads() -> int:
+    """Threads a decoder of ``read_frames``, and each frame's conversion there, get: the cores, at most
+    ``DECODER_THREADS_MAX``."""
+    return max(1, min(DECODER_THREADS_MAX, os.cpu_count() or 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _conversions_take_threads() -> bool:
+    try:
+        _av().VideoFrame(2, 2, "rgb24").reformat(format="gray", threads=1)
+    except TypeError:   # PyAV before 17, whose conversions run on the calling thread
+        return False
+    return True
+
+
 class SeekMismatch(RuntimeError):
     """After a seek the decoder gave a frame whose time is not the expected one (an open GOP's leading frames, a
     timestamp the container rewrote): the reader must decode from the start instead."""
@@ -145,6 +166,8 @@ def read_frames(path: str, start: int = 0, size: Optional[tuple[int, int]] = Non
     with av.open(path) as container:
         vs = container.streams.video[0]
         vs.thread_type = "AUTO"
+        vs.codec_context.thread_count = decoder_threads()
+        convert = {"threads": decoder_threads()} if _conversions_take_threads() else {}
         first = 0
         if seek is not None:
             first, known = seek
@@ -159,9 +182,9 @@ def read_frames(path: str, start: int = 0, size: Optional[tuple[int, int]] = Non
             if i < start:
                 continue
             if size is not None:
-                rgb = frame.reformat(width=size[0], height=size[1], format="rgb24").to_ndarray()
+                rgb = frame.reformat(width=size[0], height=size[1], format="rgb24", **convert).to_ndarray()
             else:
-                rgb = frame.to_ndarray(format="rgb48le") if _deep(frame) else frame.to_ndarray(format="rgb24")
+                rgb = frame.to_ndarray(format="rgb48le" if _deep(frame) else "rgb24", **convert)
             yield rgb.astype(np.float32) / (65535.0 if rgb.dtype == np.uint16 else 255.0)
 
 
@@ -336,63 +359,101 @@ def _png16(img: np.ndarray, path: str) -> None:
 SEGMENT_OPEN = {"probesize": "32", "analyzeduration": "0"}
 
 
+class ConcatWriter:
+    """Remuxes segments' packets (no re-encoding) one after another into ``out_path`` as they are appended, so a
+    caller can write each segment as soon as it and every one before it exist; ``close`` adds the audio stream of
+    ``audio_from`` (copied unchanged) and renames the temporary file to ``out_path``: the final name never holds a
+    partial file. ``abort`` removes the temporary file."""
+
+    def __init__(self, out_path: str, codec: Codec, fps: fractions.Fraction, rotation: int = 0,
+                 audio_from: Optional[str] = None, color: Optional[dict] = None):
+        self.out_path, self.codec, self.fps, self.rotation = out_path, codec, fps, rotation
+        self.audio_from, self.color = audio_from, color
+        ext = os.path.splitext(out_path)[1].lower() or codec.container
+        self.tmp = f"{out_path}.partial{ext}"
+        self.out = self.vout = self.src = self.ain = self.aout = None
+        self.offset = 0   # frames before the next segment
+        self.segments = 0
+
+    def _open(self, vin) -> None:
+        """The output's streams: video from the first segment's, audio from the source's."""
+        av = _av()
+        self.out = av.open(self.tmp, "w")
+        self.vout = self.out.add_stream_from_template(vin)
+        self.vout.time_base = fractions.Fraction(1, 1) / self.fps
+        for k, v in (self.color or {}).items():
+            if v is not None:
+                setattr(self.vout.codec_context, k, v)
+        if self.rotation:
+            self.vout.set_display_rotation(self.rotation)
+        if self.audio_from is not None:
+            # kept open until close: the audio packets go in after the last segment's, as one stream
+            self.src = av.open(self.audio_from)
+            if self.src.streams.audio:
+                self.ain = self.src.streams.audio[0]
+                self.aout = self.out.add_stream_from_template(self.ain)
+
+    def append(self, segment: str) -> None:
+        av = _av()
+        frame_tb = fractions.Fraction(1, 1) / self.fps
+        with av.open(segment, options=SEGMENT_OPEN) as c:
+            s = c.streams.video[0]
+            if self.out is None:
+                self._open(s)
+            to_frames = s.time_base * self.fps   # segment ticks -> frames (1 when the muxer kept 1/fps)
+            packets = [p for p in c.demux(s) if p.size]
+            # muxers may shift a file's timestamps to start above 0: frame 0 is the earliest one
+            first = min(int(round(p.pts * to_frames)) for p in packets)
+            for packet in packets:
+                idx = int(round(packet.pts * to_frames)) - first + self.offset
+                packet.pts = packet.dts = idx
+                packet.duration = 1
+                packet.time_base = frame_tb
+                packet.stream = self.vout
+                self.out.mux(packet)
+            self.offset += len(packets)
+        self.segments += 1
+
+    def close(self) -> None:
+        if self.out is None:
+            raise RuntimeError(f"cannot write {self.out_path}: no segment was appended")
+        try:
+            if self.ain is not None:
+                for packet in self.src.demux(self.ain):
+                    if packet.dts is None:
+                        continue
+                    packet.stream = self.aout
+                    self.out.mux(packet)
+            self._close_files()
+            os.replace(self.tmp, self.out_path)
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        try:
+            self._close_files()
+        finally:
+            if os.path.exists(self.tmp):
+                os.remove(self.tmp)
+
+    def _close_files(self) -> None:
+        src, out, self.src, self.out = self.src, self.out, None, None
+        for c in (src, out):
+            if c is not None:
+                c.close()
+
+
 def concat_segments(segments: list[str], out_path: str, codec: Codec, fps: fractions.Fraction, rotation: int = 0,
                     audio_from: Optional[str] = None, color: Optional[dict] = None) -> None:
     """Remuxes the segments' packets (no re-encoding) one after another into ``out_path``, with the audio stream of
-    ``audio_from`` copied unchanged. Writes a temporary file and renames it: the final name never holds a partial
-    file."""
-    av = _av()
-    ext = os.path.splitext(out_path)[1].lower() or codec.container
-    tmp = f"{out_path}.partial{ext}"
+    ``audio_from`` copied unchanged (``ConcatWriter`` all at once)."""
+    w = ConcatWriter(out_path, codec, fps, rotation, audio_from, color)
     try:
-        with av.open(tmp, "w") as out:
-            first = av.open(segments[0], options=SEGMENT_OPEN)
-            vin = first.streams.video[0]
-            vout = out.add_stream_from_template(vin)
-            vout.time_base = fractions.Fraction(1, 1) / fps
-            for k, v in (color or {}).items():
-                if v is not None:
-                    setattr(vout.codec_context, k, v)
-            if rotation:
-                vout.set_display_rotation(rotation)
-            first.close()
-            ain = aout = None
-            src = None
-            if audio_from is not None:
-                src = av.open(audio_from)
-                if src.streams.audio:
-                    ain = src.streams.audio[0]
-                    aout = out.add_stream_from_template(ain)
-            frame_tb = fractions.Fraction(1, 1) / fps
-            offset = 0   # frames before this segment
-            for seg in segments:
-                with av.open(seg, options=SEGMENT_OPEN) as c:
-                    s = c.streams.video[0]
-                    to_frames = s.time_base * fps   # segment ticks -> frames (1 when the muxer kept 1/fps)
-                    packets = [p for p in c.demux(s) if p.size]
-                    # muxers may shift a file's timestamps to start above 0: frame 0 is the earliest one
-                    first = min(int(round(p.pts * to_frames)) for p in packets)
-                    n = len(packets)
-                    for packet in packets:
-                        idx = int(round(packet.pts * to_frames)) - first + offset
-                        packet.pts = packet.dts = idx
-                        packet.duration = 1
-                        packet.time_base = frame_tb
-                        packet.stream = vout
-                        out.mux(packet)
-                    offset += n
-            if ain is not None:
-                for packet in src.demux(ain):
-                    if packet.dts is None:
-                        continue
-                    packet.stream = aout
-                    out.mux(packet)
-            if src is not None:
-                src.close()
-        os.replace(tmp, out_path)
+        for seg in segments:
+            w.append(seg)
+        w.close()
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        w.abort()
 
 
 def copy_audio(src_path: str, out_path: str) -> None:

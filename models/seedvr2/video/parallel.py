@@ -1,9 +1,11 @@
 """Chunk-parallel streaming upscale on torch.distributed: every process (one per GPU, or CPU processes over gloo)
 runs its own model copy and takes the next chunk from a counter in the process group's store as soon as it is
-free, so a faster GPU takes more chunks. Each chunk's units go into the shared work folder (``stream.Job``); a
-seam is written once, by whichever process claims it first once both of its chunks are done; rank 0 writes the
-output when all ranks are through. The output equals the single-process one: every unit depends on its chunk
-alone.
+free, so a faster GPU takes more chunks. While many chunks are unclaimed a process claims its next chunk as it
+starts one, and decodes the next one's frames while the model runs (near the end it claims only when free, so the
+fastest take the last ones). Each chunk's units go into the shared work folder (``stream.Job``); a seam is written
+once, by whichever process claims it first once both of its chunks are done; rank 0 remuxes the units into the
+output on a thread as they land and closes it when all ranks are through. The output equals the single-process
+one: every unit depends on its chunk alone.
 
 Rank 0 probes and plans and hands the plan to the others through the store (no tensors travel: frames are decoded
 by each process from the input file, forward only, seeking to the keyframe before its next chunk with the frame
@@ -20,9 +22,30 @@ from typing import Callable, Optional
 import numpy as np
 import torch.distributed as dist
 
-from .stream import FrameCursor, Job, StreamResult, StreamSettings
+from .stream import ChunkReader, Job, StreamResult, StreamSettings
 
 log = logging.getLogger(__name__)
+
+
+class ChunkClaims:
+    """Indices 0 .. total - 1 handed out from a counter in a store every rank shares: each goes to one rank, and
+    the indices one rank gets only increase (its frames are read forward). ``claim_ahead`` lets a rank claim its
+    next index while it starts the current one, but only while more than ``ahead_while`` are unclaimed; after that
+    a rank claims when it is free, so the balance at the end is as if no rank claimed ahead."""
+
+    def __init__(self, store: dist.Store, key: str, total: int, ahead_while: int):
+        self.store, self.key, self.total, self.ahead_while = store, key, total, ahead_while
+
+    def claim(self) -> Optional[int]:
+        """The next unclaimed index, or None when all are claimed."""
+        i = self.store.add(self.key, 1) - 1
+        return i if i < self.total else None
+
+    def claim_ahead(self) -> Optional[int]:
+        """``claim()`` while more than ``ahead_while`` indices are unclaimed, else None (claim when free)."""
+        if self.total - self.store.add(self.key, 0) <= self.ahead_while:
+            return None
+        return self.claim()
 
 
 def upscale_video_distributed(store: dist.Store, in_path: str, out_path: str,
@@ -35,10 +58,11 @@ def upscale_video_distributed(store: dist.Store, in_path: str, out_path: str,
     the group was made with, or one of its own). Returns the result on rank 0, None elsewhere. ``run_id`` separates
     the store keys of successive jobs. ``progress(frames_done, total, fps, seconds_left)`` is called on a rank after
     each chunk it ran, with the frames done by all ranks (pass it on one rank for one bar). ``timings``, if given,
-    gets this rank's seconds per part (plan: probing and planning, or waiting for rank 0's plan; read: decoding input
-    frames; chunks: the model and the units' floats; seams; encoder: waiting for the encoder thread; others: waiting
-    for the other ranks at the end; finish: rank 0's output file); the same figures go to the log, one line per
-    rank."""
+    gets this rank's seconds per part (plan: probing and planning, or waiting for rank 0's plan; read: waiting for
+    a chunk's input frames, which the reader thread decodes while the previous chunk runs when it was claimed ahead;
+    chunks: the model and the units' floats; seams; encoder: waiting for the encoder thread; others: waiting for the
+    other ranks at the end; finish: rank 0's output file, of which only the units not yet remuxed by its writer
+    thread, the audio and the rename are left); the same figures go to the log, one line per rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     s = settings or StreamSettings()
     t0 = time.perf_counter()
@@ -60,47 +84,53 @@ def upscale_video_distributed(store: dist.Store, in_path: str, out_path: str,
                   stamps=stamps)
     info = job.info
     resumed = len(job.chunks) - len(todo)
-    cursor = FrameCursor(in_path, s.overlap, job.stamps)   # a rank seeks past the chunks others took
+    # a rank claims ahead while more than two chunks per rank are unclaimed, enough for the last ones to balance (a
+    # lone rank has nothing to balance)
+    claims = ChunkClaims(store, f"{key}/next", len(todo), 2 * world if world > 1 else 0)
     t["plan"] += time.perf_counter() - t0
     mine = 0
-    # as in the single-process path, units are encoded on a thread while the next chunk runs on the model
-    with job.encoding_in_background():
-        while True:
-            i = store.add(f"{key}/next", 1) - 1
-            if i >= len(todo):
-                break
-            c = job.chunks[todo[i]]
-            t_read, w_read = time.perf_counter(), job.waited
-            frames = cursor.take(c.start, c.end)
-            t_run = time.perf_counter()
-            job.run_chunk(c, frames, upscale_chunk)
-            t_seams, w_run = time.perf_counter(), job.waited
-            mine += 1
-            done = store.add(f"{key}/frames", c.end - c.start - c.tail)
+    with job.writing_output():
+        # as in the single-process path, frames are decoded on one thread and units encoded on another while the
+        # model runs (a rank's reader seeks past the chunks others took)
+        with ChunkReader(in_path, s.overlap, job.stamps) as reader, job.encoding_in_background():
+            i = claims.claim()
+            while i is not None:
+                c = job.chunks[todo[i]]
+                t_read = time.perf_counter()
+                frames = reader.take(c.start, c.end)
+                t["read"] += time.perf_counter() - t_read
+                nxt = claims.claim_ahead()
+                if nxt is not None:
+                    reader.prefetch(job.chunks[todo[nxt]].start, job.chunks[todo[nxt]].end)
+                t_run, w_run0 = time.perf_counter(), job.waited
+                job.run_chunk(c, frames, upscale_chunk)
+                t_seams, w_run = time.perf_counter(), job.waited
+                mine += 1
+                done = store.add(f"{key}/frames", c.end - c.start - c.tail)
+                for k in job.seams_ready():
+                    if store.add(f"{key}/seam/{k}", 1) == 1:
+                        job.write_seam(k)
+                t_end = time.perf_counter()
+                t["chunks"] += t_seams - t_run - (w_run - w_run0)
+                t["seams"] += t_end - t_seams - (job.waited - w_run)
+                t["encoder"] += job.waited - w_run0
+                if progress is not None:   # any rank that ran a chunk: a rank may take none
+                    el = time.perf_counter() - t0
+                    rate = done / el if el > 0 else 0.0
+                    progress(done, info.frames, rate, (info.frames - done) / rate if rate > 0 else float("nan"))
+                i = nxt if nxt is not None else claims.claim()
+            t_drain = time.perf_counter()
+            job.drain()
+        t_wait = time.perf_counter()
+        t["encoder"] += t_wait - t_drain
+        dist.barrier()
+        t_finish = time.perf_counter()
+        t["others"] += t_finish - t_wait
+        if rank == 0:
             for k in job.seams_ready():
-                if store.add(f"{key}/seam/{k}", 1) == 1:
-                    job.write_seam(k)
-            t_end = time.perf_counter()
-            t["read"] += t_run - t_read
-            t["chunks"] += t_seams - t_run - (w_run - w_read)
-            t["seams"] += t_end - t_seams - (job.waited - w_run)
-            t["encoder"] += job.waited - w_read
-            if progress is not None:   # any rank that ran a chunk: a rank may take none
-                el = time.perf_counter() - t0
-                rate = done / el if el > 0 else 0.0
-                progress(done, info.frames, rate, (info.frames - done) / rate if rate > 0 else float("nan"))
-        t_drain = time.perf_counter()
-        job.drain()
-    t_wait = time.perf_counter()
-    t["encoder"] += t_wait - t_drain
-    dist.barrier()
-    t_finish = time.perf_counter()
-    t["others"] += t_finish - t_wait
-    if rank == 0:
-        for k in job.seams_ready():
-            job.write_seam(k)
-        job.finish()
-        t["finish"] += time.perf_counter() - t_finish
+                job.write_seam(k)
+            job.finish()
+            t["finish"] += time.perf_counter() - t_finish
     log.info("[SeedVR2-BW] rank %d of %d: %d chunk(s); %s", rank, world, mine,
              ", ".join(f"{k} {v:.2f} s" for k, v in t.items()))
     if rank != 0:

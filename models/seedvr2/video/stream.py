@@ -7,10 +7,15 @@ Chunks follow the in-memory pipeline's plan inside each shot: ``batch_size`` fra
 one's falling so that they sum to 1. A scene cut ends a chunk early; no chunk and no cross-fade spans it, so the
 frames of each shot are those of the shot upscaled alone.
 
+Besides the model, three threads: a reader decodes the next chunk's frames while the model runs the current one
+(``ChunkReader``), an encoder encodes the finished units, and a writer remuxes into the output every unit whose
+predecessors are all there as soon as it lands (``Job.writing_output``), so that at the end only the last units, the
+audio and the rename remain.
+
 A chunk writes three units into the work folder: its *body* (frames no other chunk has, encoded), and its weighted
 *head* / *tail* overlap frames (float32 arrays). The *seam* between two chunks (the sum of one's tail and the next
 one's head) is encoded once both exist. Every unit depends on its chunk alone, so chunks can run in any order and
-on several workers (``parallel.py``); the output is the units remuxed in frame order.
+on several workers (``parallel.py``); the output is the units remuxed in frame order, as they become available.
 
 The model is injected: ``upscale_chunk(frames)`` maps (n, H, W, 3) float32 in [0, 1] to (n, oh, ow, 3).
 """
@@ -21,6 +26,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,7 +36,7 @@ import numpy as np
 import torch
 
 from ..pipeline import blend_ramp, plan_chunks
-from .container import (BT709, FrameStamps, SeekMismatch, SegmentWriter, VideoFileError, VideoInfo, concat_segments,
+from .container import (BT709, ConcatWriter, FrameStamps, SeekMismatch, SegmentWriter, VideoFileError, VideoInfo,
                         copy_audio, get_codec, host_floats, probe, read_frames, to_pixels, write_png_frames)
 from .scenes import DEFAULT_THRESHOLD, CutDetector
 from .workdir import WorkDir, work_dir_for
@@ -39,6 +45,7 @@ log = logging.getLogger(__name__)
 
 SEEK_MIN_FRAMES = 48   # frames a reader would skip before it seeks instead of decoding through
 MAX_QUEUED_UNITS = 2   # units waiting for the encoder thread: a chunk's body and the seam before it
+REMUX_POLL_S = 0.1     # how often the writer looks for units other processes wrote (its own wake it at once)
 # bytes per output pixel a finished segment takes on disk, generously (for the free-space check before any work)
 _DISK_BYTES_PER_PIXEL = {"h264": 0.5, "h265": 0.5, "prores": 2.5, "ffv1": 5.0, "png16": 6.0}
 
@@ -207,9 +214,47 @@ class FrameCursor:
         return out
 
 
+class ChunkReader:
+    """A ``FrameCursor`` on a thread of its own, used as a context manager: ``prefetch(start, end)`` starts decoding a
+    range while the caller runs the model on the previous one, ``take(start, end)`` returns the frames of a range
+    (waiting for its prefetch, or decoding it now if none was asked). At most one range is prefetched, so the host
+    holds the input frames of two chunks at most; ranges only move forward, as the cursor's do. An error of the
+    decoding thread is raised by the ``take`` of its range."""
+
+    def __init__(self, path: str, keep: int, stamps: Optional[FrameStamps] = None):
+        self.cursor = FrameCursor(path, keep, stamps)
+        self.thread: Optional[ThreadPoolExecutor] = None
+        self.ahead: Optional[tuple[int, int, Future]] = None
+
+    def __enter__(self) -> "ChunkReader":
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seedvr2bw-read")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # a range being decoded when a stop or an error came is finished first: no thread touches the file after
+        self.thread.shutdown(wait=True, cancel_futures=True)
+        self.thread, self.ahead = None, None
+
+    def prefetch(self, start: int, end: int) -> None:
+        if self.ahead is not None:
+            raise RuntimeError(f"frames {self.ahead[0]}-{self.ahead[1]} are prefetched and not taken yet")
+        self.ahead = (start, end, self.thread.submit(self.cursor.take, start, end))
+
+    def take(self, start: int, end: int) -> np.ndarray:
+        if self.ahead is None:
+            self.prefetch(start, end)
+        a, b, frames = self.ahead
+        if (a, b) != (start, end):
+            raise RuntimeError(f"frames {start}-{end} asked for while {a}-{b} are prefetched")
+        self.ahead = None
+        return frames.result()
+
+
 class Job:
     """One streaming upscale: its input, plan, codec and work folder. ``run_chunk`` and ``write_seam`` are the
-    units of work a worker (this process or another) does; ``finish`` writes the output."""
+    units of work a worker (this process or another) does. The process that opens the work folder (the only one, or
+    rank 0) writes the output: inside ``writing_output`` every unit goes in as soon as it and those before it exist,
+    and ``finish`` adds the rest."""
 
     def __init__(self, in_path: str, out_path: str, out_size: Callable[[int, int], tuple[int, int]],
                  settings: StreamSettings, model_key: str = "", info: Optional[VideoInfo] = None,
@@ -239,6 +284,12 @@ class Job:
         self.pending: deque[Future] = deque()
         self.waited = 0.0   # seconds the caller waited for a free place in the encoder's queue
         self.seams_started: set[int] = set()   # seams queued in this process (their files may not exist yet)
+        self.writes_output = open_work   # the other ranks of a chunk-parallel job only write units
+        self.order = self.units_in_order()
+        self.output = None   # a ConcatWriter or _SequenceWriter, from the first unit remuxed until finish
+        self.remuxed = 0     # units of ``order`` in the output so far
+        self.landed = threading.Event()   # set when this process has written a unit
+        self.writer: Optional[tuple[threading.Event, ThreadPoolExecutor, Future]] = None   # while writing_output
 
     @contextlib.contextmanager
     def encoding_in_background(self):
@@ -250,6 +301,41 @@ class Job:
         finally:
             self.encoder.shutdown(wait=True)
             self.encoder = None
+
+    @contextlib.contextmanager
+    def writing_output(self, poll_s: float = REMUX_POLL_S):
+        """Around a run and its ``finish``, in the process that writes the output: a writer thread remuxes the units
+        into it as they land (woken by each unit this process writes, looking every ``poll_s`` for those of the
+        other ranks). Leaving without ``finish`` (a stop, an error) removes the partial output, so the final name
+        never holds one and a rerun writes the output again from the first unit."""
+        if self.writes_output:
+            stop = threading.Event()
+            thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seedvr2bw-write")
+            self.writer = (stop, thread, thread.submit(self._write_landed, stop, poll_s))
+        try:
+            yield
+        finally:
+            self._stop_writer()
+            if self.output is not None:
+                out, self.output, self.remuxed = self.output, None, 0
+                out.abort()
+
+    def _write_landed(self, stop: threading.Event, poll_s: float) -> None:
+        while not stop.is_set():
+            self.landed.clear()   # before looking: a unit landing meanwhile wakes the next round
+            self.remux_ready()
+            self.landed.wait(poll_s)
+
+    def _stop_writer(self) -> Optional[Future]:
+        """Stops the writer thread, if one runs, once it is through its current unit; returns its future."""
+        if self.writer is None:
+            return None
+        stop, thread, done = self.writer
+        self.writer = None
+        stop.set()
+        self.landed.set()
+        thread.shutdown(wait=True)
+        return done
 
     # ------------------------------------------------------------------ units
     def chunk_done(self, c: Chunk) -> bool:
@@ -303,6 +389,7 @@ class Job:
             w.close()
         os.replace(tmp, final)
         self.work.delete(*then_delete)
+        self.landed.set()
 
     def run_chunk(self, c: Chunk, frames: np.ndarray, upscale_chunk: Callable[[np.ndarray], np.ndarray]) -> None:
         """Upscales one chunk and writes its units (body, weighted head and tail). ``upscale_chunk`` may return a
@@ -347,19 +434,34 @@ class Job:
                 names.append(self.seam_name(c.index))
         return names
 
+    def remux_ready(self) -> int:
+        """Appends to the output, in frame order, every unit whose predecessors are all in it (units another rank
+        wrote included: a unit's file exists only once whole); returns how many it appended. Runs on the writer
+        thread, or in ``finish`` once that has stopped."""
+        n = 0
+        while self.remuxed < len(self.order) and self.work.has(self.order[self.remuxed]):
+            if self.output is None:
+                audio = self.in_path if self.info.has_audio else None
+                self.output = _SequenceWriter(self.out_path, audio) if self.codec.sequence() else \
+                    ConcatWriter(self.out_path, self.codec, self.info.fps, self.info.rotation, audio, self.color)
+            self.output.append(self.work.file(self.order[self.remuxed]))
+            self.remuxed += 1
+            n += 1
+        return n
+
     def finish(self) -> None:
-        """Remuxes every unit in frame order into the output (with the source's audio), then drops the work folder
-        unless asked to keep it."""
+        """Remuxes the units not in the output yet (with the source's audio) and renames it to its final name, then
+        drops the work folder unless asked to keep it."""
         self.drain()
-        missing = [n for n in self.units_in_order() if not self.work.has(n)]
+        writer = self._stop_writer()
+        if writer is not None:
+            writer.result()   # its error, if it had one
+        missing = [n for n in self.order if not self.work.has(n)]
         if missing:
             raise RuntimeError(f"cannot write {self.out_path}: {len(missing)} part(s) missing, e.g. {missing[0]}")
-        paths = [self.work.file(n) for n in self.units_in_order()]
-        audio = self.in_path if self.info.has_audio else None
-        if self.codec.sequence():
-            _finish_sequence(paths, self.out_path, audio)
-        else:
-            concat_segments(paths, self.out_path, self.codec, self.info.fps, self.info.rotation, audio, self.color)
+        self.remux_ready()
+        out, self.output = self.output, None
+        out.close()
         if not self.s.keep_work:
             self.work.remove()
 
@@ -381,25 +483,28 @@ def upscale_video(in_path: str, out_path: str, upscale_chunk: Callable[[np.ndarr
                  job.work.path)
     total = job.info.frames
     done = sum(c.end - c.start - c.tail for c in job.chunks if c not in todo)
-    cursor = FrameCursor(in_path, job.s.overlap, job.stamps)
     t_run, fresh = time.perf_counter(), 0
-    with job.encoding_in_background():
-        for c in todo:
-            if should_stop is not None:
-                should_stop()
-            job.run_chunk(c, cursor.take(c.start, c.end), upscale_chunk)
-            for k in job.seams_ready():
-                job.write_seam(k)
-            fresh += c.end - c.start - c.tail
-            done += c.end - c.start - c.tail
-            if progress is not None:
-                el = time.perf_counter() - t_run
-                rate = fresh / el if el > 0 else 0.0
-                progress(done, total, rate, (total - done) / rate if rate > 0 else float("nan"))
-        job.drain()
-    for k in job.seams_ready():
-        job.write_seam(k)
-    job.finish()
+    with job.writing_output():
+        with ChunkReader(in_path, job.s.overlap, job.stamps) as reader, job.encoding_in_background():
+            for n, c in enumerate(todo):
+                if should_stop is not None:
+                    should_stop()
+                frames = reader.take(c.start, c.end)
+                if n + 1 < len(todo):   # the next chunk's frames are decoded while this one runs on the model
+                    reader.prefetch(todo[n + 1].start, todo[n + 1].end)
+                job.run_chunk(c, frames, upscale_chunk)
+                for k in job.seams_ready():
+                    job.write_seam(k)
+                fresh += c.end - c.start - c.tail
+                done += c.end - c.start - c.tail
+                if progress is not None:
+                    el = time.perf_counter() - t_run
+                    rate = fresh / el if el > 0 else 0.0
+                    progress(done, total, rate, (total - done) / rate if rate > 0 else float("nan"))
+            job.drain()
+        for k in job.seams_ready():
+            job.write_seam(k)
+        job.finish()
     res = StreamResult(out_path, sum(c.end - c.start - c.tail for c in job.chunks), len(job.chunks), resumed,
                        time.perf_counter() - t0)
     log.info("[SeedVR2-BW] %s: %d frames in %d chunk(s) (%d resumed), %.2f frames/s", out_path, res.frames,
@@ -407,19 +512,32 @@ def upscale_video(in_path: str, out_path: str, upscale_chunk: Callable[[np.ndarr
     return res
 
 
-def _finish_sequence(folders: list[str], out_dir: str, audio_from: Optional[str]) -> None:
-    """PNG frames of every unit folder into ``out_dir`` (built under a temporary name, then renamed); the audio
-    stream, if any, beside them as audio.m4a / audio.mka."""
-    if os.path.isdir(out_dir):
-        raise VideoFileError(f"the output folder {out_dir!r} already exists. Fix: remove it or choose another name.")
-    tmp = out_dir.rstrip("/\\") + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for seg in folders:
-        for name in sorted(os.listdir(seg)):
-            shutil.copy2(os.path.join(seg, name), os.path.join(tmp, name))
-    if audio_from is not None:
-        # the source's container family keeps its audio timing (MP4 edit lists trim AAC's priming samples)
-        mp4 = os.path.splitext(audio_from)[1].lower() in (".mp4", ".m4v", ".mov")
-        copy_audio(audio_from, os.path.join(tmp, "audio.m4a" if mp4 else "audio.mka"))
-    os.replace(tmp, out_dir)
+class _SequenceWriter:
+    """The PNG frames of each appended unit folder copied into ``out_dir``, built under a temporary name that
+    ``close`` renames (with the audio stream, if any, beside the frames as audio.m4a / audio.mka)."""
+
+    def __init__(self, out_dir: str, audio_from: Optional[str]):
+        self.out_dir, self.audio_from = out_dir, audio_from
+        self.tmp = out_dir.rstrip("/\\") + ".partial"
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        os.makedirs(self.tmp)
+
+    def append(self, folder: str) -> None:
+        for name in sorted(os.listdir(folder)):
+            shutil.copy2(os.path.join(folder, name), os.path.join(self.tmp, name))
+
+    def close(self) -> None:
+        try:
+            if os.path.isdir(self.out_dir):
+                raise VideoFileError(f"the output folder {self.out_dir!r} already exists. Fix: remove it or choose "
+                                     "another name.")
+            if self.audio_from is not None:
+                # the source's container family keeps its audio timing (MP4 edit lists trim AAC's priming samples)
+                mp4 = os.path.splitext(self.audio_from)[1].lower() in (".mp4", ".m4v", ".mov")
+                copy_audio(self.audio_from, os.path.join(self.tmp, "audio.m4a" if mp4 else "audio.mka"))
+            os.replace(self.tmp, self.out_dir)
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
