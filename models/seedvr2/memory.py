@@ -154,7 +154,8 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
     ``host_available`` bytes of RAM (None: asked from the system). ``blocks_to_swap``: "auto" or a count (a
     BlockSwap node's setting, kept as given); ``reserve``: the least VRAM kept for the DiT's activations (the
     BlockSwap node's; None: the estimate alone). ``whole_convs``: the VAE may run its convs without bands where the
-    tiles stay the same (its NDHWC layout: cuDNN then needs no transposed copy beside them). Raises ``SeedVR2MemoryError`` before any work when nothing fits."""
+    tiles stay the same (its NDHWC layout: cuDNN then needs no transposed copy beside them). Raises
+    ``SeedVR2MemoryError`` before any work when nothing fits."""
     ph, pw = run.model
     th, tw = run.target
     host_available = available_host_bytes() if host_available is None else host_available
