@@ -42,14 +42,13 @@ def causal_group_norm(x: torch.Tensor, norm: nn.GroupNorm, max_bytes: float = ma
     temporary larger than the output, so the limit has nothing left to bound. ``out`` (x's shape and dtype, any
     layout): the result is written there and returned.
     """
-    shard = row_parallel.current()
-    if shard is not None:                # a band of rows: the frame's statistics come from every rank
-        if fused.enabled(x) and norm.affine and x.ndim == 5 and fused.channels_last(x):
-            return fused.group_norm_frames(x, norm, silu, out=out, combine=shard.gather_moments)
+    shard = row_parallel.current()       # a band of rows: the frame's statistics come from every rank
+    use_fused = fused.enabled(x) and norm.affine
+    if use_fused and x.ndim == 5 and (shard is None or fused.channels_last(x)):
+        return fused.group_norm_frames(x, norm, silu, out=out, combine=shard.gather_moments if shard else None)
+    if shard is not None:
         return shard.group_norm(x, norm, silu, out=out)
-    if fused.enabled(x) and norm.affine:
-        if x.ndim == 5:
-            return fused.group_norm_frames(x, norm, silu, out=out)
+    if use_fused:
         y = fused.group_norm_frames(x.unsqueeze(2), norm, silu).squeeze(2)
         return y if out is None else out.copy_(y)
     if x.ndim == 4:
