@@ -373,7 +373,6 @@ class ConcatWriter:
         self.tmp = f"{out_path}.partial{ext}"
         self.out = self.vout = self.src = self.ain = self.aout = None
         self.offset = 0   # frames before the next segment
-        self.segments = 0
 
     def _open(self, vin) -> None:
         """The output's streams: video from the first segment's, audio from the source's."""
@@ -412,7 +411,6 @@ class ConcatWriter:
                 packet.stream = self.vout
                 self.out.mux(packet)
             self.offset += len(packets)
-        self.segments += 1
 
     def close(self) -> None:
         if self.out is None:
@@ -441,19 +439,6 @@ class ConcatWriter:
         for c in (src, out):
             if c is not None:
                 c.close()
-
-
-def concat_segments(segments: list[str], out_path: str, codec: Codec, fps: fractions.Fraction, rotation: int = 0,
-                    audio_from: Optional[str] = None, color: Optional[dict] = None) -> None:
-    """Remuxes the segments' packets (no re-encoding) one after another into ``out_path``, with the audio stream of
-    ``audio_from`` copied unchanged (``ConcatWriter`` all at once)."""
-    w = ConcatWriter(out_path, codec, fps, rotation, audio_from, color)
-    try:
-        for seg in segments:
-            w.append(seg)
-        w.close()
-    finally:
-        w.abort()
 
 
 def copy_audio(src_path: str, out_path: str) -> None:

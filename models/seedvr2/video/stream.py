@@ -434,11 +434,10 @@ class Job:
                 names.append(self.seam_name(c.index))
         return names
 
-    def remux_ready(self) -> int:
+    def remux_ready(self) -> None:
         """Appends to the output, in frame order, every unit whose predecessors are all in it (units another rank
-        wrote included: a unit's file exists only once whole); returns how many it appended. Runs on the writer
-        thread, or in ``finish`` once that has stopped."""
-        n = 0
+        wrote included: a unit's file exists only once whole). Runs on the writer thread, or in ``finish`` once
+        that has stopped."""
         while self.remuxed < len(self.order) and self.work.has(self.order[self.remuxed]):
             if self.output is None:
                 audio = self.in_path if self.info.has_audio else None
@@ -446,8 +445,6 @@ class Job:
                     ConcatWriter(self.out_path, self.codec, self.info.fps, self.info.rotation, audio, self.color)
             self.output.append(self.work.file(self.order[self.remuxed]))
             self.remuxed += 1
-            n += 1
-        return n
 
     def finish(self) -> None:
         """Remuxes the units not in the output yet (with the source's audio) and renames it to its final name, then
