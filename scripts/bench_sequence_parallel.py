@@ -11,8 +11,10 @@ rank's peak memory, each rank's time per phase, and the largest difference of th
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -71,11 +73,15 @@ def _worker(rank, world, store_path, args, out_dir):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             run()
             torch.cuda.synchronize(dev)
-        if rank == 0:
-            avg = prof.key_averages()
-            with open(f"{args.profile}.w{world}.txt", "w") as f:
-                f.write(avg.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70) + "\n")
-                f.write(avg.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70) + "\n")
+        avg = prof.key_averages()
+        with open(f"{args.profile}.w{world}.r{rank}.txt", "w") as f:
+            f.write(avg.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70) + "\n")
+            f.write(avg.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70) + "\n")
+        if args.trace:   # each rank's timeline (chrome://tracing), gzipped
+            trace = f"{tempfile.mkdtemp()}/trace.json"
+            prof.export_chrome_trace(trace)
+            with open(trace, "rb") as src, gzip.open(f"{args.profile}.w{world}.r{rank}.json.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
     peaks = [torch.zeros(1, device=dev) for _ in range(world)]
     dist.all_gather(peaks, torch.tensor([peak], device=dev))
     # each rank's median time per phase (prepare, encode, dit, decode + colour fix + the copy out)
@@ -97,7 +103,9 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", ""))
     ap.add_argument("--json", default="")
-    ap.add_argument("--profile", default="", help="path prefix: profile one extra run per world size (rank 0)")
+    ap.add_argument("--profile", default="", help="path prefix: profile one extra run per world size (a table per "
+                    "rank)")
+    ap.add_argument("--trace", action="store_true", help="with --profile: each rank's timeline too (.json.gz)")
     args = ap.parse_args()
     import torch.multiprocessing as mp
     info = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__,

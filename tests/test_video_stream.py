@@ -398,3 +398,35 @@ def test_decoders_use_at_most_the_capped_threads(tmp_path, monkeypatch):
     assert extra_threads() == 0
     monkeypatch.setattr(C, "DECODER_THREADS_MAX", 3)
     assert extra_threads() >= 2
+
+
+@pytest.mark.parametrize("codec", ["h264", "h265"])
+def test_one_converter_per_stream_gives_the_pixels_of_a_new_one_per_frame(tmp_path, codec):
+    """Reading and writing keep one scaler per stream (its threads started once, not per frame); the pixels and
+    the encoded bytes are those of PyAV's per-frame ``reformat``."""
+    av = pytest.importorskip("av")
+    src = write_clip(str(tmp_path / "in.mp4"), clip_frames([6], H, W), codec="h264", audio=False)
+    with av.open(src) as c:
+        fresh = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    read = list(C.read_frames(src))
+    assert len(read) == len(fresh) and all(np.array_equal(r, f / np.float32(255.0)) for r, f in zip(read, fresh))
+
+    frames = np.stack(read).repeat(2, axis=1).repeat(2, axis=2)   # x264 at the output size the other tests use
+    cd = C.get_codec(codec)
+    w = C.SegmentWriter(str(tmp_path / "kept.nut"), cd, 2 * W, 2 * H, fractions.Fraction(24))
+    w.write(frames)
+    w.close()
+
+    class PerFrame(C.SegmentWriter):     # the conversion PyAV makes when asked per frame
+        def write(self, frames):
+            for img in C.to_pixels(frames, cd.bits):
+                f = av.VideoFrame.from_ndarray(img, format=self.src_format)
+                f = f.reformat(format=cd.pix_fmt, dst_colorspace=C.BT709)
+                f.pts = self.count
+                for packet in self.stream.encode(f):
+                    self.container.mux(packet)
+                self.count += 1
+    w = PerFrame(str(tmp_path / "fresh.nut"), cd, 2 * W, 2 * H, fractions.Fraction(24))
+    w.write(frames)
+    w.close()
+    assert (tmp_path / "kept.nut").read_bytes() == (tmp_path / "fresh.nut").read_bytes()
