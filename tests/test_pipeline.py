@@ -438,3 +438,18 @@ def test_frame_group_does_not_change_the_result():
     a = P.upscale(frames, FakeDiT(), FakeVAE(logvar=-3.0), TXT, s, frame_group=1)
     b = P.upscale(frames, FakeDiT(), FakeVAE(logvar=-3.0), TXT, s, frame_group=8)
     torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_seeded_noise_draws_what_each_chunk_drew_once_per_shape():
+    """Every chunk draws from a fresh generator of the same seed: the drawn tensors equal that draw, whether
+    expected (drawn ahead on a thread) or not, and a shape is drawn once."""
+    def fresh(shape, offset):
+        return torch.randn(shape, generator=torch.Generator().manual_seed(7 + offset), dtype=torch.float32)
+    noise = P.SeededNoise(7, 1, [(1, 16, 6, 4, 5), (1, 16, 2, 4, 5), (1, 16, 6, 4, 5)])
+    a = noise(torch.Size((1, 16, 6, 4, 5)))
+    assert torch.equal(a, fresh((1, 16, 6, 4, 5), 1))
+    assert noise((1, 16, 6, 4, 5)) is a
+    assert torch.equal(noise((1, 16, 2, 4, 5)), fresh((1, 16, 2, 4, 5), 1))
+    assert torch.equal(noise((3, 4, 5, 16)), fresh((3, 4, 5, 16), 1))      # a shape nobody expected
+    assert torch.equal(P.SeededNoise(7, 0)((3, 4, 5, 16)), fresh((3, 4, 5, 16), 0))
+    assert not torch.equal(noise((3, 4, 5, 16)), fresh((3, 4, 5, 16), 0))

@@ -135,3 +135,11 @@ def test_loading_and_running_the_tiny_models_leaves_torch_settings_alone(monkeyp
     P.upscale(frames, dit, vae, torch.randn(3, 24), P.UpscaleSettings(resolution=16, seed=1))
     assert seen and all(f == (not before[0], not before[0], not before[2]) for f in seen)
     assert _flags() == before
+
+
+def test_map_pages_writes_zeros_on_a_thread_before_the_first_write():
+    from seedvr2bw.optimization.runtime.host_copy import map_pages
+    t = torch.full((3, 1000), 5.0)
+    mapped = map_pages(t)
+    mapped.wait()
+    assert not mapped.thread.is_alive() and torch.count_nonzero(t) == 0

@@ -430,3 +430,32 @@ def test_one_converter_per_stream_gives_the_pixels_of_a_new_one_per_frame(tmp_pa
     w.write(frames)
     w.close()
     assert (tmp_path / "kept.nut").read_bytes() == (tmp_path / "fresh.nut").read_bytes()
+
+
+def test_two_units_encode_at_once_up_to_1080p(tmp_path, monkeypatch):
+    """A body and a seam are encoded side by side where the frames are small enough; above the pixel limit one
+    at a time. The output is the same file either way."""
+    import seedvr2bw.models.seedvr2.video.stream as S
+    src = write_clip(str(tmp_path / "in.mp4"), clip_frames([30], H, W), codec="h264", audio=False)
+    active, most, lock = [0], [0], threading.Lock()
+    write = C.SegmentWriter.write
+
+    def slow(self, frames):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        threading.Event().wait(0.2)   # long enough for the next unit to be queued beside it
+        try:
+            return write(self, frames)
+        finally:
+            with lock:
+                active[0] -= 1
+    monkeypatch.setattr(C.SegmentWriter, "write", slow)
+    outputs = []
+    for limit, together in ((S.TWO_ENCODERS_MAX_PIXELS, 2), (0, 1)):
+        monkeypatch.setattr(S, "TWO_ENCODERS_MAX_PIXELS", limit)
+        most[0] = 0
+        outputs.append(tmp_path / f"out{limit}.mp4")
+        upscale_video(src, str(outputs[-1]), double, size2, StreamSettings(batch_size=9, overlap=2))
+        assert most[0] == together
+    assert outputs[0].read_bytes() == outputs[1].read_bytes()

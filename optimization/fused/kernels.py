@@ -374,7 +374,7 @@ def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=No
     _gn_cl_moments_kernel[(b * t, groups, nblk)](x, part, hw, t, c, cg, nblk, BLOCK_R=block_r, BLOCK_G=block_g,
                                                  num_warps=4)
     cnt = torch.full((nblk,), float(block_r * cg), device=x.device)
-    cnt[-1] = (hw - (nblk - 1) * block_r) * cg
+    cnt[-1:].fill_((hw - (nblk - 1) * block_r) * cg)   # a fill: assigning a Python number copies it in and syncs
     n = cg * hw
     if combine is not None:
         part, cnt = combine(torch.stack(merge_moments(part, cnt, n), dim=1), n)
@@ -403,7 +403,7 @@ def group_norm_frames(x, groups, weight, bias, eps, silu=False, block=4096):
     grid = (b * c * t, nblk)
     _gn_moments_kernel[grid](x, part, hw, t, c, cg, nblk, BLOCK=block, num_warps=8)
     cnt = torch.full((nblk,), float(block), device=x.device)
-    cnt[-1] = hw - (nblk - 1) * block
+    cnt[-1:].fill_(hw - (nblk - 1) * block)
     # torch's CUDA GroupNorm stores mean and rstd in the input dtype before applying them: so do we, so that the
     # output is the official model's on a GPU (without this, half of the bf16 outputs differ by one unit)
     mean, rstd = _combine_moments(part.view(rows, cg * nblk, 2), cnt.repeat(cg), cg * hw, eps, x.dtype)

@@ -103,7 +103,7 @@ class RowShard:
         """Every rank's per-row statistics of its band: ``local`` (rows, 2) float32 (mean, M2) over ``count``
         values a row -> (rows, world, 2) and the counts (world,), in one all-gather (the fused GroupNorm's
         ``combine``)."""
-        mine = torch.cat([local.flatten(), local.new_tensor([float(count)])])
+        mine = torch.cat([local.flatten(), local.new_full((1,), float(count))])   # a fill: no copy, no sync
         parts = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(parts, mine, group=self.group)     # gloo has no all_gather_into_tensor
         every = torch.stack(parts)
@@ -121,7 +121,7 @@ class RowShard:
         xg = x5.reshape(b, g, c // g, t, h, w)
         # the band's sums (accumulated in float32, no float32 copy of the band) and its row count in one all-reduce
         sums = self.all_sum(torch.cat([xg.sum(dim=(2, 4, 5), dtype=torch.float32).flatten(),
-                                       torch.tensor([float(h)], device=x.device)]))
+                                       torch.full((1,), float(h), device=x.device)]))
         count = sums[-1] * (c // g) * w
         mean = sums[:-1].view(b, g, t) / count
         centred = xg - mean[:, :, None, :, None, None]            # float32 (type promotion)

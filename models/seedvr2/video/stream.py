@@ -44,7 +44,11 @@ from .workdir import WorkDir, work_dir_for
 log = logging.getLogger(__name__)
 
 SEEK_MIN_FRAMES = 48   # frames a reader would skip before it seeks instead of decoding through
-MAX_QUEUED_UNITS = 2   # units waiting for the encoder thread: a chunk's body and the seam before it
+MAX_QUEUED_UNITS = 2   # units queued for the encoder threads: a chunk's body and the seam before it
+# Two units are encoded at once (a body beside a seam: the wait for the last ones after a process's last chunk is
+# the longer of them, not their sum) where frames are at most 1080p; larger ones keep one encoder (one x264 holds
+# about 12 bytes an output pixel per thread: 200 MB at 720p, 1.8 GB at 4K)
+TWO_ENCODERS_MAX_PIXELS = 1920 * 1088
 REMUX_POLL_S = 0.1     # how often the writer looks for units other processes wrote (its own wake it at once)
 # bytes per output pixel a finished segment takes on disk, generously (for the free-space check before any work)
 _DISK_BYTES_PER_PIXEL = {"h264": 0.5, "h265": 0.5, "prores": 2.5, "ffv1": 5.0, "png16": 6.0}
@@ -281,6 +285,7 @@ class Job:
                                                               settings.batch_size, settings.overlap,
                                                               settings.scene_threshold)
         self.encoder: Optional[ThreadPoolExecutor] = None   # while encoding_in_background
+        self.encoders = 2 if self.ow * self.oh <= TWO_ENCODERS_MAX_PIXELS else 1   # units encoded at once
         self.pending: deque[Future] = deque()
         self.waited = 0.0   # seconds the caller waited for a free place in the encoder's queue
         self.seams_started: set[int] = set()   # seams queued in this process (their files may not exist yet)
@@ -293,9 +298,9 @@ class Job:
 
     @contextlib.contextmanager
     def encoding_in_background(self):
-        """Units are encoded on one thread while the caller runs the next chunk; on leaving, the thread finishes
-        what it holds (a unit being encoded when a stop or an error came still lands whole)."""
-        self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seedvr2bw-encode")
+        """Units are encoded on threads (``encoders``) while the caller runs the next chunk; on leaving, the threads
+        finish what they hold (a unit being encoded when a stop or an error came still lands whole)."""
+        self.encoder = ThreadPoolExecutor(max_workers=self.encoders, thread_name_prefix="seedvr2bw-encode")
         try:
             yield
         finally:
