@@ -1,5 +1,6 @@
 """A worker of models/seedvr2/video/workers.py for the tests: its "model" doubles the frame size (loading it is
-logged to --loads), ``params``: ``slow_s`` per chunk, ``fail_rank`` raises there."""
+logged to --loads), ``params``: ``slow_s`` per chunk, ``fail_rank`` raises there, ``unfit_rank``'s device cannot
+run the job (its ``fits`` says why)."""
 import argparse
 import sys
 import time
@@ -40,6 +41,8 @@ def main():
                 with open(a.calls, "a") as f:
                     f.write(f"{a.rank} {len(frames)} {group is not None}\n")
             return double(frames)
+        up.fits = lambda frames, h, w: (f"cpu of rank {a.rank}: too small for {frames} frames"
+                                        if params.get("unfit_rank") == a.rank else None)
         return up
 
     serve(a.pool_store, a.rank, a.world, a.device, make_upscaler, parallel=a.parallel)

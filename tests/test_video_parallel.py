@@ -20,7 +20,8 @@ pytest.importorskip("av", reason="PyAV (ComfyUI's video library) is not installe
 H, W = 48, 64   # x264 output of frames under 128x96 differed 1 run in 400 with other threads busy
 
 
-def _worker(rank, world, store_path, src, out, batch, overlap, codec, slow_rank, counts_path, probe=False):
+def _worker(rank, world, store_path, src, out, batch, overlap, codec, slow_rank, counts_path, probe=False,
+            unfit=()):
     import time
     import torch.distributed as dist
     sys.path.insert(0, str(HERE.parent))
@@ -50,21 +51,23 @@ def _worker(rank, world, store_path, src, out, batch, overlap, codec, slow_rank,
             remuxed.append(len(appended))
         up = frames.repeat(2, axis=1).repeat(2, axis=2)
         return up * 0.95 + 0.05 * up.mean(axis=0, keepdims=True)
+    def fits(frames, height, width):   # as a GPU too small for the job's chunks under any memory plan says
+        return f"rank {rank}: {frames} frames of {width}x{height} need more memory" if rank in unfit else None
     upscale_video_distributed(dist.PrefixStore("job", store), src, out, double, lambda h, w: (2 * h, 2 * w),
-                              StreamSettings(batch_size=batch, overlap=overlap, codec=codec))
+                              StreamSettings(batch_size=batch, overlap=overlap, codec=codec), fits=fits)
     with open(f"{counts_path}.{rank}", "w") as f:
         f.write(f"{len(seen)} {sum(ahead)} {remuxed[-1] if remuxed else 0} {int(reads == sorted(reads))}")
     dist.destroy_process_group()
 
 
-def _spawn(world, tmp_path, src, out, batch=9, overlap=2, codec="ffv1", slow_rank=-1, probe=False):
+def _spawn(world, tmp_path, src, out, batch=9, overlap=2, codec="ffv1", slow_rank=-1, probe=False, unfit=()):
     """Each rank's chunk count; with ``probe``, rows of (chunks, chunks whose successor's frames were being decoded
     while they ran, units in the output when the rank's last chunk started, reads in increasing order)."""
     import torch.multiprocessing as mp
     store = str(tmp_path / f"store_{os.path.basename(out)}")
     counts = str(tmp_path / f"counts_{os.path.basename(out)}")
-    mp.spawn(_worker, args=(world, store, src, out, batch, overlap, codec, slow_rank, counts, probe), nprocs=world,
-             join=True)
+    mp.spawn(_worker, args=(world, store, src, out, batch, overlap, codec, slow_rank, counts, probe, unfit),
+             nprocs=world, join=True)
     rows = [tuple(map(int, open(f"{counts}.{r}").read().split())) for r in range(world)]
     return rows if probe else [r[0] for r in rows]
 
@@ -132,3 +135,20 @@ def test_ranks_read_ahead_and_rank_0_remuxes_while_chunks_run(tmp_path):
     assert rows[0][2] > 0, rows          # rank 0 had remuxed units before its last chunk
     assert all(r[3] for r in rows), rows  # each rank read forward only
     assert par.read_bytes() == single.read_bytes()
+
+
+def test_a_worker_that_cannot_run_the_job_takes_no_chunk(tmp_path):
+    """A rank whose device cannot hold the job's chunks under any memory plan sits the job out; the others write
+    the same file. When no rank can, every rank says why."""
+    import torch.multiprocessing as mp
+    from seedvr2bw.models.seedvr2.video.stream import StreamSettings, upscale_video
+    src = write_clip(str(tmp_path / "in.mkv"), clip_frames([30], H, W), audio=False)
+    single = tmp_path / "single.mkv"
+    res = upscale_video(src, str(single), double, lambda h, w: (2 * h, 2 * w),
+                        StreamSettings(batch_size=9, overlap=2, codec="ffv1"))
+    par = tmp_path / "par.mkv"
+    counts = _spawn(3, tmp_path, src, str(par), unfit=(1,))
+    assert counts[1] == 0 and counts[0] + counts[2] == res.chunks, counts
+    assert np.array_equal(_decode(par), _decode(single))
+    with pytest.raises(mp.ProcessRaisedException, match="no worker can run this job: rank 0: 9 frames of 64x48"):
+        _spawn(2, tmp_path, src, str(tmp_path / "none.mkv"), unfit=(0, 1))

@@ -137,3 +137,19 @@ def test_sequence_pool_puts_every_worker_on_every_chunk(tmp_path):
     assert sum(int(n) for n in per_rank["1"]) >= 2 * 40          # both jobs, every chunk (overlaps counted twice)
     single = _single(tmp_path, a, "s.mkv")
     assert np.array_equal(_decode(tmp_path / "p1.mkv"), single) and np.array_equal(_decode(tmp_path / "p2.mkv"), single)
+
+
+def test_a_worker_whose_device_cannot_run_the_job_sits_it_out(tmp_path):
+    """The job goes to the workers whose ``fits`` says yes; the file is the one a single process writes."""
+    a = tmp_path / "a.mkv"
+    write_clip(str(a), clip_frames([40], H, W))
+    calls = tmp_path / "calls.txt"
+    pool, _ = _pool(tmp_path, 3, "--calls", str(calls))
+    try:
+        pool.run(PoolJob(str(a), str(tmp_path / "p.mkv"), (2 * H, 2 * W), STREAM,
+                         params={"unfit_rank": 1, "slow_s": 0.05}))
+    finally:
+        pool.close()
+    ranks = {line.split()[0] for line in calls.read_text().splitlines()}
+    assert ranks == {"0", "2"}, ranks
+    assert np.array_equal(_decode(tmp_path / "p.mkv"), _single(tmp_path, a, "s.mkv"))

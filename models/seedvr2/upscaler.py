@@ -4,7 +4,7 @@ kept; on a GPU they stay in host RAM and are staged per phase as each run's memo
 ``group`` (sequence parallel) every rank holds both models on its device and runs each chunk with the others."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -12,6 +12,7 @@ import torch
 from . import pipeline as P
 from .dit.loader import load_dit
 from .embeddings import load_text_embeddings
+from .memory import MemoryPlan, SeedVR2MemoryError
 from .staging import Staging
 from .vae.loader import load_vae
 
@@ -25,7 +26,10 @@ class FileUpscaler:
         self.dit = self.vae = self.emb = None
         self.staging: Optional[Staging] = None
 
-    def _load(self) -> None:
+    def load(self) -> None:
+        """Both models, once (the first chunk or ``ChunkUpscaler.fits`` calls it)."""
+        if self.dit is not None:
+            return
         # sequence parallel: resident, no per-rank memory plan (the ranks must run the same chunks and calls)
         where = "cpu" if self.device.type == "cuda" and self.group is None else self.device
         self.dit = load_dit(self.dit_path, device=where, dtype=self.dtype, attention_backend=self.attention)
@@ -34,29 +38,45 @@ class FileUpscaler:
         if self.device.type == "cuda" and self.group is None:
             self.staging = Staging(self.dit, self.vae)
 
-    def chunk_upscaler(self, settings: P.UpscaleSettings) -> Callable[[np.ndarray], torch.Tensor]:
-        """frames (T, H, W, C) float32 in [0, 1] -> the upscaled frames, float32 on the device (the stream takes
-        them to the host as pixels); the memory plan is made at the first chunk (from the device's free memory) and
-        kept for the chunks after it."""
-        plans = {}
-
-        def upscale(frames: np.ndarray) -> torch.Tensor:
-            x = torch.from_numpy(frames)
-            if self.dit is None:
-                self._load()
-            memory = None
-            if self.staging is not None:
-                if "memory" not in plans:
-                    plans["memory"] = self.staging.plan(P.plan(x, settings), settings, self.device,
-                                                        vae_dtype=self.dtype)
-                memory = plans["memory"]
-            out = P.upscale(x, self.dit, self.vae, self.emb, settings, device=self.device, dit_dtype=self.dtype,
-                            vae_dtype=self.dtype, output_device=self.device, memory=memory,
-                            hooks=self.staging.hooks(self.device, memory) if self.staging else None,
-                            group=self.group)
-            return out
-        return upscale
+    def chunk_upscaler(self, settings: P.UpscaleSettings) -> "ChunkUpscaler":
+        """One job's upscaler of chunks: frames (T, H, W, C) float32 in [0, 1] -> the upscaled frames, float32 on the
+        device (the stream takes them to the host as pixels)."""
+        return ChunkUpscaler(self, settings)
 
     def close(self) -> None:
         if self.staging is not None:
             self.staging.close()
+
+
+class ChunkUpscaler:
+    """``FileUpscaler.chunk_upscaler``: the memory plan is made once per job, by ``fits`` or at the first chunk
+    (from the device's free memory), and kept for the chunks after it."""
+
+    def __init__(self, owner: FileUpscaler, settings: P.UpscaleSettings):
+        self.owner, self.settings = owner, settings
+        self.memory: Optional[MemoryPlan] = None
+
+    def _plan(self, x: torch.Tensor) -> Optional[MemoryPlan]:
+        o = self.owner
+        if o.staging is not None and self.memory is None:
+            self.memory = o.staging.plan(P.plan(x, self.settings), self.settings, o.device, vae_dtype=o.dtype)
+        return self.memory
+
+    def fits(self, frames: int, height: int, width: int) -> Optional[str]:
+        """None when this device can run chunks of ``frames`` frames of height x width under some memory plan
+        (that plan is then the job's), else why not (chunk-parallel workers leave such a device out of the job)."""
+        self.owner.load()
+        try:
+            self._plan(torch.zeros(()).expand(frames, height, width, 3))   # only its shape is read
+        except SeedVR2MemoryError as exc:
+            return f"{self.owner.device}: {exc}"
+        return None
+
+    def __call__(self, frames: np.ndarray) -> torch.Tensor:
+        o = self.owner
+        x = torch.from_numpy(frames)
+        o.load()
+        memory = self._plan(x)
+        return P.upscale(x, o.dit, o.vae, o.emb, self.settings, device=o.device, dit_dtype=o.dtype,
+                         vae_dtype=o.dtype, output_device=o.device, memory=memory,
+                         hooks=o.staging.hooks(o.device, memory) if o.staging else None, group=o.group)

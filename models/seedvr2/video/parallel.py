@@ -48,12 +48,30 @@ class ChunkClaims:
         return self.claim()
 
 
+def _unfit(store: dist.Store, key: str, rank: int, world: int, fits, job: Job, todo: list[int]) -> Optional[str]:
+    """Why this rank's device cannot run the job's longest chunk (``fits``), or None. Each rank posts its answer; a
+    rank that cannot waits for the others' and raises when none can (a rank that can goes on at once)."""
+    why = None
+    if fits is not None and todo:
+        longest = max(job.chunks[i].end - job.chunks[i].start for i in todo)
+        why = fits(longest, job.info.height, job.info.width)
+    store.set(f"{key}/fit/{rank}", why or "")
+    if why:
+        others = [store.get(f"{key}/fit/{r}").decode() for r in range(world)]
+        if all(others):
+            raise RuntimeError("no worker can run this job: " + "; ".join(others))
+        log.warning("[SeedVR2-BW] rank %d of %d takes no chunk of this job: %s", rank, world, why)
+    return why
+
+
 def upscale_video_distributed(store: dist.Store, in_path: str, out_path: str,
                               upscale_chunk: Callable[[np.ndarray], np.ndarray],
                               out_size: Callable[[int, int], tuple[int, int]],
                               settings: Optional[StreamSettings] = None, model_key: str = "",
                               progress: Optional[Callable[[int, int, float, float], None]] = None,
-                              run_id: str = "job", timings: Optional[Counter] = None) -> Optional[StreamResult]:
+                              run_id: str = "job", timings: Optional[Counter] = None,
+                              fits: Optional[Callable[[int, int, int], Optional[str]]] = None
+                              ) -> Optional[StreamResult]:
     """Call on every rank of an initialised default process group; ``store``: a store every rank shares (the one
     the group was made with, or one of its own). Returns the result on rank 0, None elsewhere. ``run_id`` separates
     the store keys of successive jobs. ``progress(frames_done, total, fps, seconds_left)`` is called on a rank after
@@ -62,7 +80,9 @@ def upscale_video_distributed(store: dist.Store, in_path: str, out_path: str,
     a chunk's input frames, which the reader thread decodes while the previous chunk runs when it was claimed ahead;
     chunks: the model and the units' floats; seams; encoder: waiting for the encoder thread; others: waiting for the
     other ranks at the end; finish: rank 0's output file, of which only the units not yet remuxed by its writer
-    thread, the audio and the rename are left); the same figures go to the log, one line per rank."""
+    thread, the audio and the rename are left); the same figures go to the log, one line per rank. ``fits(frames,
+    height, width)``, if given, says before any chunk whether this rank's device can run the job's longest chunk
+    (None) or why not: such a rank takes no chunk (logged); if no rank can, every rank raises with the reasons."""
     rank, world = dist.get_rank(), dist.get_world_size()
     s = settings or StreamSettings()
     t0 = time.perf_counter()
@@ -87,13 +107,14 @@ def upscale_video_distributed(store: dist.Store, in_path: str, out_path: str,
     # a rank claims ahead while more than two chunks per rank are unclaimed, enough for the last ones to balance (a
     # lone rank has nothing to balance)
     claims = ChunkClaims(store, f"{key}/next", len(todo), 2 * world if world > 1 else 0)
+    unfit = _unfit(store, key, rank, world, fits, job, todo)
     t["plan"] += time.perf_counter() - t0
     mine = 0
     with job.writing_output():
         # as in the single-process path, frames are decoded on one thread and units encoded on another while the
         # model runs (a rank's reader seeks past the chunks others took)
         with ChunkReader(in_path, s.overlap, job.stamps) as reader, job.encoding_in_background():
-            i = claims.claim()
+            i = claims.claim() if not unfit else None
             while i is not None:
                 c = job.chunks[todo[i]]
                 t_read = time.perf_counter()

@@ -196,7 +196,9 @@ def serve(store_path: str, rank: int, world: int, device: str,
     """A worker's loop: join the workers' process group, then run each job as it comes until ``shutdown``.
     ``make_upscaler(params, group)`` gives the job's chunk upscaler (the worker's models are loaded before this is
     called); ``group`` is None for chunk parallel, the model work's process group for ``parallel="sequence"``
-    (every worker on every chunk: rank 0 streams the file and sends each chunk to the others, ``sequence.py``)."""
+    (every worker on every chunk: rank 0 streams the file and sends each chunk to the others, ``sequence.py``).
+    An upscaler with a ``fits(frames, height, width)`` method (``upscaler.ChunkUpscaler``) lets a chunk-parallel
+    worker whose device cannot run the job under any memory plan sit the job out."""
     if parallel not in PARALLEL_MODES:
         raise ValueError(f"parallel {parallel!r}: one of {', '.join(PARALLEL_MODES)}")
     store = dist.FileStore(store_path, -1)
@@ -232,7 +234,7 @@ def serve(store_path: str, rank: int, world: int, device: str,
             else:
                 res = upscale_video_distributed(dist.PrefixStore(jid, store), job.in_path, job.out_path, chunk,
                                                 lambda h, w: tuple(job.target), job.stream, job.model_key,
-                                                progress=progress, run_id=jid)
+                                                progress=progress, run_id=jid, fits=getattr(up, "fits", None))
             if rank == 0:
                 store.set(f"{jid}/result", _dump(dataclasses.asdict(res)))
         except BaseException as exc:   # the pool closes; a rank left in a collective is killed with it
