@@ -453,3 +453,27 @@ def test_seeded_noise_draws_what_each_chunk_drew_once_per_shape():
     assert torch.equal(noise((3, 4, 5, 16)), fresh((3, 4, 5, 16), 1))      # a shape nobody expected
     assert torch.equal(P.SeededNoise(7, 0)((3, 4, 5, 16)), fresh((3, 4, 5, 16), 0))
     assert not torch.equal(noise((3, 4, 5, 16)), fresh((3, 4, 5, 16), 0))
+
+
+def test_without_a_plan_ndhwc_convs_run_whole_and_the_limit_comes_back():
+    """No memory plan on the NDHWC layout: the convs run without the official bands for the run (as a plan would
+    choose), with the same output, and the VAE's official limit is back afterwards; NCDHW keeps the bands."""
+    from seedvr2bw.models.seedvr2.vae.causal_conv import CausalConv3d
+    dit, vae = _real_models("3b")
+    frames = torch.rand(5, 16, 16, 3, generator=torch.Generator().manual_seed(9))
+    txt = torch.randn(3, 24, generator=torch.Generator().manual_seed(6))
+    official = vae.config.conv_max_mem * 2**30
+    seen = []
+
+    def limits():
+        seen.append({m.max_bytes for m in vae.modules() if isinstance(m, CausalConv3d)})
+    hooks = P.PipelineHooks(before_encode=limits, before_decode=limits)
+    s = P.UpscaleSettings(resolution=16, batch_size=5)
+    vae.channels_last = False
+    banded = P.upscale(frames, dit, vae, txt, s, hooks=hooks)
+    assert seen == [{official}, {official}]
+    vae.channels_last, seen[:] = True, []
+    whole = P.upscale(frames, dit, vae, txt, s, hooks=hooks)
+    assert seen == [{float("inf")}, {float("inf")}]
+    assert {m.max_bytes for m in vae.modules() if isinstance(m, CausalConv3d)} == {official}
+    assert torch.allclose(whole, banded, atol=1e-5)

@@ -487,13 +487,17 @@ def upscale(frames: torch.Tensor, dit, vae, text_embedding: torch.Tensor, settin
 
     sub = max(1, int(frame_group))
     planned = memory is not None and memory.budget is not None      # the plan chose the conv bands
-    if planned:
-        vae.set_memory_limit(memory.vae_conv_bytes / 2**30 if memory.vae_conv_bytes else None,
+    # Without a plan each call's tiles fit the official-band estimate in 0.8 of the free memory (vae/tiling.py), and
+    # on NDHWC whole convs peak within 1.1x that estimate (docs/PERFORMANCE.md §3): they run whole, as a plan would
+    # choose (a sequence-parallel rank's band runs in one pass either way)
+    whole = not planned and vae.layout_on(dev) == torch.channels_last_3d
+    if planned or whole:
+        vae.set_memory_limit(memory.vae_conv_bytes / 2**30 if planned and memory.vae_conv_bytes else None,
                              vae.config.norm_max_mem)
     try:
         return _run(frames, p, s, runner, vae, hooks, dev, off, output_device, memory, sub, total, progress)
     finally:
-        if planned:
+        if planned or whole:
             vae.set_memory_limit(vae.config.conv_max_mem, vae.config.norm_max_mem)
 
 
