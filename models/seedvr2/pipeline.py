@@ -513,9 +513,10 @@ def _run(frames, p: RunPlan, s: UpscaleSettings, runner: SeedVR2Runner, vae, hoo
     out = torch.empty(T, th, tw, 3, dtype=torch.float32, device=out_dev)
     mapped = map_pages(out) if out_dev.type == "cpu" else None
     # the posterior's and the DiT's noise of each chunk's latent shape, drawn ahead (SeededNoise)
-    latents = [((next_4n1(e0 - s0) - 1) // 4 + 1, ph // 8, pw // 8) for s0, e0 in chunks]
-    eps_of = SeededNoise(s.seed, 1, [(1, 16) + t for t in latents])
-    noise_of = SeededNoise(s.seed, 0, [t + (16,) for t in latents])
+    sf, tf, lc = vae.spatial_factor, vae.temporal_factor, vae.config.latent_channels
+    latents = [((next_4n1(e0 - s0) - 1) // tf + 1, ph // sf, pw // sf) for s0, e0 in chunks]
+    eps_of = SeededNoise(s.seed, 1, [(1, lc) + t for t in latents])
+    noise_of = SeededNoise(s.seed, 0, [t + (lc,) for t in latents])
 
     def tick():
         nonlocal done
