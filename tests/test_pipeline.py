@@ -31,6 +31,7 @@ class FakeVAE(VideoAutoencoder):
         torch.nn.Module.__init__(self)   # no encoder/decoder: iter_encode/iter_decode below stand in for them
         self.config = SEEDVR2_VAE
         self.split_size = None
+        self.channels_last = None        # the real class's default: the device's policy decides the layout
         self.dummy = torch.nn.Parameter(torch.zeros(1))
         self.logvar = logvar
         self.encode_calls = []
