@@ -32,8 +32,15 @@ class FileUpscaler:
             return
         # sequence parallel: resident, no per-rank memory plan (the ranks must run the same chunks and calls)
         where = "cpu" if self.device.type == "cuda" and self.group is None else self.device
-        self.dit = load_dit(self.dit_path, device=where, dtype=self.dtype, attention_backend=self.attention)
-        self.vae = load_vae(self.vae_path, dtype=self.dtype, device=where)
+        try:
+            dit = load_dit(self.dit_path, device=where, dtype=self.dtype, attention_backend=self.attention)
+            self.vae = load_vae(self.vae_path, dtype=self.dtype, device=where)
+        except torch.OutOfMemoryError as exc:
+            raise SeedVR2MemoryError(
+                f"{self.device}: sequence parallel keeps both models on every GPU, and they do not fit on this one "
+                f"({str(exc).splitlines()[0]}). Fix: multi_gpu 'chunks' (each GPU streams the models under its own "
+                "memory plan), or leave this GPU out of gpus.") from exc
+        self.dit = dit
         self.emb = load_text_embeddings(self.dit_path).positive
         if self.device.type == "cuda" and self.group is None:
             self.staging = Staging(self.dit, self.vae)
@@ -77,6 +84,14 @@ class ChunkUpscaler:
         x = torch.from_numpy(frames)
         o.load()
         memory = self._plan(x)
-        return P.upscale(x, o.dit, o.vae, o.emb, self.settings, device=o.device, dit_dtype=o.dtype,
-                         vae_dtype=o.dtype, output_device=o.device, memory=memory,
-                         hooks=o.staging.hooks(o.device, memory) if o.staging else None, group=o.group)
+        try:
+            return P.upscale(x, o.dit, o.vae, o.emb, self.settings, device=o.device, dit_dtype=o.dtype,
+                             vae_dtype=o.dtype, output_device=o.device, memory=memory,
+                             hooks=o.staging.hooks(o.device, memory) if o.staging else None, group=o.group)
+        except torch.OutOfMemoryError as exc:
+            if o.group is None:    # a memory plan was made: its own error, not this advice
+                raise
+            raise SeedVR2MemoryError(
+                f"{o.device}: sequence parallel ran out of GPU memory on chunks of {len(frames)} frames of "
+                f"{frames.shape[2]}x{frames.shape[1]} ({str(exc).splitlines()[0]}). Fix: more GPUs, a smaller "
+                "batch_size, or multi_gpu 'chunks'.") from exc
