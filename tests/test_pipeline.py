@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from seedvr2bw.models.seedvr2 import pipeline as P
 from seedvr2bw.models.seedvr2.embeddings import MissingEmbeddingError, load_text_embeddings
+from seedvr2bw.models.seedvr2.noise import SeededNoise
 from seedvr2bw.models.seedvr2.dit.loader import load_dit
 from seedvr2bw.models.seedvr2.vae import SEEDVR2_VAE, VideoAutoencoder, load_vae
 from seedvr2bw.models.seedvr2.vae.tiling import estimate_decode_bytes
@@ -446,13 +447,13 @@ def test_seeded_noise_draws_what_each_chunk_drew_once_per_shape():
     expected (drawn ahead on a thread) or not, and a shape is drawn once."""
     def fresh(shape, offset):
         return torch.randn(shape, generator=torch.Generator().manual_seed(7 + offset), dtype=torch.float32)
-    noise = P.SeededNoise(7, 1, [(1, 16, 6, 4, 5), (1, 16, 2, 4, 5), (1, 16, 6, 4, 5)])
+    noise = SeededNoise(7, 1, [(1, 16, 6, 4, 5), (1, 16, 2, 4, 5), (1, 16, 6, 4, 5)])
     a = noise(torch.Size((1, 16, 6, 4, 5)))
     assert torch.equal(a, fresh((1, 16, 6, 4, 5), 1))
     assert noise((1, 16, 6, 4, 5)) is a
     assert torch.equal(noise((1, 16, 2, 4, 5)), fresh((1, 16, 2, 4, 5), 1))
     assert torch.equal(noise((3, 4, 5, 16)), fresh((3, 4, 5, 16), 1))      # a shape nobody expected
-    assert torch.equal(P.SeededNoise(7, 0)((3, 4, 5, 16)), fresh((3, 4, 5, 16), 0))
+    assert torch.equal(SeededNoise(7, 0)((3, 4, 5, 16)), fresh((3, 4, 5, 16), 0))
     assert not torch.equal(noise((3, 4, 5, 16)), fresh((3, 4, 5, 16), 0))
 
 

@@ -141,5 +141,5 @@ def test_map_pages_writes_zeros_on_a_thread_before_the_first_write():
     from seedvr2bw.optimization.runtime.host_copy import map_pages
     t = torch.full((3, 1000), 5.0)
     mapped = map_pages(t)
-    mapped.wait()
-    assert not mapped.thread.is_alive() and torch.count_nonzero(t) == 0
+    mapped.join()
+    assert not mapped.is_alive() and torch.count_nonzero(t) == 0

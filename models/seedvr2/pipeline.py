@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -53,6 +52,7 @@ from ...optimization.runtime.policy import get_policy, torch_settings
 from .color import COLOR_CORRECTION_MODES, color_correct
 from .dit import DiTInterrupted
 from .dit.sequence_parallel import SequenceParallelDiT, TooFewWindows, stop_together
+from .noise import SeededNoise
 from .vae.row_parallel import TooFewRows, bands, decode_rows, encode_rows, gather_uneven
 from .vae.tiling import plan_tiles
 
@@ -277,37 +277,6 @@ def pad_frames_4n1(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     reps = [1] * x.dim()
     reps[dim] = target - n
     return torch.cat([x, last.repeat(*reps)], dim=dim)
-
-
-def _seed_generator(seed: int, offset: int = 0) -> torch.Generator:
-    return torch.Generator(device="cpu").manual_seed((int(seed) + offset) % (2 ** 64))
-
-
-class SeededNoise:
-    """``torch.randn(shape)`` from a fresh generator of (seed, offset), as every chunk draws it: the same numbers
-    for every chunk of a shape, so drawn once per shape, and the expected shapes on a thread while the GPU works
-    (the host's draw of a 1080p x 21 latent took 18 ms of an idle GPU)."""
-
-    def __init__(self, seed: int, offset: int, expected: Sequence[tuple] = ()):
-        self.seed, self.offset = seed, offset
-        self.drawn: dict = {}
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seedvr2bw-noise") if expected else None
-        for shape in dict.fromkeys(tuple(x) for x in expected):
-            self.drawn[shape] = self.pool.submit(self._draw, shape)
-        if self.pool is not None:
-            self.pool.shutdown(wait=False)   # takes no more work; what was submitted still runs
-
-    def _draw(self, shape: tuple) -> torch.Tensor:
-        return torch.randn(shape, generator=_seed_generator(self.seed, self.offset), dtype=torch.float32)
-
-    def __call__(self, shape) -> torch.Tensor:
-        shape = tuple(shape)
-        got = self.drawn.get(shape)
-        if got is None:
-            got = self.drawn[shape] = self._draw(shape)
-        elif not isinstance(got, torch.Tensor):
-            got = self.drawn[shape] = got.result()
-        return got
 
 
 class SeedVR2Cancelled(RuntimeError):
@@ -574,7 +543,7 @@ def _run(frames, p: RunPlan, s: UpscaleSettings, runner: SeedVR2Runner, vae, hoo
     # frames are copied into place the first time and added the second (chunk overlaps): no host temporary per part
     # (on a host output it costs more than the copy, e.g. 0.5 GB at 1080p x 21)
     if mapped is not None:
-        mapped.wait()
+        mapped.join()
     written = [False] * T
 
     def put(first: int, part: torch.Tensor) -> None:

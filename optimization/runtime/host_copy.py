@@ -54,17 +54,9 @@ def copy_to_host(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return dst
 
 
-class PagesMapped:
-    """``map_pages``'s handle: ``wait()`` before the first write to the tensor."""
-
-    def __init__(self, t: torch.Tensor):
-        self.thread = threading.Thread(target=t.zero_, name="seedvr2bw-map-pages", daemon=True)
-        self.thread.start()   # torch's ops release the GIL: the caller goes on launching GPU work
-
-    def wait(self) -> None:
-        self.thread.join()
-
-
-def map_pages(t: torch.Tensor) -> PagesMapped:
-    """Writes zeros into a new host tensor on a thread, so its pages are mapped before the copies into it."""
-    return PagesMapped(t)
+def map_pages(t: torch.Tensor) -> threading.Thread:
+    """Writes zeros into a new host tensor on a thread (torch's ops release the GIL: the caller goes on launching
+    GPU work), so its pages are mapped before the copies into it; ``join()`` it before the first write."""
+    thread = threading.Thread(target=t.zero_, name="seedvr2bw-map-pages", daemon=True)
+    thread.start()
+    return thread
