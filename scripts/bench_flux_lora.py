@@ -42,7 +42,7 @@ import _pack  # registers the pack as `seedvr2bw`
 import torch
 
 from bench_video import fill_gpu_to, release_cached
-from seedvr2bw.training.selective_checkpoint import free_device_bytes
+from seedvr2bw.optimization.runtime.device import free_device_bytes
 
 FULL = dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=4096,
             hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=19, depth_single_blocks=38, axes_dim=[16, 56, 56],

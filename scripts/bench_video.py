@@ -35,7 +35,7 @@ from seedvr2bw.models.seedvr2.dit import SEEDVR2_3B, SEEDVR2_7B
 from seedvr2bw.models.seedvr2.video import container as C
 from seedvr2bw.models.seedvr2.staging import Staging
 from seedvr2bw.optimization.blockswap.backend import CudaBackend
-from seedvr2bw.training.selective_checkpoint import free_device_bytes
+from seedvr2bw.optimization.runtime.device import free_device_bytes
 from seedvr2bw.models.seedvr2.video.stream import FrameCursor, StreamSettings, plan, upscale_video
 
 RES = {"360p": (360, 640), "480p": (480, 854), "720p": (720, 1280)}

@@ -143,3 +143,16 @@ def test_map_pages_writes_zeros_on_a_thread_before_the_first_write():
     mapped = map_pages(t)
     mapped.join()
     assert not mapped.is_alive() and torch.count_nonzero(t) == 0
+
+
+def test_free_device_bytes_counts_the_allocators_unused_blocks(monkeypatch):
+    # a second run of the same work must see the memory the first one left cached as free (else its VAE tiles, and
+    # so cuDNN's shapes, change between runs)
+    from seedvr2bw.models.seedvr2.staging import device_budget
+    GiB = 1024 ** 3
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (10 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 30 * GiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 18 * GiB)
+    assert device.free_device_bytes("cuda:0") == 22 * GiB
+    assert device_budget("cuda:0") == 22 * GiB
+    assert device_budget("cpu") is None

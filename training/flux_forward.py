@@ -21,6 +21,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from . import rope_kernel
+from ..optimization.runtime.device import free_device_bytes
 from . import selective_checkpoint as sc
 from .lora import PinnedWeights, block_loras
 from .recompute import recompute
@@ -387,7 +388,7 @@ class FluxTrainForward:
                     n = sc.blocks_within(costs, self.selective_budget)
                     why = f"memory plan: {sum(costs[:n]) / 2**30:.2f} of {self.selective_budget / 2**30:.2f} GiB kept"
                 else:
-                    free = sc.free_device_bytes(x_t.device)
+                    free = free_device_bytes(x_t.device)
                     n = sc.plan_selective_blocks(costs, free,
                                                  len(blocks) * b * (t_img + t_txt) * self.dm.hidden_size * elem)
                     why = f"auto: {sum(costs[:n]) / 2**30:.1f} GiB kept of {free / 2**30:.1f} GiB free"

@@ -113,7 +113,3 @@ def blocks_within(costs: list, budget: int) -> int:
     return n
 
 
-def free_device_bytes(device) -> int:
-    """Free GPU memory including what torch's allocator holds but does not use."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))

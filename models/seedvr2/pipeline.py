@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ...optimization.runtime.device import free_device_bytes
 from ...optimization.runtime.host_copy import copy_to_host, map_pages
 from ...optimization.runtime.policy import get_policy, torch_settings
 from .color import COLOR_CORRECTION_MODES, color_correct
@@ -350,11 +351,12 @@ class SeedVR2Runner:
             yield
 
     def free_bytes(self) -> Optional[int]:
-        """Free device memory now (the caller's ``free_memory`` if given), None where unknown (CPU)."""
+        """Free device memory now, the allocator's unused blocks included (the caller's ``free_memory`` if given),
+        None where unknown (CPU)."""
         if self.free_memory is not None:
             return int(self.free_memory())
         if self.device.type == "cuda" and torch.cuda.is_available():
-            return int(torch.cuda.mem_get_info(self.device)[0])
+            return free_device_bytes(self.device)
         return None
 
     def encode(self, x: torch.Tensor, tile: int = 0, overlap: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

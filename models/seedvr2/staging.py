@@ -16,6 +16,7 @@ import torch
 from ...optimization.blockswap import BlockSwapConfig
 from ...optimization.blockswap.arena import SMALL_TENSOR_BYTES
 from ...optimization.blockswap.staging import StagedModel
+from ...optimization.runtime.device import free_device_bytes
 from .memory import DiTFootprint, MemoryPlan, dit_footprint, plan_memory
 from .pipeline import PipelineHooks
 
@@ -59,10 +60,7 @@ def device_budget(device) -> Optional[int]:
     """VRAM a run outside ComfyUI may use on ``device``: free now plus torch's cached, unused blocks (None on the
     CPU)."""
     device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    return int(torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
-               - torch.cuda.memory_allocated(device))
+    return free_device_bytes(device) if device.type == "cuda" else None
 
 
 class Staging:

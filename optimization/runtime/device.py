@@ -65,6 +65,14 @@ def host_memory_bytes() -> int:
             return 0
 
 
+def free_device_bytes(device) -> int:
+    """GPU memory a new tensor on ``device`` can take now: the driver's free memory plus the blocks torch's caching
+    allocator holds unused (``mem_get_info`` alone counts those as taken, so a second run of the same work would
+    see less and choose smaller tiles, new shapes that cuDNN then autotunes inside the run)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
 def available_host_bytes() -> int:
     """System RAM a new allocation can take now (MemAvailable: free + reclaimable cache), 0 where unknown."""
     try:

@@ -4,7 +4,9 @@ Each rank holds a band of whole rows (all frames, all columns) and runs the same
 operations of the VAE read across rows; under ``split_rows(group)`` they reach the other ranks instead:
 
 * a convolution reads ``pad_top`` rows above its band and ``k - stride - pad_top`` below: those rows come from the
-  neighbouring ranks (one send and one receive each way), and only the first and last rank pad with zeros;
+  neighbouring ranks (one send and one receive each way); on the frame's top and bottom edges they are zero rows of
+  the same buffer, so every rank's conv is left with the same (no) row padding, which cuDNN applies itself (a
+  one-sided padding would need a padded copy of the whole band);
 * GroupNorm takes its per-frame statistics over the whole frame: the band's sums are all-reduced (mean first, then
   the centred squares, in float32);
 * the mid block's attention runs within a frame over every position: each rank's keys and values are gathered.
@@ -41,16 +43,13 @@ class RowShard:
     # ------------------------------------------------------------------ convolutions
     def halo_rows(self, pad: Sequence[int], k: int, stride: int) -> tuple[int, int]:
         """Rows (above, below) a conv (kernel ``k`` rows, ``stride``, spatial ``pad`` (top, bottom, left, right))
-        of this band reads from the neighbouring bands: none on the frame's edges, which pad with zeros."""
-        top, below = pad[0], k - stride - pad[0]
-        return (0 if self.rank == 0 else top), (0 if self.rank == self.world - 1 else below)
+        of this band reads beyond it: the neighbouring bands' rows, or on the frame's edges its zero padding."""
+        return pad[0], k - stride - pad[0]
 
     def halo(self, x: torch.Tensor, pad: Sequence[int], k: int, stride: int) -> tuple[torch.Tensor, tuple]:
         """``x`` (..., H_band, W) extended by the rows its conv reads from the neighbouring bands, and the zero
         padding left to apply."""
         above, below = self.halo_rows(pad, k, stride)
-        if not above and not below:
-            return self.fill_halo(x, 0, 0, pad, k, stride)
         h = x.shape[-2]
         buf = empty_like_layout(x, x.shape[:-2] + (above + h + below, x.shape[-1]))
         buf[..., above:above + h, :].copy_(x)
@@ -59,8 +58,8 @@ class RowShard:
     def fill_halo(self, buf: torch.Tensor, above: int, below: int, pad: Sequence[int], k: int,
                   stride: int) -> tuple[torch.Tensor, tuple]:
         """``buf`` (..., above + H_band + below, W), this band in its middle rows (``halo_rows``): its first
-        ``above`` and last ``below`` rows are received from the neighbours, which get this band's edge rows.
-        Returns ``buf`` and the zero padding left to apply."""
+        ``above`` and last ``below`` rows are received from the neighbours, which get this band's edge rows, or
+        zeroed on the frame's edges. Returns ``buf`` and the zero padding left to apply (columns only)."""
         top, bottom = pad[0], k - stride - pad[0]
         first, last = self.rank == 0, self.rank == self.world - 1
         h = buf.shape[-2] - above - below
@@ -86,9 +85,13 @@ class RowShard:
                 req.wait()
         if "above" in got:
             buf[..., :above, :].copy_(got["above"])
+        elif above:
+            buf[..., :above, :].zero_()
         if "below" in got:
             buf[..., above + h:, :].copy_(got["below"])
-        return buf, (pad[0] if first else 0, pad[1] if last else 0, pad[2], pad[3])
+        elif below:
+            buf[..., above + h:, :].zero_()
+        return buf, (0, 0, pad[2], pad[3])
 
     def _peer(self, step: int) -> int:
         r = self.rank + step
