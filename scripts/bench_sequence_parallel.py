@@ -5,6 +5,8 @@
 its share of the DiT's windows and a band of the VAE's rows, over NCCL; one process per GPU, timed from a barrier
 after a warm-up run. Prints the median latency per world size, the speed-up over 1 GPU of the same machine, each
 rank's peak memory, each rank's time per phase, and the largest difference of the output to the 1-GPU output.
+The output stays on the GPU, as the CLI's and the multi-GPU workers' upscaler (``upscaler.FileUpscaler``) keeps it
+(``--output cpu``: a host tensor, as the single-GPU ComfyUI node returns; every rank then copies the whole output).
 
     python scripts/bench_sequence_parallel.py --model 7b --case 1080p:21 --gpus 1,2,4 --json out.json
 """
@@ -53,7 +55,8 @@ def _worker(rank, world, store_path, args, out_dir):
 
     def run():
         return P.upscale(frames, dit, vae, emb, settings, device=dev, dit_dtype=torch.bfloat16,
-                         vae_dtype=torch.bfloat16, output_device="cpu", group=group, hooks=hooks)
+                         vae_dtype=torch.bfloat16, output_device=dev if args.output == "device" else "cpu",
+                         group=group, hooks=hooks)
     for _ in range(args.warmup):
         out = run()
     times, phases = [], []
@@ -89,7 +92,7 @@ def _worker(rank, world, store_path, args, out_dir):
     all_ph = [None] * world
     dist.all_gather_object(all_ph, ph)
     if rank == 0:
-        torch.save({"times": times, "peaks": [float(p) for p in peaks], "out": out, "phases": all_ph},
+        torch.save({"times": times, "peaks": [float(p) for p in peaks], "out": out.cpu(), "phases": all_ph},
                    f"{out_dir}/w{world}.pt")
     dist.destroy_process_group()
 
@@ -101,6 +104,8 @@ def main():
     ap.add_argument("--gpus", default="1,2,4")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--output", default="device", choices=["device", "cpu"],
+                    help="where the output is returned: the GPU (the CLI, the workers) or host memory")
     ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", ""))
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", default="", help="path prefix: profile one extra run per world size (a table per "
@@ -109,7 +114,7 @@ def main():
     args = ap.parse_args()
     import torch.multiprocessing as mp
     info = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
-            "commit": args.commit, "model": args.model, "case": args.case}
+            "commit": args.commit, "model": args.model, "case": args.case, "output": args.output}
     print(info, flush=True)
     tmp = tempfile.mkdtemp(prefix="sp-bench-")
     rows, base, ref = [], None, None
