@@ -125,6 +125,61 @@ def test_group_norm_frames_channels_last_kernel_interpreted():
 
 
 @needs_triton
+def test_conv_bias_folding_kernels_interpreted():
+    # the channels-last GroupNorm of x + a conv's bias (6 channels in 3 groups, a 3-row tail), and the one-pass
+    # h + x + bias (5 channels: a narrower tile), against adding the bias first
+    out = _run("""
+        cl = torch.channels_last_3d
+        # bf16: small means, as the kernel (like torch's) rounds a group's mean to the input's dtype
+        for dt, tol, mean, bs in ((torch.float32, 2e-5, 3.0, 4.0), (torch.bfloat16, 8e-3, 0.1, 0.3)):
+            x = (rnd(2, 6, 3, 9, 11, dtype=torch.float32) * 0.5 + mean).to(dt).contiguous(memory_format=cl)
+            w, b, ib = rnd(6, dtype=dt) + 1, rnd(6, dtype=dt), (rnd(6) * bs).to(dt)
+            for silu in (False, True):
+                got = k.group_norm_frames_cl(x, 3, w, b, 1e-6, silu=silu, block_rows=16, in_bias=ib)
+                want = ref.group_norm_frames((x.float() + ib.float().view(1, -1, 1, 1, 1)).to(dt).contiguous(),
+                                             3, w, b, 1e-6, silu=silu)
+                assert rel(got, want) < tol, (dt, silu, rel(got, want))
+            h = rnd(1, 5, 2, 7, 3, dtype=dt).contiguous(memory_format=cl)
+            r = rnd(1, 5, 2, 7, 3, dtype=dt).contiguous(memory_format=cl)
+            bias = rnd(5, dtype=dt)
+            want = (h.float() + bias.float().view(1, -1, 1, 1, 1) + r.float()).to(dt)
+            got = k.residual_bias_cl(h, r, bias)
+            assert got.data_ptr() == h.data_ptr() and rel(got, want) < tol
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+@needs_triton
+def test_resnet_block_with_folded_biases_interpreted():
+    # the VAE's ResNet block on the fused channels-last path (conv biases left to norm2's kernels and the residual
+    # kernel) against the same block in float32 on the torch path, with and without a shortcut conv; large biases
+    # so that a bias dropped or added twice shows
+    out = _run("""
+        from seedvr2bw.optimization import fused
+        from seedvr2bw.models.seedvr2.vae.resnet import ResnetBlock3D
+        torch.manual_seed(0)
+        for cin, cout in ((8, 8), (8, 12)):
+            blk = ResnetBlock3D(cin, cout, groups=4, eps=1e-6)
+            with torch.no_grad():
+                for conv in (blk.conv1, blk.conv2):
+                    conv.bias.normal_(0, 2.0)
+            x = torch.randn(1, cin, 3, 6, 5)
+            with torch.no_grad():
+                want = blk(x.clone())
+                fused.enabled = lambda *t: True
+                bf = blk.to(torch.bfloat16)
+                got = bf(x.bfloat16().contiguous(memory_format=torch.channels_last_3d))
+                fused.enabled = lambda *t: False
+                blk.float()
+            err = rel(got, want)
+            assert err < 2e-2, (cin, cout, err)
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+@needs_triton
 @pytest.mark.parametrize("rope", [True, False])
 def test_qkv_pack_kernel_interpreted(rope):
     out = _run(f"""

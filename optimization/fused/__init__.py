@@ -144,6 +144,13 @@ def check_kernels(k, device, tol) -> Tuple[bool, str]:
     errs["group_norm_frames_cl"] = _rel(k.group_norm_frames_cl(xg.contiguous(memory_format=torch.channels_last_3d),
                                                                4, gw, gb, 1e-6, silu=True),
                                         reference.group_norm_frames(xg, 4, gw, gb, 1e-6, silu=True))
+    xcl, ib = xg.contiguous(memory_format=torch.channels_last_3d), rnd(8, scale=0.5)
+    errs["group_norm_frames_cl_in_bias"] = _rel(
+        k.group_norm_frames_cl(xcl, 4, gw, gb, 1e-6, silu=True, in_bias=ib),
+        reference.group_norm_frames(xg + ib.view(1, -1, 1, 1, 1), 4, gw, gb, 1e-6, silu=True))
+    hr = rnd(1, 8, 2, 70, 70).contiguous(memory_format=torch.channels_last_3d)
+    want_r = (hr.float() + ib.float().view(1, -1, 1, 1, 1) + xcl.float()).to(dt)
+    errs["residual_bias_cl"] = _rel(k.residual_bias_cl(hr, xcl, ib), want_r)
     w, bias = rnd(96, d, scale=d ** -0.5), rnd(96, scale=0.1)
     xl = x[:, :d]
     ref = torch.nn.functional.gelu(torch.nn.functional.linear(xl.float(), w.float(), bias.float()), approximate="tanh")
@@ -251,26 +258,38 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def group_norm_frames(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool,
-                      out: Optional[torch.Tensor] = None, combine=None) -> torch.Tensor:
+                      out: Optional[torch.Tensor] = None, combine=None,
+                      in_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """GroupNorm ``norm`` of every frame of x (B, C, T, H, W) on its own, then SiLU if ``silu``; the output keeps
     x's layout when that is channels-last 3-D (the VAE's NDHWC path), else it is contiguous. ``out`` (x's shape):
     written and returned; the channels-last kernel writes an ``out`` whose channels and row pixels are dense
     directly (frames and rows of a larger buffer), other cases copy into it. ``combine``: x is a band of each
     frame's rows, and ``combine`` merges the bands' statistics (``kernels.group_norm_frames_cl``; channels-last
-    only, see ``channels_last``)."""
+    only, see ``channels_last``). ``in_bias`` (C,): the norm of x + in_bias (the producing conv's bias, which the
+    channels-last kernels add as they read; elsewhere it is added first)."""
     k = _load()
     if channels_last(x):
         direct = out is not None and out.dtype == x.dtype and out.stride(1) == 1 and out.stride(4) == x.shape[1]
         y = k.group_norm_frames_cl(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu,
-                                   out=out if direct else None, combine=combine)
+                                   out=out if direct else None, combine=combine, in_bias=in_bias)
     elif combine is not None:
         raise ValueError("group_norm_frames: band statistics (combine) need a channels-last 3-D x")
     else:
+        if in_bias is not None:
+            x = x + in_bias.view(1, -1, *([1] * (x.ndim - 2)))
         y = k.group_norm_frames(x.contiguous(), norm.num_groups, norm.weight, norm.bias, norm.eps, silu)
     if out is not None and y is not out:
         out.copy_(y)
         return out
     return y
+
+
+def residual_bias(h: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """h + x + bias (per channel of dim 1), written into h and returned: one pass (``kernels.residual_bias_cl``)
+    where both are dense channels-last 3-D of one shape and the kernels are enabled, else two torch adds."""
+    if enabled(h, x, bias) and h.shape == x.shape and channels_last(h) and channels_last(x):
+        return _load().residual_bias_cl(h, x, bias)
+    return h.add_(bias.view(1, -1, *([1] * (h.ndim - 2)))).add_(x)
 
 
 def channels_last(x: torch.Tensor) -> bool:

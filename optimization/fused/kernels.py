@@ -302,7 +302,8 @@ def _gn_apply_kernel(X, Y, MEAN, RSTD, W, BIAS, HW, T, C, CG, SILU: tl.constexpr
 # without transposing). A frame is an (H*W, C) matrix: the moments programs take (frame, group, block of rows),
 # the apply programs (block of rows, block of channels) of the (B*T*H*W, C) matrix.
 @triton.jit
-def _gn_cl_moments_kernel(X, PART, HW, T, C, CG, NBLK, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+def _gn_cl_moments_kernel(X, IN_B, PART, HW, T, C, CG, NBLK, HAS_IN_B: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_G: tl.constexpr):
     frame = tl.program_id(0).to(tl.int64)          # b * T + t
     g = tl.program_id(1)
     j = tl.program_id(2)
@@ -311,6 +312,8 @@ def _gn_cl_moments_kernel(X, PART, HW, T, C, CG, NBLK, BLOCK_R: tl.constexpr, BL
     mask = (rows[:, None] < HW) & (cols[None, :] < CG)
     ptr = X + (frame * HW + rows[:, None]) * C + g * CG + cols[None, :]
     x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    if HAS_IN_B:      # the producing conv's bias, added here instead of in a pass of its own
+        x = tl.where(mask, x + tl.load(IN_B + g * CG + cols, mask=cols < CG, other=0.0).to(tl.float32)[None, :], 0.0)
     n = (tl.minimum(HW - j * BLOCK_R, BLOCK_R) * CG).to(tl.float32)
     mean = tl.sum(tl.sum(x, axis=1), axis=0) / n
     d = tl.where(mask, x - mean, 0.0)
@@ -323,8 +326,8 @@ def _gn_cl_moments_kernel(X, PART, HW, T, C, CG, NBLK, BLOCK_R: tl.constexpr, BL
 
 
 @triton.jit
-def _gn_cl_apply_kernel(X, Y, MEAN, RSTD, W, BIAS, NROWS, HW, WIDTH, T, C, CG, YB, YT, YH, SILU: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _gn_cl_apply_kernel(X, IN_B, Y, MEAN, RSTD, W, BIAS, NROWS, HW, WIDTH, T, C, CG, YB, YT, YH, SILU: tl.constexpr,
+                        HAS_IN_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     rmask, cmask = rows < NROWS, cols < C
@@ -338,6 +341,8 @@ def _gn_cl_apply_kernel(X, Y, MEAN, RSTD, W, BIAS, NROWS, HW, WIDTH, T, C, CG, Y
     sh = tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)[None, :] - tl.load(MEAN + stat, mask=mask,
                                                                                        other=0.0) * a
     x = tl.load(X + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_IN_B:
+        x += tl.load(IN_B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     y = (x * a + sh).to(Y.dtype.element_ty)
     if SILU:
         yf = y.to(tl.float32)
@@ -358,8 +363,10 @@ def _combine_moments(part, cnt, n, eps, dtype):
     return mean.to(dtype).float(), rstd.to(dtype).float()
 
 
-def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=None, out=None, combine=None):
-    """``group_norm_frames`` of x (B, C, T, H, W) stored channels-last 3-D; the output is stored the same way, in
+def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=None, out=None, combine=None,
+                         in_bias=None):
+    """``group_norm_frames`` of x (B, C, T, H, W) (plus ``in_bias`` (C,) per channel, in float32, when given: the
+    bias of the conv that made x) stored channels-last 3-D; the output is stored the same way, in
     ``out`` if given (x's shape and dtype; channels and a row's pixels dense, samples, frames and rows at any
     stride: e.g. a run of frames and rows inside a larger buffer). ``combine`` (for a band of a frame's rows):
     takes this band's (rows, 2) float32 (mean, M2) per (sample, group, frame) and its value count per row, returns
@@ -371,8 +378,10 @@ def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=No
     block_r = block_rows or max(16, min(1024, 8192 // block_g))
     nblk = triton.cdiv(hw, block_r)
     part = torch.empty((b * groups * t, nblk, 2), device=x.device, dtype=torch.float32)
-    _gn_cl_moments_kernel[(b * t, groups, nblk)](x, part, hw, t, c, cg, nblk, BLOCK_R=block_r, BLOCK_G=block_g,
-                                                 num_warps=4)
+    has_b = in_bias is not None
+    in_b = in_bias if has_b else weight
+    _gn_cl_moments_kernel[(b * t, groups, nblk)](x, in_b, part, hw, t, c, cg, nblk, HAS_IN_B=has_b, BLOCK_R=block_r,
+                                                 BLOCK_G=block_g, num_warps=4)
     cnt = torch.full((nblk,), float(block_r * cg), device=x.device)
     cnt[-1:].fill_((hw - (nblk - 1) * block_r) * cg)   # a fill: assigning a Python number copies it in and syncs
     n = cg * hw
@@ -385,9 +394,34 @@ def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=No
     block_c = min(triton.next_power_of_2(c), 128)
     block_r2 = max(1, 4096 // block_c)
     grid = (triton.cdiv(nrows, block_r2), triton.cdiv(c, block_c))
-    _gn_cl_apply_kernel[grid](x, y, mean, rstd, weight, bias, nrows, hw, w, t, c, cg, y.stride(0), y.stride(2),
-                              y.stride(3), SILU=silu, BLOCK_R=block_r2, BLOCK_C=block_c, num_warps=8)
+    _gn_cl_apply_kernel[grid](x, in_b, y, mean, rstd, weight, bias, nrows, hw, w, t, c, cg, y.stride(0), y.stride(2),
+                              y.stride(3), SILU=silu, HAS_IN_B=has_b, BLOCK_R=block_r2, BLOCK_C=block_c, num_warps=8)
     return y
+
+
+@triton.jit
+def _residual_bias_kernel(H, X, B, NROWS, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    mask = (rows < NROWS)[:, None] & cmask[None, :]
+    off = rows[:, None] * C + cols[None, :]
+    h = tl.load(H + off, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + off, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(H + off, (h + b + x).to(H.dtype.element_ty), mask=mask)
+
+
+def residual_bias_cl(h, x, bias):
+    """h += x + bias (per channel) in one pass, in float32 and rounded once, written into h; h and x (B, C, T, H, W)
+    dense channels-last 3-D of the same shape (a (rows, C) matrix each)."""
+    c = h.shape[1]
+    nrows = h.numel() // c
+    block_c = min(triton.next_power_of_2(c), 128)
+    block_r = max(1, 4096 // block_c)
+    grid = (triton.cdiv(nrows, block_r), triton.cdiv(c, block_c))
+    _residual_bias_kernel[grid](h, x, bias, nrows, c, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
+    return h
 
 
 def group_norm_frames(x, groups, weight, bias, eps, silu=False, block=4096):

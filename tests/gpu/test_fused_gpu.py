@@ -107,6 +107,35 @@ def test_group_norm_frames(shape, groups, layout):
                 assert bool((buf[:, :, :, :1] == 7).all()) and bool((buf[:, :, :, 1 + h:] == 7).all())
 
 
+@pytest.mark.parametrize("shape", [(1, 128, 3, 180, 320), (2, 96, 1, 33, 47)])
+def test_conv_bias_folding(shape):
+    """A conv's bias left to what reads its output: the channels-last GroupNorm of x + bias against adding it
+    first (as cuDNN's bias pass does, rounded to bf16), and the one-pass h + x + bias against the two adds; neither
+    makes the host wait."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    cl = torch.channels_last_3d
+    x = (torch.randn(shape, device="cuda", generator=g) * 2).bfloat16().contiguous(memory_format=cl)
+    ib = (torch.randn(shape[1], device="cuda", generator=g) * 0.5).bfloat16()
+    norm = torch.nn.GroupNorm(32, shape[1], eps=1e-6).cuda().bfloat16()
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.2, generator=g)
+        norm.bias.normal_(0, 0.2, generator=g)
+        want = fused.group_norm_frames((x + ib.view(1, -1, 1, 1, 1)).contiguous(memory_format=cl), norm, True)
+        fused.group_norm_frames(x, norm, True, in_bias=ib)
+        h = torch.randn(shape, device="cuda", generator=g).bfloat16().contiguous(memory_format=cl)
+        want_r = (h + ib.view(1, -1, 1, 1, 1)) + x
+        fused.residual_bias(h.clone(), x, ib)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = fused.group_norm_frames(x, norm, True, in_bias=ib)
+            got_r = fused.residual_bias(h, x, ib)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert got.is_contiguous(memory_format=cl) and got_r.data_ptr() == h.data_ptr()
+    assert rel(got, want) < 1e-2, rel(got, want)
+    assert rel(got_r, want_r) < 5e-3, rel(got_r, want_r)
+
+
 def test_vae_fused_vs_torch_path(monkeypatch):
     """Tiny golden VAE in bf16: encode and decode with the fused group norm against the torch path."""
     import json

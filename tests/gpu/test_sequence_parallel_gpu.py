@@ -51,12 +51,12 @@ def _norm_worker(rank, world, store_path, out_dir):
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             device_id=dev)
-    x, norm = _norm_case(dev)
+    x, norm, ib = _norm_case(dev)
     r0, r1 = bands(x.shape[3], world)[rank]
     band = x[:, :, :, r0:r1].contiguous(memory_format=torch.channels_last_3d)
     with torch.no_grad(), split_rows():
-        y = causal_group_norm(band, norm, silu=True)
-    torch.save(y.cpu(), f"{out_dir}/norm{rank}.pt")
+        y = [causal_group_norm(band, norm, silu=True, in_bias=b).cpu() for b in (None, ib)]
+    torch.save(y, f"{out_dir}/norm{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -67,20 +67,24 @@ def _norm_case(dev):
     with torch.no_grad():
         norm.weight.normal_(1, 0.2, generator=g)
         norm.bias.normal_(0, 0.2, generator=g)
-    return x.contiguous(memory_format=torch.channels_last_3d), norm
+    ib = (torch.randn(256, device=dev, generator=g) * 0.5).bfloat16()      # a conv's bias left to the norm
+    return x.contiguous(memory_format=torch.channels_last_3d), norm, ib
 
 
 def test_row_split_fused_group_norm_equals_whole_frame(tmp_path):
     """bf16, NDHWC: each rank's fused GroupNorm of its band with the frame's statistics merged across ranks gives
-    the one-GPU fused GroupNorm of the whole frame (other fp32 summation order: a few values one bf16 step off)."""
+    the one-GPU fused GroupNorm of the whole frame (other fp32 summation order: a few values one bf16 step off);
+    also with the producing conv's bias added by the kernels (``in_bias``)."""
     import torch.multiprocessing as mp
     from seedvr2bw.models.seedvr2.vae.norm import causal_group_norm
     from seedvr2bw.optimization import fused
     mp.spawn(_norm_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
-    x, norm = _norm_case(torch.device("cuda", 0))
+    x, norm, ib = _norm_case(torch.device("cuda", 0))
     assert fused.enabled(x)
-    with torch.no_grad():
-        ref = causal_group_norm(x, norm, silu=True).float().cpu()
-    got = torch.cat([torch.load(tmp_path / f"norm{r}.pt") for r in range(2)], dim=3).float()
-    differ = float((got != ref).float().mean())
-    assert differ < 0.02 and float((got - ref).abs().max()) < 0.05, differ
+    parts = [torch.load(tmp_path / f"norm{r}.pt") for r in range(2)]
+    for i, b in enumerate((None, ib)):
+        with torch.no_grad():
+            ref = causal_group_norm(x, norm, silu=True, in_bias=b).float().cpu()
+        got = torch.cat([p[i] for p in parts], dim=3).float()
+        differ = float((got != ref).float().mean())
+        assert differ < 0.02 and float((got - ref).abs().max()) < 0.05, (i, differ)

@@ -172,8 +172,9 @@ class CausalConv3d(nn.Conv3d):
         buf = empty_like_layout(like, (b, c, n + t, above + h + below, w))
         return buf, buf[:, :, n:, above:above + h]
 
-    def run_buffer(self, buf: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
-        """The conv of an ``input_buffer`` whose body is written: fills the prepended frames, then runs."""
+    def run_buffer(self, buf: torch.Tensor, cache: Optional[TemporalCache] = None, bias: bool = True) -> torch.Tensor:
+        """The conv of an ``input_buffer`` whose body is written: fills the prepended frames, then runs (without its
+        bias when ``bias`` is False: the caller adds it where it reads the output)."""
         memory, n = self._prefix(cache)
         above, below = self._halo_rows()
         band = buf[:, :, :, above:buf.shape[3] - below]
@@ -181,7 +182,7 @@ class CausalConv3d(nn.Conv3d):
             band[:, :, :n].copy_(memory)
         elif n:
             band[:, :, :n].copy_(band[:, :, n:n + 1].expand(-1, -1, n, -1, -1))
-        return self(buf, cache, extended=True, rows=(above, below))
+        return self(buf, cache, extended=True, rows=(above, below), bias=bias)
 
     def _prefix(self, cache: Optional[TemporalCache]) -> tuple[Optional[torch.Tensor], int]:
         memory = cache.get(self) if cache is not None else None
@@ -194,9 +195,9 @@ class CausalConv3d(nn.Conv3d):
         return shard.halo_rows(self.spatial_pad, self.kernel_size[1], self.stride[1])
 
     def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None, extended: bool = False,
-                rows: tuple[int, int] = (0, 0)) -> torch.Tensor:
+                rows: tuple[int, int] = (0, 0), bias: bool = True) -> torch.Tensor:
         """``extended``: x already starts with the prepended frames and has ``rows`` (above, below) around its band
-        for the neighbours' rows (``input_buffer`` / ``run_buffer``)."""
+        for the neighbours' rows (``input_buffer`` / ``run_buffer``). ``bias`` False: the output lacks the bias."""
         x = x.to(self.weight.dtype)
         memory = cache.get(self) if cache is not None and not extended else None
         if memory is not None:
@@ -212,4 +213,4 @@ class CausalConv3d(nn.Conv3d):
         if shard is not None and self.kernel_size[1] > 1:     # the rows above and below come from other ranks
             k, st = self.kernel_size[1], self.stride[1]
             x, pad = shard.fill_halo(x, above, below, pad, k, st) if above or below else shard.halo(x, pad, k, st)
-        return conv3d_limited(x, self.weight, self.bias, self.stride, pad, self.max_bytes)
+        return conv3d_limited(x, self.weight, self.bias if bias else None, self.stride, pad, self.max_bytes)

@@ -33,19 +33,24 @@ def _norm_frames(x4: torch.Tensor, norm: nn.GroupNorm, max_bytes: float) -> torc
 
 
 def causal_group_norm(x: torch.Tensor, norm: nn.GroupNorm, max_bytes: float = math.inf, silu: bool = False,
-                      frame_batch_bytes: float = 256 * 1024 ** 2, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      frame_batch_bytes: float = 256 * 1024 ** 2, out: Optional[torch.Tensor] = None,
+                      in_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-frame GroupNorm of x (B, C, T, H, W) (or (B, C, H, W)), optionally followed by SiLU (in place).
 
     The official limit is applied to the full ((b t) c h w) tensor, as there; the work is then done a few frames at
     a time (at most `frame_batch_bytes` of input) so no full-size rearranged copy is made. On a GPU with the fused
     kernels (bf16/fp16) one Triton kernel pair does it all on the 5-D layout: same math, fp32 statistics, no
     temporary larger than the output, so the limit has nothing left to bound. ``out`` (x's shape and dtype, any
-    layout): the result is written there and returned.
+    layout): the result is written there and returned. ``in_bias`` (C,): the norm of x + in_bias (the bias of
+    the conv that made x, left out of it: ``fold_biases``).
     """
     shard = row_parallel.current()       # a band of rows: the frame's statistics come from every rank
     use_fused = fused.enabled(x) and norm.affine
     if use_fused and x.ndim == 5 and (shard is None or fused.channels_last(x)):
-        return fused.group_norm_frames(x, norm, silu, out=out, combine=shard.gather_moments if shard else None)
+        return fused.group_norm_frames(x, norm, silu, out=out, combine=shard.gather_moments if shard else None,
+                                       in_bias=in_bias)
+    if in_bias is not None:
+        x = x + in_bias.view(1, -1, *([1] * (x.ndim - 2)))
     if shard is not None:
         return shard.group_norm(x, norm, silu, out=out)
     if use_fused:
@@ -72,13 +77,22 @@ def causal_group_norm(x: torch.Tensor, norm: nn.GroupNorm, max_bytes: float = ma
     return out
 
 
+def fold_biases(x: torch.Tensor, *convs: CausalConv3d) -> bool:
+    """Whether ``convs`` may leave their biases to what reads their outputs (the fused channels-last GroupNorm and
+    residual kernels add them as they read: a pass over the output less each): on the fused kernels' devices, for
+    channels-last activations and convs that have biases."""
+    return fused.enabled(x) and fused.channels_last(x) and all(c.bias is not None for c in convs)
+
+
 def norm_silu_conv(x: torch.Tensor, norm: nn.GroupNorm, conv: CausalConv3d, cache: Optional[TemporalCache] = None,
-                   max_bytes: float = math.inf) -> torch.Tensor:
-    """``conv(SiLU(GroupNorm(x)), cache)`` with the normalised frames written straight into the conv's input
-    (``CausalConv3d.input_buffer``): behind its prepended frames and, under a row split, between the neighbours'
-    rows, so that input is not a second copy of the activation."""
+                   max_bytes: float = math.inf, in_bias: Optional[torch.Tensor] = None,
+                   conv_bias: bool = True) -> torch.Tensor:
+    """``conv(SiLU(GroupNorm(x + in_bias)), cache)`` with the normalised frames written straight into the conv's
+    input (``CausalConv3d.input_buffer``): behind its prepended frames and, under a row split, between the
+    neighbours' rows, so that input is not a second copy of the activation. ``conv_bias`` False: the output lacks
+    the conv's bias (the caller adds it where it reads the output)."""
     if x.ndim != 5:
-        return conv(causal_group_norm(x, norm, max_bytes, silu=True), cache)
+        return conv(causal_group_norm(x, norm, max_bytes, silu=True, in_bias=in_bias), cache, bias=conv_bias)
     buf, body = conv.input_buffer(x, x.shape, cache)
-    causal_group_norm(x, norm, max_bytes, silu=True, out=body)
-    return conv.run_buffer(buf, cache)
+    causal_group_norm(x, norm, max_bytes, silu=True, out=body, in_bias=in_bias)
+    return conv.run_buffer(buf, cache, bias=conv_bias)
