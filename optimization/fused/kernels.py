@@ -312,8 +312,9 @@ def _gn_cl_moments_kernel(X, IN_B, PART, HW, T, C, CG, NBLK, HAS_IN_B: tl.conste
     mask = (rows[:, None] < HW) & (cols[None, :] < CG)
     ptr = X + (frame * HW + rows[:, None]) * C + g * CG + cols[None, :]
     x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-    if HAS_IN_B:      # the producing conv's bias, added here instead of in a pass of its own
-        x = tl.where(mask, x + tl.load(IN_B + g * CG + cols, mask=cols < CG, other=0.0).to(tl.float32)[None, :], 0.0)
+    if HAS_IN_B:      # the producing conv's bias, added here and rounded to x's dtype as its own pass would
+        xb = x + tl.load(IN_B + g * CG + cols, mask=cols < CG, other=0.0).to(tl.float32)[None, :]
+        x = tl.where(mask, xb.to(X.dtype.element_ty).to(tl.float32), 0.0)
     n = (tl.minimum(HW - j * BLOCK_R, BLOCK_R) * CG).to(tl.float32)
     mean = tl.sum(tl.sum(x, axis=1), axis=0) / n
     d = tl.where(mask, x - mean, 0.0)
@@ -342,7 +343,8 @@ def _gn_cl_apply_kernel(X, IN_B, Y, MEAN, RSTD, W, BIAS, NROWS, HW, WIDTH, T, C,
                                                                                        other=0.0) * a
     x = tl.load(X + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_IN_B:
-        x += tl.load(IN_B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        x = (x + tl.load(IN_B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]).to(X.dtype.element_ty)
+        x = x.to(tl.float32)
     y = (x * a + sh).to(Y.dtype.element_ty)
     if SILU:
         yf = y.to(tl.float32)
@@ -365,8 +367,8 @@ def _combine_moments(part, cnt, n, eps, dtype):
 
 def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=None, out=None, combine=None,
                          in_bias=None):
-    """``group_norm_frames`` of x (B, C, T, H, W) (plus ``in_bias`` (C,) per channel, in float32, when given: the
-    bias of the conv that made x) stored channels-last 3-D; the output is stored the same way, in
+    """``group_norm_frames`` of x (B, C, T, H, W) (plus ``in_bias`` (C,) per channel when given, the sum rounded to
+    x's dtype: the bias of the conv that made x) stored channels-last 3-D; the output is stored the same way, in
     ``out`` if given (x's shape and dtype; channels and a row's pixels dense, samples, frames and rows at any
     stride: e.g. a run of frames and rows inside a larger buffer). ``combine`` (for a band of a frame's rows):
     takes this band's (rows, 2) float32 (mean, M2) per (sample, group, frame) and its value count per row, returns
@@ -409,12 +411,14 @@ def _residual_bias_kernel(H, X, B, NROWS, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.
     h = tl.load(H + off, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(X + off, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(H + off, (h + b + x).to(H.dtype.element_ty), mask=mask)
+    # rounded where the two adds it replaces round: (h + bias) then + x
+    hb = (h + b).to(H.dtype.element_ty).to(tl.float32)
+    tl.store(H + off, (hb + x).to(H.dtype.element_ty), mask=mask)
 
 
 def residual_bias_cl(h, x, bias):
-    """h += x + bias (per channel) in one pass, in float32 and rounded once, written into h; h and x (B, C, T, H, W)
-    dense channels-last 3-D of the same shape (a (rows, C) matrix each)."""
+    """h + bias + x (bias per channel) in one pass, written into h, rounded as the two adds ``h.add_(bias).add_(x)``
+    round; h and x (B, C, T, H, W) dense channels-last 3-D of the same shape (a (rows, C) matrix each)."""
     c = h.shape[1]
     nrows = h.numel() // c
     block_c = min(triton.next_power_of_2(c), 128)

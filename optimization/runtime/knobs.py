@@ -69,6 +69,9 @@ KNOBS: tuple[Knob, ...] = (
          choices=("auto", "cudnn", "flash", "default")),
     Knob("FUSED", "switch", True, "fused Triton kernels of the DiT (norm+modulate, residual, q/k norm+RoPE) and the "
          "VAE's GroupNorm (self-tested per GPU)"),
+    Knob("VAE_FOLD_BIASES", "switch", False, "the VAE ResNet convs' biases added by the fused kernels that read "
+         "their outputs (GroupNorm, residual) instead of in a pass of their own; same rounding, off until its GPU "
+         "test has run"),
     Knob("QKV_KERNEL", "choice", None, "force one variant of the fused q/k norm+RoPE kernel (default: the fastest "
          "that passes its self-test)", choices=("v3", "v2", "v1")),
     Knob("FUSED_GELU", "switch", True, "the 7B MLP's GELU in the cuBLASLt epilogue"),

@@ -88,6 +88,30 @@ def test_channels_last_equals_ncdhw(dtype):
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = prev
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_folded_conv_biases_are_bit_equal(dtype):
+    """SEEDVR2BW_VAE_FOLD_BIASES: the ResNet convs' biases added by the fused kernels that read their outputs give
+    the same bits as torch's own bias pass (cuDNN's path adds the bias after the convolution, rounded, as they do),
+    encode and decode of the tiny golden VAE on NDHWC."""
+    from seedvr2bw.models.seedvr2.vae.norm import fold_biases
+    from seedvr2bw.optimization.runtime import knobs
+    vae = build_vae(load_file(str(DATA / "golden" / "vae_tiny_weights.safetensors")), norm_num_groups=2,
+                    dtype=dtype, device="cuda")
+    vae.channels_last = True
+    d = load_file(str(DATA / "golden" / "vae_case_video.safetensors"), device="cuda")
+    block = vae.encoder.down_blocks[0].resnets[0]
+    out = {}
+    with torch.no_grad():
+        for fold in (False, True):
+            with knobs.override(VAE_FOLD_BIASES=fold):
+                probe = torch.zeros(1, block.conv1.in_channels, 1, 2, 2, device="cuda", dtype=dtype)
+                assert fold_biases(probe.contiguous(memory_format=torch.channels_last_3d), block.conv1,
+                                   block.conv2) == fold
+                out[fold] = (vae.encode(d["x"].to(dtype)).mean, vae.decode(d["z"].to(dtype)))
+    for i, name in enumerate(("encode", "decode")):
+        assert torch.equal(out[True][i], out[False][i]), (name, rel_l2(out[True][i], out[False][i]))
+
+
 def test_bf16_vs_fp32(tiny, real_bf16):
     d = load_file(str(DATA / "golden" / "vae_case_video.safetensors"), device="cuda")
     ref = tiny.decode(d["z"])

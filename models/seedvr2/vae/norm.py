@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ....optimization import fused
+from ....optimization.runtime import knobs
 from . import row_parallel
 from .causal_conv import CausalConv3d, TemporalCache
 
@@ -79,9 +80,11 @@ def causal_group_norm(x: torch.Tensor, norm: nn.GroupNorm, max_bytes: float = ma
 
 def fold_biases(x: torch.Tensor, *convs: CausalConv3d) -> bool:
     """Whether ``convs`` may leave their biases to what reads their outputs (the fused channels-last GroupNorm and
-    residual kernels add them as they read: a pass over the output less each): on the fused kernels' devices, for
-    channels-last activations and convs that have biases."""
-    return fused.enabled(x) and fused.channels_last(x) and all(c.bias is not None for c in convs)
+    residual kernels add them as they read, rounded as a pass of their own would: a pass over the output less
+    each): with ``SEEDVR2BW_VAE_FOLD_BIASES`` on, on the fused kernels' devices, for channels-last activations and
+    convs that have biases."""
+    return (knobs.get("VAE_FOLD_BIASES") and fused.enabled(x) and fused.channels_last(x)
+            and all(c.bias is not None for c in convs))
 
 
 def norm_silu_conv(x: torch.Tensor, norm: nn.GroupNorm, conv: CausalConv3d, cache: Optional[TemporalCache] = None,
