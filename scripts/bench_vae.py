@@ -26,6 +26,8 @@ import _pack  # registers the pack as `seedvr2bw`
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from seedvr2bw.models.seedvr2.memory import SeedVR2MemoryError, plan_vae
+from seedvr2bw.models.seedvr2.pipeline import RunPlan, VAETiling
 from seedvr2bw.models.seedvr2.vae import SEEDVR2_VAE, VAEConfig, VideoAutoencoder
 from seedvr2bw.models.seedvr2.vae.tiling import estimate_decode_bytes, estimate_encode_bytes
 from seedvr2bw.optimization.runtime.policy import get_policy, torch_settings
@@ -104,11 +106,26 @@ def profile_call(run, device, path, title: str, rows: int = 45) -> None:
         f.write(f"## {title}\n{prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=90)}\n")
 
 
+def _pair(v) -> tuple:
+    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def planned_tiles(vae: VideoAutoencoder, width: int, height: int, frames: int, budget_gib: float):
+    """The memory plan's VAE choice (``memory.plan_vae``) for a run on width x height frames, ``frames`` a chunk, that
+    may use ``budget_gib`` of VRAM: ((encode tile, overlap), (decode tile, overlap), conv band bytes or None)."""
+    run = RunPlan(frames=frames, target=(height, width), model=(height, width), chunks=[(0, frames)],
+                  weights=[torch.ones(frames)], tiling=VAETiling())
+    vae_bytes = sum(p.numel() * p.element_size() for p in vae.parameters())
+    vp = plan_vae(run, int(budget_gib * GIB), vae_bytes, vae.dtype, vae.config,
+                  whole_convs=vae.layout() == torch.channels_last_3d)
+    return vp.encode_tiles, vp.decode_tiles, vp.conv_bytes
+
+
 def bench_vae(device="cuda", dtype=torch.bfloat16, resolutions=((1280, 720), (1920, 1080)), frames=(1, 21),
               ops=("encode", "decode"), tiled=(False, True), encode_tile=512, encode_overlap=64,
               decode_tile=64, decode_overlap=8, warmup=1, repeats=3, heavy_repeats=None, vae=None,
               time_budget_s=None, log=print, profile_path=None, cudnn_benchmark=None) -> list:
-    """Time encode/decode. Returns one dict per (op, resolution, frames, tiled).
+    """Time encode/decode. Returns one dict per (op, resolution, frames, tiled). Tiles: an int or an (h, w) pair.
 
     frames are pixel frames (4n + 1); decode is timed on the latent of that clip ((T-1)/4 + 1 latent frames) and
     produces T frames. heavy_repeats (default: repeats) applies to clips of more than 1 frame. Configurations left
@@ -144,21 +161,21 @@ def bench_vae(device="cuda", dtype=torch.bfloat16, resolutions=((1280, 720), (19
                 continue
             lt, lh, lw = (t - 1) // tf + 1, h // s, w // s
             g = torch.Generator(device=device).manual_seed(1)
+            et, dt = _pair(encode_tile), _pair(decode_tile)
             if op == "encode":
                 inp = torch.rand(1, 3, t, lh * s, lw * s, generator=g, device=device, dtype=dtype) * 2 - 1
-                row.update(tile=encode_tile if til else None, overlap=encode_overlap if til else None,
+                row.update(tile=list(et) if til else None, overlap=encode_overlap if til else None,
                            latent_shape=[1, vae.config.latent_channels, lt, lh, lw],
                            est_working_set_gib=estimate_encode_bytes(
-                               (min(encode_tile, lh * s), min(encode_tile, lw * s)) if til else (lh * s, lw * s),
+                               (min(et[0], lh * s), min(et[1], lw * s)) if til else (lh * s, lw * s),
                                vae.config, elem) / GIB)
                 run = (lambda: vae.encode_tiled(inp, encode_tile, encode_overlap)) if til else (lambda: vae.encode(inp))
             else:
                 inp = torch.randn(1, vae.config.latent_channels, lt, lh, lw, generator=g, device=device, dtype=dtype)
-                row.update(tile=decode_tile if til else None, overlap=decode_overlap if til else None,
+                row.update(tile=list(dt) if til else None, overlap=decode_overlap if til else None,
                            latent_shape=list(inp.shape),
                            est_working_set_gib=estimate_decode_bytes(
-                               (min(decode_tile, lh), min(decode_tile, lw)) if til else (lh, lw), vae.config,
-                               elem) / GIB)
+                               (min(dt[0], lh), min(dt[1], lw)) if til else (lh, lw), vae.config, elem) / GIB)
                 run = (lambda: vae.decode_tiled(inp, decode_tile, decode_overlap)) if til else (lambda: vae.decode(inp))
             tile, overlap = (encode_tile, encode_overlap) if op == "encode" else (decode_tile, decode_overlap)
             flops = count_flops(vae.config, dtype, op, tuple(inp.shape), til, tile, overlap)
@@ -239,6 +256,10 @@ def main(argv=None):
     ap.add_argument("--conv-limits", default="official",
                     help="the VAE's conv memory limit per pass, in GiB, or official (0.5 GiB: convs over it run in "
                          "bands) or none (no bands); e.g. official,none times both and records each one's peak")
+    ap.add_argument("--budgets", default="",
+                    help="GiB list: also time each clip with the tiles and conv bands the memory plan picks for a run "
+                         "that may use that much VRAM (the DiT off the GPU, memory.plan_vae), e.g. 8,12; the GPU is "
+                         "not filled, only the choice is the budget's")
     ap.add_argument("--quick", action="store_true", help="repeats 3 (1 frame) / 2 (longer clips), budget 150 s")
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)
@@ -263,6 +284,29 @@ def main(argv=None):
                             profile_path=a.profile,
                             cudnn_benchmark={"policy": None, "on": True, "off": False}[a.cudnn_benchmark])
             rows += [dict(r, layout=str(vae.layout()).replace("torch.", ""), conv_limit=limit) for r in got]
+    for budget in [float(b) for b in a.budgets.split(",") if b]:
+        vae.channels_last = None
+        for (w, h) in res:
+            for t in frames:
+                try:
+                    enc, dec, conv = planned_tiles(vae, w, h, t, budget)
+                except SeedVR2MemoryError as exc:
+                    print(f"{budget:g} GiB, {w}x{h} x {t}: {exc}", flush=True)
+                    rows.append(dict(budget_gib=budget, width=w, height=h, frames=t, error=str(exc)))
+                    continue
+                vae.set_memory_limit(None if conv is None else conv / GIB, vae.config.norm_max_mem)
+                print(f"plan at {budget:g} GiB, {w}x{h} x {t}: encode tiles {enc}, decode tiles {dec}, conv bands "
+                      f"{'none' if conv is None else f'{conv / 2**20:.0f} MiB'}", flush=True)
+                for op, (tile, overlap) in (("encode", enc), ("decode", dec)):
+                    if op not in a.ops.split(","):
+                        continue
+                    til = _pair(tile) != (0, 0)
+                    got = bench_vae(a.device, dtype, [(w, h)], [t], (op,), (til,), tile if op == "encode" else 0,
+                                    overlap, tile if op == "decode" else 0, overlap, a.warmup, a.repeats,
+                                    a.heavy_repeats, vae=vae, log=lambda m: print(f"  {budget:g} GiB: {m}", flush=True),
+                                    cudnn_benchmark={"policy": None, "on": True, "off": False}[a.cudnn_benchmark])
+                    rows += [dict(r, layout=str(vae.layout()).replace("torch.", ""), budget_gib=budget,
+                                  conv_limit="none" if conv is None else conv / GIB) for r in got]
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

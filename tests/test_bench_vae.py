@@ -21,3 +21,13 @@ def test_conv_flops_of_a_720p_clip():
 
 def test_no_matmul_peak_without_a_gpu():
     assert BV.matmul_peak_tflops("cpu") is None
+
+
+def test_planned_tiles_are_the_memory_plans():
+    # --budgets times the tiles a run that may use B GiB gets: tiled at 8 GiB, one pass on an 80 GB card
+    with torch.device("meta"):
+        vae = BV.VideoAutoencoder(SEEDVR2_VAE).to(torch.bfloat16)
+    enc8, dec8, _ = BV.planned_tiles(vae, 1920, 1080, 21, 8)
+    assert enc8 != (0, 0) and dec8 != (0, 0)          # ((tile h, tile w), overlap); (0, 0): one pass
+    enc80, dec80, _ = BV.planned_tiles(vae, 1280, 720, 21, 80)
+    assert enc80 == (0, 0) and dec80 == (0, 0)

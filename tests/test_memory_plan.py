@@ -215,3 +215,20 @@ def test_convs_run_whole_where_the_tiles_stay_the_same():
     assert small.decode_tiles == plans[8, False].decode_tiles
     for m in plans.values():
         assert on_gpu(run, m) <= m.budget
+
+
+@pytest.mark.parametrize("budget", [8, 12, 24])
+@pytest.mark.parametrize("whole", [False, True])
+def test_the_vae_part_of_the_plan_is_plan_vae(budget, whole):
+    # one rule: the run's plan takes its VAE tiles, peaks and conv bands from plan_vae, which scripts/bench_vae.py
+    # --budgets times on its own
+    from seedvr2bw.models.seedvr2.memory import plan_vae
+    s = P.UpscaleSettings(resolution=1080, batch_size=21)
+    run = P.plan(frames(21, 540, 960), s)
+    m = plan_memory(run, s, BF16_7B, VAE, budget * GiB, host_available=HOST, whole_convs=whole)
+    v = plan_vae(run, budget * GiB, VAE, whole_convs=whole)
+    assert (m.encode_tiles, m.decode_tiles, m.vae_peak_bytes, m.vae_conv_bytes) == \
+        (v.encode_tiles, v.decode_tiles, v.peak_bytes, v.conv_bytes)
+    assert max(v.peak_bytes) <= budget * GiB - margin_bytes(budget * GiB) - VAE
+    if budget == 8:
+        assert v.decode_tiles != (0, 0)          # a 1080p x 21 decode does not fit 8 GiB in one pass

@@ -165,38 +165,13 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
             f"the output ({run.frames} frames of {tw}x{th}) needs {host / GiB:.1f} GiB of system RAM and "
             f"{host_available / GiB:.1f} GiB are available: lower the resolution, upscale fewer frames at a time, or "
             f"use the SeedVR2 Upscale Video File node, which streams frames to disk.")
-    elem = torch.empty((), dtype=vae_dtype).element_size()
     notes = []
-    t = run.tiling
-    conv = None if budget is None else min(CONV_BAND_MAX, max(CONV_BAND_MIN, budget // CONV_BAND_DIVISOR))
-
-    def tiles(kind, vae_budget, bands=conv):
-        mode, tile = (t.encode, t.encode_tile) if kind == "encode" else (t.decode, t.decode_tile)
-        return choose_run_tiles(kind, mode, tile, t.overlap, ph, pw, vae_budget, elem, vae_config, VAE_PEAK_FACTOR,
-                                bands, one_frame=run.chunk_frames == 1)
-
+    vae = plan_vae(run, budget, vae_bytes, vae_dtype, vae_config, whole_convs)
+    enc, dec, (enc_peak, dec_peak), conv = vae.encode_tiles, vae.decode_tiles, vae.peak_bytes, vae.conv_bytes
     if budget is None:
-        enc, enc_peak = tiles("encode", None)
-        dec, dec_peak = tiles("decode", None)
         return MemoryPlan(None, settings, encode_tiles=enc, decode_tiles=dec, vae_peak_bytes=(enc_peak, dec_peak),
                           host_bytes=host)
-
     margin = margin_bytes(budget)
-    io = next_4n1(run.chunk_frames) * ph * pw * 3 * (elem + 4)     # a chunk's VAE input + float32 output
-    vae_budget = budget - margin - vae_bytes - io
-    enc, enc_peak = tiles("encode", vae_budget)
-    dec, dec_peak = tiles("decode", vae_budget)
-    # Without bands the convs run whole (0.77-0.90x the time); their peak stays inside the official-band estimate
-    # x VAE_PEAK_FACTOR (H100: 41.3 of 43.3 GiB at the worst case, a 1080p x 21 decode), so they are taken where
-    # that estimate picks the same tiles.
-    (enc_w, enc_w_peak), (dec_w, dec_w_peak) = tiles("encode", vae_budget, None), tiles("decode", vae_budget, None)
-    if whole_convs and (enc_w, dec_w) == (enc, dec) and max(enc_w_peak, dec_w_peak) <= vae_budget:
-        conv, enc_peak, dec_peak = None, enc_w_peak, dec_w_peak
-    if max(enc_peak, dec_peak) > vae_budget:
-        raise SeedVR2MemoryError(
-            f"the VAE needs {vae_bytes / GiB:.2f} GiB of weights plus {max(enc_peak, dec_peak) / GiB:.2f} GiB for its "
-            f"smallest tile, and this run may use {budget / GiB:.2f} GiB of VRAM: close other programs on the GPU "
-            f"or use a GPU with more memory.")
 
     batch, path = settings.batch_size, None
     n = len(dit.block_bytes)
@@ -229,6 +204,51 @@ def plan_memory(run: RunPlan, settings: UpscaleSettings, dit: DiTFootprint, vae_
     stays = gpu + act + vae_bytes <= budget - dit_margin
     return MemoryPlan(budget, settings, swapped, path, enc, dec, gpu, act, (enc_peak, dec_peak), host, tuple(notes),
                       stays, conv)
+
+
+@dataclass(frozen=True)
+class VAEPlan:
+    """The VAE's part of a run's memory plan: tiles in ``encode_tiled`` / ``decode_tiled`` units ((0, 0): one pass),
+    the estimated (encode, decode) peaks, weights excluded, and the conv band size (None: whole convs)."""
+    encode_tiles: tuple
+    decode_tiles: tuple
+    peak_bytes: tuple
+    conv_bytes: Optional[int]
+
+
+def plan_vae(run: RunPlan, budget: Optional[int], vae_bytes: int, vae_dtype: torch.dtype = torch.bfloat16,
+             vae_config: VAEConfig = SEEDVR2_VAE, whole_convs: bool = False) -> VAEPlan:
+    """The tiles and conv bands of ``run``'s VAE calls within ``budget`` bytes of VRAM (None: unknown), the DiT off
+    the GPU; ``plan_memory``'s choice, also what ``scripts/bench_vae.py --budgets`` times. Raises
+    ``SeedVR2MemoryError`` when the smallest tile does not fit."""
+    ph, pw = run.model
+    elem = torch.empty((), dtype=vae_dtype).element_size()
+    t = run.tiling
+    conv = None if budget is None else min(CONV_BAND_MAX, max(CONV_BAND_MIN, budget // CONV_BAND_DIVISOR))
+
+    def tiles(kind, vae_budget, bands=conv):
+        mode, tile = (t.encode, t.encode_tile) if kind == "encode" else (t.decode, t.decode_tile)
+        return choose_run_tiles(kind, mode, tile, t.overlap, ph, pw, vae_budget, elem, vae_config, VAE_PEAK_FACTOR,
+                                bands, one_frame=run.chunk_frames == 1)
+
+    if budget is None:
+        (enc, enc_peak), (dec, dec_peak) = tiles("encode", None), tiles("decode", None)
+        return VAEPlan(enc, dec, (enc_peak, dec_peak), conv)
+    io = next_4n1(run.chunk_frames) * ph * pw * 3 * (elem + 4)     # a chunk's VAE input + float32 output
+    vae_budget = budget - margin_bytes(budget) - vae_bytes - io
+    (enc, enc_peak), (dec, dec_peak) = tiles("encode", vae_budget), tiles("decode", vae_budget)
+    # Without bands the convs run whole (0.77-0.90x the time); their peak stays inside the official-band estimate
+    # x VAE_PEAK_FACTOR (H100: 41.3 of 43.3 GiB at the worst case, a 1080p x 21 decode), so they are taken where
+    # that estimate picks the same tiles.
+    (enc_w, enc_w_peak), (dec_w, dec_w_peak) = tiles("encode", vae_budget, None), tiles("decode", vae_budget, None)
+    if whole_convs and (enc_w, dec_w) == (enc, dec) and max(enc_w_peak, dec_w_peak) <= vae_budget:
+        conv, enc_peak, dec_peak = None, enc_w_peak, dec_w_peak
+    if max(enc_peak, dec_peak) > vae_budget:
+        raise SeedVR2MemoryError(
+            f"the VAE needs {vae_bytes / GiB:.2f} GiB of weights plus {max(enc_peak, dec_peak) / GiB:.2f} GiB for its "
+            f"smallest tile, and this run may use {budget / GiB:.2f} GiB of VRAM: close other programs on the GPU "
+            f"or use a GPU with more memory.")
+    return VAEPlan(enc, dec, (enc_peak, dec_peak), conv)
 
 
 def _impossible(run: RunPlan, dit: DiTFootprint, budget: int, margin: int, act: int, gpu: int, buffers: int) -> str:

@@ -17,6 +17,7 @@
 #   bash scripts/device/gpu_suite.sh video_gpus # chunk-parallel long video on every GPU of the machine vs one
 #   bash scripts/device/gpu_suite.sh sequence   # one 7B 1080p x 21 upscale sequence parallel on 1, 2, (4) GPUs
 #   bash scripts/device/gpu_suite.sh vae        # VAE encode/decode, one pass, with the official conv bands and without: time, peak, conv TFLOP/s vs the matmul peak
+#   bash scripts/device/gpu_suite.sh vae_budgets  # VAE one pass vs the tiles and bands the memory plan picks at 8 and 12 GiB (#26's tiled line)
 #
 # scripts/device/prepare_carry.sh builds .ck and .comfy_src here first. The device copy has no .git, so the
 # commit is passed in GIT_COMMIT (the device tool sends the working tree of this commit). The figures these
@@ -78,6 +79,9 @@ vae)
     # the default layout (NDHWC on cuDNN) with the official conv bands and without: time and peak of each
     python3 scripts/bench_vae.py --resolutions 1280x720,1920x1080 --frames 1,21 --tiled no --repeats 3 \
         --conv-limits official,none --json "$OUT/vae.json" 2>&1 | tee "$OUT/vae.log" | grep -v "^device" ;;
+vae_budgets)
+    python3 scripts/bench_vae.py --resolutions 1280x720,1920x1080 --frames 21 --tiled no --repeats 3 \
+        --conv-limits none --budgets "${2:-8,12}" --json "$OUT/vae_budgets.json" 2>&1 | tee "$OUT/vae_budgets.log" | grep -v "^device" ;;
 tests)
     python3 -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
 dit)
