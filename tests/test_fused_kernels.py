@@ -125,6 +125,32 @@ def test_group_norm_frames_channels_last_kernel_interpreted():
 
 
 @needs_triton
+def test_group_norm_channels_last_band_statistics_interpreted():
+    # a frame's rows in two bands (as a row split runs them): each band's kernel, with the other band's statistics
+    # merged in through ``combine``, gives that band of the whole frame's GroupNorm (float32; 12 channels in 4
+    # groups, bands of 5 and 4 rows of 13 pixels, program blocks of 16 pixels with tails)
+    out = _run("""
+        cl = torch.channels_last_3d
+        x = (rnd(2, 12, 3, 9, 13, dtype=torch.float32) * 0.7 + 2).contiguous(memory_format=cl)
+        w, b = rnd(12, dtype=torch.float32) + 1, rnd(12, dtype=torch.float32)
+        whole = k.group_norm_frames_cl(x, 4, w, b, 1e-6, silu=True, block_rows=16)
+        bands = [x[:, :, :, :5].contiguous(memory_format=cl), x[:, :, :, 5:].contiguous(memory_format=cl)]
+        local = []
+        def own(stats, n):
+            local.append((stats, n))
+            return stats[:, None], torch.tensor([float(n)])
+        for band in bands:
+            k.group_norm_frames_cl(band, 4, w, b, 1e-6, silu=True, block_rows=16, combine=own)
+        def both(stats, n):
+            return torch.stack([s for s, _ in local], dim=1), torch.tensor([float(m) for _, m in local])
+        got = [k.group_norm_frames_cl(band, 4, w, b, 1e-6, silu=True, block_rows=16, combine=both) for band in bands]
+        assert rel(torch.cat(got, dim=3), whole) < 2e-5, rel(torch.cat(got, dim=3), whole)
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+@needs_triton
 def test_conv_bias_folding_kernels_interpreted():
     # a conv's bias left to what reads its output gives the same bits as adding it in a pass of its own: the
     # channels-last GroupNorm of x with in_bias equals it of x + bias (rounded to x's dtype), 6 channels in 3 groups
