@@ -69,6 +69,9 @@ KNOBS: tuple[Knob, ...] = (
          choices=("auto", "cudnn", "flash", "default")),
     Knob("FUSED", "switch", True, "fused Triton kernels of the DiT (norm+modulate, residual, q/k norm+RoPE) and the "
          "VAE's GroupNorm (self-tested per GPU)"),
+    Knob("GN_KERNEL", "choice", "group", "the VAE's channels-last GroupNorm kernels: group (a program per group's "
+         "channels, statistics gathered per element) or rows (whole rows, per-channel statistics; until timed)",
+         choices=("group", "rows")),
     Knob("VAE_FOLD_BIASES", "switch", False, "the VAE ResNet convs' biases added by the fused kernels that read "
          "their outputs (GroupNorm, residual) instead of in a pass of their own; same rounding, off until its GPU "
          "test has run"),
