@@ -31,3 +31,8 @@ def test_planned_tiles_are_the_memory_plans():
     assert enc8 != (0, 0) and dec8 != (0, 0)          # ((tile h, tile w), overlap); (0, 0): one pass
     enc80, dec80, _ = BV.planned_tiles(vae, 1280, 720, 21, 80)
     assert enc80 == (0, 0) and dec80 == (0, 0)
+    # a planned tile is an (h, w) pair: the FLOP count takes it as the timed call does
+    (tile, overlap) = BV.planned_tiles(vae, 1280, 720, 21, 8)[1]
+    tiled = BV.count_flops(SEEDVR2_VAE, torch.bfloat16, "decode", (1, 16, 6, 90, 160), True, tile, overlap)
+    whole = BV.count_flops(SEEDVR2_VAE, torch.bfloat16, "decode", (1, 16, 6, 90, 160), False, 0, 0)
+    assert whole["conv"] < tiled["conv"] < 1.3 * whole["conv"]
