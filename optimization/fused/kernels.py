@@ -307,7 +307,7 @@ def _gn_apply_kernel(X, Y, MEAN, RSTD, W, BIAS, HW, T, C, CG, SILU: tl.constexpr
 # "group": the moments programs take (frame, group, block of rows), reading one group's channels of each row; the
 # apply programs (block of rows, block of channels) of the (B*T*H*W, C) matrix, each element's statistics gathered.
 @triton.jit
-def _gn_cl_moments_kernel(X, IN_B, PART, HW, C, NBLK, ROWS, HAS_IN_B: tl.constexpr, SUB: tl.constexpr,
+def _gn_cl_moments_rows_kernel(X, IN_B, PART, HW, C, NBLK, ROWS, HAS_IN_B: tl.constexpr, SUB: tl.constexpr,
                           BLOCK_C: tl.constexpr):
     j = tl.program_id(0)
     frame = tl.program_id(1).to(tl.int64)        # b * T + t
@@ -340,7 +340,7 @@ def _gn_cl_moments_kernel(X, IN_B, PART, HW, C, NBLK, ROWS, HAS_IN_B: tl.constex
 
 
 @triton.jit
-def _gn_cl_apply_kernel(X, IN_B, Y, MEAN, RSTD, W, BIAS, HW, WIDTH, T, C, CG, G, YB, YT, YH, SILU: tl.constexpr,
+def _gn_cl_apply_rows_kernel(X, IN_B, Y, MEAN, RSTD, W, BIAS, HW, WIDTH, T, C, CG, G, YB, YT, YH, SILU: tl.constexpr,
                         HAS_IN_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     p = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)     # pixels of the frame
     frame = tl.program_id(1).to(tl.int64)
@@ -366,14 +366,6 @@ def _gn_cl_apply_kernel(X, IN_B, Y, MEAN, RSTD, W, BIAS, HW, WIDTH, T, C, CG, G,
     h = p // WIDTH
     yrow = b * YB + t * YT + h * YH + (p - h * WIDTH) * C
     tl.store(Y + yrow[:, None] + cols[None, :], y, mask=mask)
-
-
-def _combine_moments(part, cnt, n, eps, dtype):
-    """mean and rstd of each row of ``part`` over ``n`` values (``merge_moments``), rounded to ``dtype`` and back
-    as torch's CUDA GroupNorm does."""
-    mean, m2 = merge_moments(part, cnt, n)
-    rstd = torch.rsqrt(m2 / n + eps)
-    return mean.to(dtype).float(), rstd.to(dtype).float()
 
 
 @triton.jit
@@ -433,6 +425,14 @@ def _gn_cl_apply_gather_kernel(X, IN_B, Y, MEAN, RSTD, W, BIAS, NROWS, HW, WIDTH
     tl.store(Y + yrow[:, None] + cols[None, :], y, mask=mask)
 
 
+def _combine_moments(part, cnt, n, eps, dtype):
+    """mean and rstd of each row of ``part`` over ``n`` values (``merge_moments``), rounded to ``dtype`` and back
+    as torch's CUDA GroupNorm does."""
+    mean, m2 = merge_moments(part, cnt, n)
+    rstd = torch.rsqrt(m2 / n + eps)
+    return mean.to(dtype).float(), rstd.to(dtype).float()
+
+
 MOMENT_PROGRAMS = 1024
 
 
@@ -463,7 +463,7 @@ def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=No
         rows = -(-per // sub) * sub
         nblk = triton.cdiv(hw, rows)
         part = torch.empty((b, t, nblk, c, 2), device=x.device, dtype=torch.float32)
-        _gn_cl_moments_kernel[(nblk, b * t)](x, in_b, part, hw, c, nblk, rows, HAS_IN_B=has_b, SUB=sub,
+        _gn_cl_moments_rows_kernel[(nblk, b * t)](x, in_b, part, hw, c, nblk, rows, HAS_IN_B=has_b, SUB=sub,
                                              BLOCK_C=block_c, num_warps=4)
         # a group's partials: its channels of every block, each over that block's pixels
         part = part.view(b, t, nblk, groups, cg, 2).permute(0, 3, 1, 2, 4, 5).reshape(b * groups * t, nblk * cg, 2)
@@ -491,7 +491,7 @@ def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=No
         block_c2 = min(triton.next_power_of_2(c), 128)
         block_r2 = max(1, 8192 // block_c2)
         grid = (triton.cdiv(hw, block_r2), b * t, triton.cdiv(c, block_c2))
-        _gn_cl_apply_kernel[grid](x, in_b, y, mean, rstd, weight, bias, hw, w, t, c, cg, groups, y.stride(0),
+        _gn_cl_apply_rows_kernel[grid](x, in_b, y, mean, rstd, weight, bias, hw, w, t, c, cg, groups, y.stride(0),
                                   y.stride(2), y.stride(3), SILU=silu, HAS_IN_B=has_b, BLOCK_R=block_r2,
                                   BLOCK_C=block_c2, num_warps=8)
     else:
