@@ -101,15 +101,14 @@ def test_group_norm_frames_channels_last_kernel_interpreted():
     # 99 rows per frame in blocks of 16 (a 3-row tail), 3 frames, 2 samples; fp32 equals the NCDHW kernel's
     out = _run("""
         cl = torch.channels_last_3d
-        for variant, (dt, tol, mean) in ((v, c) for v in k.GN_CL_VARIANTS
-                                         for c in ((torch.float32, 2e-5, 40.0), (torch.bfloat16, 8e-3, 0.1))):
+        for dt, tol, mean in ((torch.float32, 2e-5, 40.0), (torch.bfloat16, 8e-3, 0.1)):
             x = (rnd(2, 6, 3, 9, 11, dtype=torch.float32) * 0.5 + mean).to(dt).contiguous(memory_format=cl)
             w, b = rnd(6, dtype=dt) + 1, rnd(6, dtype=dt)
             for silu in (False, True):
-                got = k.group_norm_frames_cl(x, 3, w, b, 1e-6, silu=silu, block_rows=16, variant=variant)
+                got = k.group_norm_frames_cl(x, 3, w, b, 1e-6, silu=silu, block_rows=16)
                 want = ref.group_norm_frames(x.contiguous(), 3, w, b, 1e-6, silu=silu)
                 assert got.shape == x.shape and got.dtype == dt and got.is_contiguous(memory_format=cl)
-                assert rel(got, want) < tol, (variant, dt, silu, rel(got, want))
+                assert rel(got, want) < tol, (dt, silu, rel(got, want))
                 if dt == torch.float32:
                     same = k.group_norm_frames(x.contiguous(), 3, w, b, 1e-6, silu=silu, block=32)
                     assert rel(got, same) < tol
@@ -117,15 +116,14 @@ def test_group_norm_frames_channels_last_kernel_interpreted():
         x2 = x.clone()
         x2[:, :, 1] *= 1000
         w, b = torch.ones(4), torch.zeros(4)
-        for variant in k.GN_CL_VARIANTS:
-            a = k.group_norm_frames_cl(x.contiguous(memory_format=cl), 2, w, b, 0.0, block_rows=16, variant=variant)
-            c = k.group_norm_frames_cl(x2.contiguous(memory_format=cl), 2, w, b, 0.0, block_rows=16, variant=variant)
-            assert rel(a, c) < 1e-5, variant
-        # the default program count (no block_rows) of the rows variant, 3 frames of 99 pixels: the same numbers
+        a = k.group_norm_frames_cl(x.contiguous(memory_format=cl), 2, w, b, 0.0, block_rows=16)
+        c = k.group_norm_frames_cl(x2.contiguous(memory_format=cl), 2, w, b, 0.0, block_rows=16)
+        assert rel(a, c) < 1e-5
+        # the default program count (no block_rows), 3 frames of 99 pixels: the same numbers as blocks of 16
         x = (rnd(1, 8, 3, 9, 11, dtype=torch.float32) + 1).contiguous(memory_format=cl)
         w, b = torch.ones(8), torch.zeros(8)
-        assert rel(k.group_norm_frames_cl(x, 4, w, b, 1e-6, variant="rows"),
-                   k.group_norm_frames_cl(x, 4, w, b, 1e-6, variant="group")) < 2e-5
+        assert rel(k.group_norm_frames_cl(x, 4, w, b, 1e-6),
+                   k.group_norm_frames_cl(x, 4, w, b, 1e-6, block_rows=16)) < 2e-5
         print("ok")
     """)
     assert "ok" in out
@@ -142,18 +140,16 @@ def test_group_norm_channels_last_band_statistics_interpreted():
         w, b = rnd(12, dtype=torch.float32) + 1, rnd(12, dtype=torch.float32)
         want = ref.group_norm_frames(x.contiguous(), 4, w, b, 1e-6, silu=True)
         bands = [x[:, :, :, :5].contiguous(memory_format=cl), x[:, :, :, 5:].contiguous(memory_format=cl)]
-        for v in k.GN_CL_VARIANTS:
-            local = []
-            def own(stats, n):
-                local.append((stats, n))
-                return stats[:, None], torch.tensor([float(n)])
-            for band in bands:
-                k.group_norm_frames_cl(band, 4, w, b, 1e-6, silu=True, block_rows=16, combine=own, variant=v)
-            def both(stats, n):
-                return torch.stack([s for s, _ in local], dim=1), torch.tensor([float(m) for _, m in local])
-            got = [k.group_norm_frames_cl(band, 4, w, b, 1e-6, silu=True, block_rows=16, combine=both, variant=v)
-                   for band in bands]
-            assert rel(torch.cat(got, dim=3), want) < 2e-5, (v, rel(torch.cat(got, dim=3), want))
+        local = []
+        def own(stats, n):
+            local.append((stats, n))
+            return stats[:, None], torch.tensor([float(n)])
+        for band in bands:
+            k.group_norm_frames_cl(band, 4, w, b, 1e-6, silu=True, block_rows=16, combine=own)
+        def both(stats, n):
+            return torch.stack([s for s, _ in local], dim=1), torch.tensor([float(m) for _, m in local])
+        got = [k.group_norm_frames_cl(band, 4, w, b, 1e-6, silu=True, block_rows=16, combine=both) for band in bands]
+        assert rel(torch.cat(got, dim=3), want) < 2e-5, rel(torch.cat(got, dim=3), want)
         print("ok")
     """)
     assert "ok" in out
@@ -171,10 +167,9 @@ def test_conv_bias_folding_kernels_interpreted():
             x = (rnd(2, 6, 3, 9, 11, dtype=torch.float32) * 0.5 + 3).to(dt).contiguous(memory_format=cl)
             w, b, ib = rnd(6, dtype=dt) + 1, rnd(6, dtype=dt), rnd(6, dtype=dt) * 4
             xb = (x + ib.view(1, -1, 1, 1, 1)).contiguous(memory_format=cl)
-            for silu, v in ((s, v) for s in (False, True) for v in k.GN_CL_VARIANTS):
-                got = k.group_norm_frames_cl(x, 3, w, b, 1e-6, silu=silu, block_rows=16, in_bias=ib, variant=v)
-                assert torch.equal(got, k.group_norm_frames_cl(xb, 3, w, b, 1e-6, silu=silu, block_rows=16,
-                                                               variant=v)), (dt, silu, v)
+            for silu in (False, True):
+                got = k.group_norm_frames_cl(x, 3, w, b, 1e-6, silu=silu, block_rows=16, in_bias=ib)
+                assert torch.equal(got, k.group_norm_frames_cl(xb, 3, w, b, 1e-6, silu=silu, block_rows=16)), (dt, silu)
                 if dt == torch.float32:
                     assert rel(got, ref.group_norm_frames(xb.contiguous(), 3, w, b, 1e-6, silu=silu)) < 2e-5
             h = rnd(1, 5, 2, 7, 3, dtype=dt).contiguous(memory_format=cl)

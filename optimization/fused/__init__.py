@@ -141,11 +141,11 @@ def check_kernels(k, device, tol) -> Tuple[bool, str]:
     gw, gb = rnd(8, scale=0.3) + 1, rnd(8, scale=0.3)
     errs["group_norm_frames"] = _rel(k.group_norm_frames(xg, 4, gw, gb, 1e-6, silu=True),
                                      reference.group_norm_frames(xg, 4, gw, gb, 1e-6, silu=True))
-    xcl, ib, gv = xg.contiguous(memory_format=torch.channels_last_3d), rnd(8, scale=0.5), knobs.get("GN_KERNEL")
-    errs["group_norm_frames_cl"] = _rel(k.group_norm_frames_cl(xcl, 4, gw, gb, 1e-6, silu=True, variant=gv),
+    xcl, ib = xg.contiguous(memory_format=torch.channels_last_3d), rnd(8, scale=0.5)
+    errs["group_norm_frames_cl"] = _rel(k.group_norm_frames_cl(xcl, 4, gw, gb, 1e-6, silu=True),
                                         reference.group_norm_frames(xg, 4, gw, gb, 1e-6, silu=True))
     errs["group_norm_frames_cl_in_bias"] = _rel(
-        k.group_norm_frames_cl(xcl, 4, gw, gb, 1e-6, silu=True, in_bias=ib, variant=gv),
+        k.group_norm_frames_cl(xcl, 4, gw, gb, 1e-6, silu=True, in_bias=ib),
         reference.group_norm_frames(xg + ib.view(1, -1, 1, 1, 1), 4, gw, gb, 1e-6, silu=True))
     hr = rnd(1, 8, 2, 70, 70).contiguous(memory_format=torch.channels_last_3d)
     want_r = (hr + ib.view(1, -1, 1, 1, 1)) + xcl
@@ -270,8 +270,7 @@ def group_norm_frames(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool,
     if channels_last(x):
         direct = out is not None and out.dtype == x.dtype and out.stride(1) == 1 and out.stride(4) == x.shape[1]
         y = k.group_norm_frames_cl(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu,
-                                   out=out if direct else None, combine=combine, in_bias=in_bias,
-                                   variant=knobs.get("GN_KERNEL"))
+                                   out=out if direct else None, combine=combine, in_bias=in_bias)
     elif combine is not None:
         raise ValueError("group_norm_frames: band statistics (combine) need a channels-last 3-D x")
     else:

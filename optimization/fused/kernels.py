@@ -299,16 +299,14 @@ def _gn_apply_kernel(X, Y, MEAN, RSTD, W, BIAS, HW, T, C, CG, SILU: tl.constexpr
 
 
 # The same on the channels-last 3-D layout (memory order B, T, H, W, C: what cuDNN's convolutions read and write
-# without transposing). A frame is an (H*W, C) matrix. Two variants (``GN_CL_VARIANTS``, the knob GN_KERNEL):
-# "rows": both kernels read whole rows of it (every channel of a pixel: contiguous, coalesced) and index their
-# statistics per column, not per element: the moments programs take (block of a frame's rows, frame) and keep each
-# channel's (mean, M2) over their rows, merged over row tiles as they go (Chan et al.); the channels of a group are
-# merged after, with the blocks; the apply programs take (block of a frame's rows, frame, block of channels).
-# "group": the moments programs take (frame, group, block of rows), reading one group's channels of each row; the
-# apply programs (block of rows, block of channels) of the (B*T*H*W, C) matrix, each element's statistics gathered.
+# without transposing). A frame is an (H*W, C) matrix; both kernels read whole rows of it (every channel of a pixel:
+# contiguous, coalesced) and index their statistics per column, not per element. The moments programs take (block of
+# a frame's rows, frame) and keep each channel's (mean, M2) over their rows, merged over row tiles as they go (Chan et
+# al.); the channels of a group are merged after, with the blocks. The apply programs take (block of a frame's rows,
+# frame, block of channels).
 @triton.jit
-def _gn_cl_moments_rows_kernel(X, IN_B, PART, HW, C, NBLK, ROWS, HAS_IN_B: tl.constexpr, SUB: tl.constexpr,
-                          BLOCK_C: tl.constexpr):
+def _gn_cl_moments_kernel(X, IN_B, PART, HW, C, NBLK, ROWS, HAS_IN_B: tl.constexpr, SUB: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
     j = tl.program_id(0)
     frame = tl.program_id(1).to(tl.int64)        # b * T + t
     cols = tl.arange(0, BLOCK_C)
@@ -340,7 +338,7 @@ def _gn_cl_moments_rows_kernel(X, IN_B, PART, HW, C, NBLK, ROWS, HAS_IN_B: tl.co
 
 
 @triton.jit
-def _gn_cl_apply_rows_kernel(X, IN_B, Y, MEAN, RSTD, W, BIAS, HW, WIDTH, T, C, CG, G, YB, YT, YH, SILU: tl.constexpr,
+def _gn_cl_apply_kernel(X, IN_B, Y, MEAN, RSTD, W, BIAS, HW, WIDTH, T, C, CG, G, YB, YT, YH, SILU: tl.constexpr,
                         HAS_IN_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     p = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)     # pixels of the frame
     frame = tl.program_id(1).to(tl.int64)
@@ -368,63 +366,6 @@ def _gn_cl_apply_rows_kernel(X, IN_B, Y, MEAN, RSTD, W, BIAS, HW, WIDTH, T, C, C
     tl.store(Y + yrow[:, None] + cols[None, :], y, mask=mask)
 
 
-@triton.jit
-def _gn_cl_moments_group_kernel(X, IN_B, PART, HW, T, C, CG, NBLK, HAS_IN_B: tl.constexpr, BLOCK_R: tl.constexpr,
-                                BLOCK_G: tl.constexpr):
-    frame = tl.program_id(0).to(tl.int64)          # b * T + t
-    g = tl.program_id(1)
-    j = tl.program_id(2)
-    rows = j * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_G)
-    mask = (rows[:, None] < HW) & (cols[None, :] < CG)
-    ptr = X + (frame * HW + rows[:, None]) * C + g * CG + cols[None, :]
-    x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-    if HAS_IN_B:      # the producing conv's bias, added here and rounded to x's dtype as its own pass would
-        xb = x + tl.load(IN_B + g * CG + cols, mask=cols < CG, other=0.0).to(tl.float32)[None, :]
-        x = tl.where(mask, xb.to(X.dtype.element_ty).to(tl.float32), 0.0)
-    n = (tl.minimum(HW - j * BLOCK_R, BLOCK_R) * CG).to(tl.float32)
-    mean = tl.sum(tl.sum(x, axis=1), axis=0) / n
-    d = tl.where(mask, x - mean, 0.0)
-    m2 = tl.sum(tl.sum(d * d, axis=1), axis=0)
-    b = frame // T
-    t = frame % T
-    idx = (((b * (C // CG) + g) * T + t) * NBLK + j).to(tl.int64)   # (sample, group, frame, block)
-    tl.store(PART + 2 * idx, mean)
-    tl.store(PART + 2 * idx + 1, m2)
-
-
-@triton.jit
-def _gn_cl_apply_gather_kernel(X, IN_B, Y, MEAN, RSTD, W, BIAS, NROWS, HW, WIDTH, T, C, CG, YB, YT, YH,
-                               SILU: tl.constexpr, HAS_IN_B: tl.constexpr, BLOCK_R: tl.constexpr,
-                               BLOCK_C: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    rmask, cmask = rows < NROWS, cols < C
-    mask = rmask[:, None] & cmask[None, :]
-    frame = rows // HW
-    b = frame // T
-    t = frame % T
-    stat = (b[:, None] * (C // CG) + cols[None, :] // CG) * T + t[:, None]
-    # torch's fused parameters: y = x * a + (beta - mean * a), a = rstd * gamma, in fp32
-    a = tl.load(RSTD + stat, mask=mask, other=0.0) * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    sh = tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)[None, :] - tl.load(MEAN + stat, mask=mask,
-                                                                                       other=0.0) * a
-    x = tl.load(X + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_IN_B:
-        x = (x + tl.load(IN_B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]).to(X.dtype.element_ty)
-        x = x.to(tl.float32)
-    y = (x * a + sh).to(Y.dtype.element_ty)
-    if SILU:
-        yf = y.to(tl.float32)
-        y = (yf / (1.0 + tl.exp(-yf))).to(Y.dtype.element_ty)
-    # Y may be a window of a larger buffer (rows of a band between its neighbours' halo rows): strided per sample,
-    # frame and row; a row's pixels and channels are dense
-    p = rows % HW
-    h = p // WIDTH
-    yrow = b * YB + t * YT + h * YH + (p - h * WIDTH) * C
-    tl.store(Y + yrow[:, None] + cols[None, :], y, mask=mask)
-
-
 def _combine_moments(part, cnt, n, eps, dtype):
     """mean and rstd of each row of ``part`` over ``n`` values (``merge_moments``), rounded to ``dtype`` and back
     as torch's CUDA GroupNorm does."""
@@ -436,72 +377,47 @@ def _combine_moments(part, cnt, n, eps, dtype):
 MOMENT_PROGRAMS = 1024
 
 
-GN_CL_VARIANTS = ("group", "rows")
-
-
 def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=None, out=None, combine=None,
-                         in_bias=None, variant="group"):
+                         in_bias=None):
     """``group_norm_frames`` of x (B, C, T, H, W) (plus ``in_bias`` (C,) per channel when given, the sum rounded to
     x's dtype: the bias of the conv that made x) stored channels-last 3-D; the output is stored the same way, in
     ``out`` if given (x's shape and dtype; channels and a row's pixels dense, samples, frames and rows at any
     stride: e.g. a run of frames and rows inside a larger buffer). ``block_rows``: a frame's pixels per moments
     program. ``combine`` (for a band of a frame's rows): takes this band's (rows, 2) float32 (mean, M2) per (sample,
     group, frame) and its value count per row, returns every band's as (rows, bands, 2) and (bands,), whose merge
-    gives the whole frame's statistics. ``variant``: one of ``GN_CL_VARIANTS`` (same results, other programs)."""
+    gives the whole frame's statistics."""
     b, c, t, h, w = x.shape
     hw = h * w
     cg = c // groups
     has_b = in_bias is not None
     in_b = in_bias if has_b else weight
-    if variant == "rows":
-        block_c = triton.next_power_of_2(c)
-        # pixels per program: about MOMENT_PROGRAMS programs in all (a small latent frame still fills the GPU), at
-        # most 2048 a program (their partials stay small), in tiles of `sub` rows (a runtime loop: no compile per
-        # shape)
-        per = block_rows or min(2048, max(1, -(-b * t * hw // MOMENT_PROGRAMS)))
-        sub = min(64, max(1, 4096 // block_c), triton.next_power_of_2(per))
-        rows = -(-per // sub) * sub
-        nblk = triton.cdiv(hw, rows)
-        part = torch.empty((b, t, nblk, c, 2), device=x.device, dtype=torch.float32)
-        _gn_cl_moments_rows_kernel[(nblk, b * t)](x, in_b, part, hw, c, nblk, rows, HAS_IN_B=has_b, SUB=sub,
-                                             BLOCK_C=block_c, num_warps=4)
-        # a group's partials: its channels of every block, each over that block's pixels
-        part = part.view(b, t, nblk, groups, cg, 2).permute(0, 3, 1, 2, 4, 5).reshape(b * groups * t, nblk * cg, 2)
-        per_part = cg
-    elif variant == "group":
-        block_g = triton.next_power_of_2(cg)
-        rows = block_rows or max(16, min(1024, 8192 // block_g))
-        nblk = triton.cdiv(hw, rows)
-        part = torch.empty((b * groups * t, nblk, 2), device=x.device, dtype=torch.float32)
-        _gn_cl_moments_group_kernel[(b * t, groups, nblk)](x, in_b, part, hw, t, c, cg, nblk, HAS_IN_B=has_b,
-                                                           BLOCK_R=rows, BLOCK_G=block_g, num_warps=4)
-        per_part = 1
-    else:
-        raise ValueError(f"group_norm_frames_cl: variant {variant!r}, not one of {GN_CL_VARIANTS}")
-    cnt = torch.full((nblk,), float(rows * (cg // per_part)), device=x.device)
-    cnt[-1:].fill_((hw - (nblk - 1) * rows) * (cg // per_part))   # a fill: a Python number assigned would sync
-    cnt = cnt[:, None].expand(nblk, per_part).reshape(-1)      # each channel of a block: that block's pixels
+    block_c = triton.next_power_of_2(c)
+    # pixels per program: about MOMENT_PROGRAMS programs in all (a small latent frame still fills the GPU), at most
+    # 2048 a program (their partials stay small), in tiles of `sub` rows (a runtime loop: no compile per shape)
+    per = block_rows or min(2048, max(1, -(-b * t * hw // MOMENT_PROGRAMS)))
+    sub = min(64, max(1, 4096 // block_c), triton.next_power_of_2(per))
+    rows = -(-per // sub) * sub
+    nblk = triton.cdiv(hw, rows)
+    part = torch.empty((b, t, nblk, c, 2), device=x.device, dtype=torch.float32)
+    _gn_cl_moments_kernel[(nblk, b * t)](x, in_b, part, hw, c, nblk, rows, HAS_IN_B=has_b, SUB=sub,
+                                         BLOCK_C=block_c, num_warps=4)
+    # a group's partials: its channels of every block, each over that block's pixels
+    part = part.view(b, t, nblk, groups, cg, 2).permute(0, 3, 1, 2, 4, 5).reshape(b * groups * t, nblk * cg, 2)
+    cnt = torch.full((nblk,), float(rows), device=x.device)
+    cnt[-1:].fill_(hw - (nblk - 1) * rows)   # a fill: a Python number assigned would sync
+    cnt = cnt[:, None].expand(nblk, cg).reshape(-1)      # each channel of a block: that block's pixels
     n = cg * hw
     if combine is not None:
         part, cnt = combine(torch.stack(merge_moments(part, cnt, n), dim=1), n)
         n = cnt.sum()
     mean, rstd = _combine_moments(part, cnt, n, eps, x.dtype)
     y = torch.empty_like(x) if out is None else out     # keeps the channels-last strides
-    if variant == "rows":
-        block_c2 = min(triton.next_power_of_2(c), 128)
-        block_r2 = max(1, 8192 // block_c2)
-        grid = (triton.cdiv(hw, block_r2), b * t, triton.cdiv(c, block_c2))
-        _gn_cl_apply_rows_kernel[grid](x, in_b, y, mean, rstd, weight, bias, hw, w, t, c, cg, groups, y.stride(0),
-                                  y.stride(2), y.stride(3), SILU=silu, HAS_IN_B=has_b, BLOCK_R=block_r2,
-                                  BLOCK_C=block_c2, num_warps=8)
-    else:
-        nrows = b * t * hw
-        block_c2 = min(triton.next_power_of_2(c), 128)
-        block_r2 = max(1, 4096 // block_c2)
-        grid = (triton.cdiv(nrows, block_r2), triton.cdiv(c, block_c2))
-        _gn_cl_apply_gather_kernel[grid](x, in_b, y, mean, rstd, weight, bias, nrows, hw, w, t, c, cg, y.stride(0),
-                                         y.stride(2), y.stride(3), SILU=silu, HAS_IN_B=has_b, BLOCK_R=block_r2,
-                                         BLOCK_C=block_c2, num_warps=8)
+    block_c2 = min(triton.next_power_of_2(c), 128)
+    block_r2 = max(1, 8192 // block_c2)
+    grid = (triton.cdiv(hw, block_r2), b * t, triton.cdiv(c, block_c2))
+    _gn_cl_apply_kernel[grid](x, in_b, y, mean, rstd, weight, bias, hw, w, t, c, cg, groups, y.stride(0),
+                              y.stride(2), y.stride(3), SILU=silu, HAS_IN_B=has_b, BLOCK_R=block_r2,
+                              BLOCK_C=block_c2, num_warps=8)
     return y
 
 

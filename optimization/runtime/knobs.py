@@ -69,12 +69,8 @@ KNOBS: tuple[Knob, ...] = (
          choices=("auto", "cudnn", "flash", "default")),
     Knob("FUSED", "switch", True, "fused Triton kernels of the DiT (norm+modulate, residual, q/k norm+RoPE) and the "
          "VAE's GroupNorm (self-tested per GPU)"),
-    Knob("GN_KERNEL", "choice", "group", "the VAE's channels-last GroupNorm kernels: group (a program per group's "
-         "channels, statistics gathered per element) or rows (whole rows, per-channel statistics; until timed)",
-         choices=("group", "rows")),
-    Knob("VAE_FOLD_BIASES", "switch", False, "the VAE ResNet convs' biases added by the fused kernels that read "
-         "their outputs (GroupNorm, residual) instead of in a pass of their own; same rounding, off until its GPU "
-         "test has run"),
+    Knob("VAE_FOLD_BIASES", "switch", True, "the VAE ResNet convs' biases added by the fused kernels that read "
+         "their outputs (GroupNorm, residual) instead of in a pass of their own, rounded where that pass rounds"),
     Knob("QKV_KERNEL", "choice", None, "force one variant of the fused q/k norm+RoPE kernel (default: the fastest "
          "that passes its self-test)", choices=("v3", "v2", "v1")),
     Knob("FUSED_GELU", "switch", True, "the 7B MLP's GELU in the cuBLASLt epilogue"),

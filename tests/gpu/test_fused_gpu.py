@@ -70,14 +70,7 @@ def test_silu_mul_and_linear_gelu():
 
 @pytest.mark.parametrize("shape,groups", [((1, 128, 3, 180, 320), 32), ((2, 64, 1, 33, 47), 32), ((1, 512, 2, 90, 160), 32)])
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last_3d])
-@pytest.mark.parametrize("variant", ["group", "rows"])
-def test_group_norm_frames(shape, groups, layout, variant):
-    from seedvr2bw.optimization.runtime import knobs
-    with knobs.override(GN_KERNEL=variant):
-        _group_norm_frames_case(shape, groups, layout)
-
-
-def _group_norm_frames_case(shape, groups, layout):
+def test_group_norm_frames(shape, groups, layout):
     g = torch.Generator(device="cuda").manual_seed(shape[1])
     x = (torch.randn(shape, device="cuda", generator=g) * 2 + 3).bfloat16().contiguous(memory_format=layout)
     norm = torch.nn.GroupNorm(groups, shape[1], eps=1e-6).cuda().bfloat16()
