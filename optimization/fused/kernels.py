@@ -301,40 +301,41 @@ def _gn_apply_kernel(X, Y, MEAN, RSTD, W, BIAS, HW, T, C, CG, SILU: tl.constexpr
 # The same on the channels-last 3-D layout (memory order B, T, H, W, C: what cuDNN's convolutions read and write
 # without transposing). A frame is an (H*W, C) matrix; both kernels read whole rows of it (every channel of a pixel:
 # contiguous, coalesced) and index their statistics per column, not per element. The moments programs take (block of
-# a frame's rows, frame) and keep each channel's (mean, M2) over their rows, merged over row tiles as they go (Chan et
-# al.); the channels of a group are merged after, with the blocks. The apply programs take (block of a frame's rows,
+# a frame's rows, frame) and give each channel's (mean, M2) over their rows; the channels of a group are merged after,
+# with the blocks. The apply programs take (block of a frame's rows,
 # frame, block of channels).
 @triton.jit
 def _gn_cl_moments_kernel(X, IN_B, PART, HW, C, NBLK, ROWS, HAS_IN_B: tl.constexpr, SUB: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
+                          BLOCK_C: tl.constexpr):
     j = tl.program_id(0)
     frame = tl.program_id(1).to(tl.int64)        # b * T + t
     cols = tl.arange(0, BLOCK_C)
     cmask = cols < C
+    r0 = j * ROWS
     if HAS_IN_B:      # the producing conv's bias, added here and rounded to x's dtype as its own pass would
         ib = tl.load(IN_B + cols, mask=cmask, other=0.0).to(tl.float32)
-    n = tl.zeros([BLOCK_C], tl.float32)
-    mean = tl.zeros([BLOCK_C], tl.float32)
-    m2 = tl.zeros([BLOCK_C], tl.float32)
+    # sums of x - shift per (row of the tile, channel), reduced once at the end: no reduction across the
+    # program's threads inside the loop. The shift, the block's first row, keeps the sums near zero so that
+    # M2 = Q - S^2 / n loses nothing to cancellation.
+    shift = tl.load(X + (frame * HW + r0) * C + cols, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_IN_B:
+        shift = (shift + ib).to(X.dtype.element_ty).to(tl.float32)
+    acc_s = tl.zeros([SUB, BLOCK_C], tl.float32)
+    acc_q = tl.zeros([SUB, BLOCK_C], tl.float32)
     for s in range(0, ROWS, SUB):
-        rows = j * ROWS + s + tl.arange(0, SUB)
-        rmask = rows < HW
-        mask = rmask[:, None] & cmask[None, :]
+        rows = r0 + s + tl.arange(0, SUB)
+        mask = (rows < HW)[:, None] & cmask[None, :]
         x = tl.load(X + (frame * HW + rows[:, None]) * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_IN_B:
             x = (x + ib[None, :]).to(X.dtype.element_ty).to(tl.float32)
-        k = tl.sum(rmask.to(tl.float32), axis=0)            # rows of this tile inside the frame (0 past its end)
-        m_t = tl.sum(tl.where(mask, x, 0.0), axis=0) / tl.maximum(k, 1.0)
-        d = tl.where(mask, x - m_t[None, :], 0.0)
-        tot = n + k
-        frac = k / tl.maximum(tot, 1.0)
-        delta = m_t - mean
-        mean += delta * frac
-        m2 += tl.sum(d * d, axis=0) + delta * delta * n * frac
-        n = tot
+        d = tl.where(mask, x - shift[None, :], 0.0)
+        acc_s += d
+        acc_q += d * d
+    n = tl.minimum(HW - r0, ROWS).to(tl.float32)
+    sm = tl.sum(acc_s, axis=0)
     idx = (frame * NBLK + j) * C + cols                     # (sample, frame, block, channel)
-    tl.store(PART + 2 * idx, mean, mask=cmask)
-    tl.store(PART + 2 * idx + 1, m2, mask=cmask)
+    tl.store(PART + 2 * idx, shift + sm / n, mask=cmask)
+    tl.store(PART + 2 * idx + 1, tl.maximum(tl.sum(acc_q, axis=0) - sm * sm / n, 0.0), mask=cmask)
 
 
 @triton.jit
