@@ -184,6 +184,47 @@ def test_conv_bias_folding_kernels_interpreted():
 
 
 @needs_triton
+def test_depth_to_space_and_residual_bias_kernels_interpreted():
+    # the upsampler's depth-to-space with its 1 x 1 conv's bias equals torch's add then strided copy, bit for bit
+    # (float32, float16: see above), into a window of a larger buffer (2 prepended frames, a halo row above and
+    # below), spatial x2 with and without x2 in time, the first chunk's duplicate frame dropped or not; 12 output
+    # channels in tiles of 8 (a channel tail). The residual with x's own bias equals (h + b) + (x + xb).
+    out = _run("""
+        from seedvr2bw.optimization import fused
+        cl = torch.channels_last_3d
+        for dt in (torch.float32, torch.float16):
+            for rt, drop in ((1, False), (2, False), (2, True)):
+                c, t, h, w = 12, 3, 5, 4
+                y = rnd(1, 4 * rt * c, t, h, w, dtype=dt).contiguous(memory_format=cl)
+                bias = rnd(4 * rt * c, dtype=dt) * 3
+                tout = t * rt - int(drop)
+                buf = torch.full((1, c, tout + 2, 2 * h + 2, 2 * w), float("nan"), dtype=dt).contiguous(memory_format=cl)
+                body = buf[:, :, 2:, 1:1 + 2 * h]
+                want = body.clone()
+                fused.enabled = lambda *t: False
+                fused.depth_to_space(y, bias, want, 2, rt, drop)
+                fused.enabled = lambda *t: True
+                for bb in (bias, None):
+                    k.depth_to_space_cl(y, bb, body, 2, rt, drop)
+                    ref_ = want if bb is not None else None
+                    if ref_ is None:
+                        ref_ = body.clone()
+                        fused.enabled = lambda *t: False
+                        fused.depth_to_space(y, None, ref_, 2, rt, drop)
+                        fused.enabled = lambda *t: True
+                    assert torch.equal(body, ref_), (dt, rt, drop, bb is None)
+                assert torch.isnan(buf[:, :, :2]).all() and torch.isnan(buf[:, :, :, 0]).all()
+            hh = rnd(1, 5, 2, 7, 3, dtype=dt).contiguous(memory_format=cl)
+            xx = rnd(1, 5, 2, 7, 3, dtype=dt).contiguous(memory_format=cl)
+            b1, b2 = rnd(5, dtype=dt) * 3, rnd(5, dtype=dt) * 3
+            want = (hh + b1.view(1, -1, 1, 1, 1)) + (xx + b2.view(1, -1, 1, 1, 1))
+            assert torch.equal(k.residual_bias_cl(hh, xx, b1, b2), want), dt
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+@needs_triton
 def test_resnet_block_with_folded_biases_interpreted():
     # the VAE's ResNet block on the fused channels-last path with its conv biases folded (SEEDVR2BW_VAE_FOLD_BIASES:
     # conv1's into norm2's kernels, conv2's into the residual kernel), with and without a shortcut conv, large

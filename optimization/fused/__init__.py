@@ -149,7 +149,16 @@ def check_kernels(k, device, tol) -> Tuple[bool, str]:
         reference.group_norm_frames(xg + ib.view(1, -1, 1, 1, 1), 4, gw, gb, 1e-6, silu=True))
     hr = rnd(1, 8, 2, 70, 70).contiguous(memory_format=torch.channels_last_3d)
     want_r = (hr + ib.view(1, -1, 1, 1, 1)) + xcl
-    errs["residual_bias_cl"] = _rel(k.residual_bias_cl(hr, xcl, ib), want_r)
+    errs["residual_bias_cl"] = _rel(k.residual_bias_cl(hr.clone(), xcl, ib), want_r)
+    errs["residual_bias_cl_x_bias"] = _rel(k.residual_bias_cl(hr.clone(), xcl, ib, ib.flip(0)),
+                                           want_r + ib.flip(0).view(1, -1, 1, 1, 1))
+    # depth-to-space with its conv's bias: 2 x 2 spatial, 2 temporal, the first chunk's duplicate frame dropped
+    yd, bd = rnd(1, 32, 2, 5, 6).contiguous(memory_format=torch.channels_last_3d), rnd(32)
+    want_d = (yd + bd.view(1, -1, 1, 1, 1)).view(1, 2, 2, 2, 4, 2, 5, 6).permute(0, 4, 5, 3, 6, 1, 7, 2)
+    want_d = want_d.reshape(1, 4, 4, 10, 12)[:, :, [0, 2, 3]]
+    od = torch.empty(1, 4, 3, 10, 12, device=device, dtype=torch.bfloat16).contiguous(
+        memory_format=torch.channels_last_3d)
+    errs["depth_to_space_cl"] = _rel(k.depth_to_space_cl(yd, bd, od, 2, 2, True), want_d)
     w, bias = rnd(96, d, scale=d ** -0.5), rnd(96, scale=0.1)
     xl = x[:, :d]
     ref = torch.nn.functional.gelu(torch.nn.functional.linear(xl.float(), w.float(), bias.float()), approximate="tanh")
@@ -283,12 +292,43 @@ def group_norm_frames(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool,
     return y
 
 
-def residual_bias(h: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """h + x + bias (per channel of dim 1), written into h and returned: one pass (``kernels.residual_bias_cl``)
-    where both are dense channels-last 3-D of one shape and the kernels are enabled, else two torch adds."""
+def _per_channel(bias: torch.Tensor, ndim: int) -> torch.Tensor:
+    return bias.view(1, -1, *([1] * (ndim - 2)))
+
+
+def residual_bias(h: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
+                  x_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """h + bias + x (per channel of dim 1), written into h and returned; ``x_bias``: x lacks its conv's bias, added
+    to x first. One pass (``kernels.residual_bias_cl``) where both are dense channels-last 3-D of one shape and the
+    kernels are enabled, else torch adds (rounded at the same places)."""
     if enabled(h, x, bias) and h.shape == x.shape and channels_last(h) and channels_last(x):
-        return _load().residual_bias_cl(h, x, bias)
-    return h.add_(bias.view(1, -1, *([1] * (h.ndim - 2)))).add_(x)
+        return _load().residual_bias_cl(h, x, bias, x_bias)
+    if x_bias is not None:
+        x = x + _per_channel(x_bias, x.ndim)
+    return h.add_(_per_channel(bias, h.ndim)).add_(x)
+
+
+def depth_to_space(y: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor, s: int, rt: int,
+                   drop: bool) -> torch.Tensor:
+    """The upsampler's depth-to-space of y (B, s*s*rt*C, T, H, W) (+ ``bias`` per channel of y, which lacks its
+    conv's bias) into ``out`` (B, C, T*rt - drop, H*s, W*s), channels-last 3-D both: channel ((sx*s + sy)*rt +
+    st)*C + c of pixel (t, h, w) goes to frame t*rt + st, pixel (h*s + sx, w*s + sy); ``drop``: the first chunk's
+    duplicate frame 1 is not written. One pass where the kernels are enabled (``kernels.depth_to_space_cl``), else
+    torch's add and a strided copy."""
+    if enabled(y, out) and channels_last(y) and out.stride(1) == 1 and out.stride(4) == out.shape[1]:
+        return _load().depth_to_space_cl(y, bias, out, s, rt, drop)
+    if bias is not None:
+        y = y + _per_channel(bias, y.ndim)
+    b, cr, t, h, w = y.shape
+    c = cr // (s * s * rt)
+    src = y.view(b, s, s, rt, c, t, h, w).permute(0, 5, 3, 6, 1, 7, 2, 4)   # b, t, st, h, sx, w, sy, c
+    dst = out.permute(0, 2, 3, 4, 1)                                          # b, T, H, W, c
+    if drop:
+        dst[:, :1].copy_(src[:, 0, 0].reshape(b, 1, h * s, w * s, c))
+        dst[:, 1:].view(b, t - 1, rt, h, s, w, s, c).copy_(src[:, 1:])
+    else:
+        dst.view(b, t, rt, h, s, w, s, c).copy_(src)
+    return out
 
 
 def channels_last(x: torch.Tensor) -> bool:

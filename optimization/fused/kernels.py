@@ -423,7 +423,8 @@ def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=No
 
 
 @triton.jit
-def _residual_bias_kernel(H, X, B, NROWS, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _residual_bias_kernel(H, X, B, XB, NROWS, C, HAS_XB: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
@@ -432,21 +433,75 @@ def _residual_bias_kernel(H, X, B, NROWS, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.
     h = tl.load(H + off, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(X + off, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_XB:        # x's own conv bias, left out of it: added and rounded first, as its own pass would
+        x = (x + tl.load(XB + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]).to(H.dtype.element_ty)
+        x = x.to(tl.float32)
     # rounded where the two adds it replaces round: (h + bias) then + x
     hb = (h + b).to(H.dtype.element_ty).to(tl.float32)
     tl.store(H + off, (hb + x).to(H.dtype.element_ty), mask=mask)
 
 
-def residual_bias_cl(h, x, bias):
+def residual_bias_cl(h, x, bias, x_bias=None):
     """h + bias + x (bias per channel) in one pass, written into h, rounded as the two adds ``h.add_(bias).add_(x)``
-    round; h and x (B, C, T, H, W) dense channels-last 3-D of the same shape (a (rows, C) matrix each)."""
+    round; h and x (B, C, T, H, W) dense channels-last 3-D of the same shape (a (rows, C) matrix each). ``x_bias``
+    (C,): x lacks its conv's bias, added and rounded first (as ``x + x_bias`` would)."""
     c = h.shape[1]
     nrows = h.numel() // c
     block_c = min(triton.next_power_of_2(c), 128)
     block_r = max(1, 4096 // block_c)
     grid = (triton.cdiv(nrows, block_r), triton.cdiv(c, block_c))
-    _residual_bias_kernel[grid](h, x, bias, nrows, c, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
+    _residual_bias_kernel[grid](h, x, bias, bias if x_bias is None else x_bias, nrows, c, HAS_XB=x_bias is not None,
+                                BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
     return h
+
+
+@triton.jit
+def _depth_to_space_kernel(Y, B, OUT, HW, WIDTH, T, CR, C, S, RT, OB, OT, OH, DROP: tl.constexpr,
+                           HAS_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    p = (tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)).to(tl.int64)     # source pixels of the frame
+    bt = tl.program_id(1)
+    qc = tl.program_id(2)
+    nq = S * S * RT
+    q = qc % nq                           # ((sx * S + sy) * RT + st): which output pixel and frame
+    cols = (qc // nq) * BLOCK_C + tl.arange(0, BLOCK_C)
+    st = q % RT
+    sy = (q // RT) % S
+    sx = q // (RT * S)
+    b = (bt // T).to(tl.int64)
+    t = bt % T
+    f = t * RT + st                       # output frame before the first chunk's duplicate is dropped
+    cmask = cols < C
+    pmask = p < HW
+    if DROP:
+        pmask = pmask & ((p * 0 + f) != 1)     # a vector: the frame's test on every pixel of the tile
+        f = tl.where(f > 1, f - 1, f)
+    mask = pmask[:, None] & cmask[None, :]
+    src = (bt.to(tl.int64) * HW + p[:, None]) * CR + q * C + cols[None, :]
+    v = tl.load(Y + src, mask=mask, other=0.0)
+    if HAS_B:         # the 1 x 1 conv's bias, added and rounded as its own pass would
+        v = (v.to(tl.float32) + tl.load(B + q * C + cols, mask=cmask, other=0.0).to(tl.float32)[None, :])
+    h = p // WIDTH
+    w = p - h * WIDTH
+    dst = b * OB + f.to(tl.int64) * OT + (h * S + sx) * OH + (w * S + sy) * C
+    tl.store(OUT + dst[:, None] + cols[None, :], v.to(OUT.dtype.element_ty), mask=mask)
+
+
+def depth_to_space_cl(y, bias, out, s, rt, drop):
+    """The upsampler's rearrangement of y (B, s*s*rt*C, T, H, W), dense channels-last 3-D, plus ``bias`` (s*s*rt*C,)
+    when given (y lacks its conv's bias; the sum rounded as a pass of its own would), written into ``out`` (B, C,
+    T*rt (- 1 if ``drop``), H*s, W*s): channels and a row's pixels dense, samples, frames and rows at any stride.
+    Channel ((sx*s + sy)*rt + st)*C + c of source pixel (t, h, w) goes to output frame t*rt + st (the first chunk's
+    frame 1 dropped when ``drop``), pixel (h*s + sx, w*s + sy)."""
+    b, cr, t, h, w = y.shape
+    c = cr // (s * s * rt)
+    block_c = min(triton.next_power_of_2(c), 256)
+    block_p = max(1, 8192 // block_c)
+    nc = triton.cdiv(c, block_c)
+    grid = (triton.cdiv(h * w, block_p), b * t, s * s * rt * nc)
+    _depth_to_space_kernel[grid](y, y if bias is None else bias, out, h * w, w, t, cr, c, s, rt, out.stride(0),
+                                 out.stride(2), out.stride(3), DROP=bool(drop), HAS_B=bias is not None,
+                                 BLOCK_P=block_p, BLOCK_C=block_c, num_warps=8)
+    return out
 
 
 def group_norm_frames(x, groups, weight, bias, eps, silu=False, block=4096):

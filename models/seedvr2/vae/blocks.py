@@ -12,37 +12,47 @@ from .resnet import ResnetBlock3D
 from .sampling import Downsample3D, Upsample3D
 
 
-class DownBlock3D(nn.Module):
+class _Block(nn.Module):
+    def takes_input_bias(self, x: torch.Tensor) -> bool:
+        """Whether the block's input may come without the bias of the conv that made it (its first ResNet's)."""
+        return self.resnets[0].takes_input_bias(x)
+
+
+class DownBlock3D(_Block):
     def __init__(self, cin, cout, layers, groups, eps, downsample: bool, temporal_down: bool):
         super().__init__()
         self.resnets = nn.ModuleList(
             [ResnetBlock3D(cin if i == 0 else cout, cout, groups, eps) for i in range(layers)])
         self.downsamplers = nn.ModuleList([Downsample3D(cout, temporal_down)]) if downsample else None
 
-    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
-        for r in self.resnets:
-            x = r(x, cache)
+    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None,
+                x_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x_bias``: x lacks its conv's bias (``takes_input_bias``)."""
+        for i, r in enumerate(self.resnets):
+            x = r(x, cache, x_bias if i == 0 else None)
         if self.downsamplers is not None:
             x = self.downsamplers[0](x, cache)
         return x
 
 
-class UpBlock3D(nn.Module):
+class UpBlock3D(_Block):
     def __init__(self, cin, cout, layers, groups, eps, upsample: bool, temporal_up: bool):
         super().__init__()
         self.resnets = nn.ModuleList(
             [ResnetBlock3D(cin if i == 0 else cout, cout, groups, eps) for i in range(layers)])
         self.upsamplers = nn.ModuleList([Upsample3D(cout, temporal_up)]) if upsample else None
 
-    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
-        for r in self.resnets:
-            x = r(x, cache)
+    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None,
+                x_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x_bias``: x lacks its conv's bias (``takes_input_bias``)."""
+        for i, r in enumerate(self.resnets):
+            x = r(x, cache, x_bias if i == 0 else None)
         if self.upsamplers is not None:
             x = self.upsamplers[0](x, cache)
         return x
 
 
-class MidBlock3D(nn.Module):
+class MidBlock3D(_Block):
     """ResNet -> per-frame self-attention -> ResNet."""
 
     def __init__(self, channels, groups, eps, attention: bool = True):
@@ -50,8 +60,10 @@ class MidBlock3D(nn.Module):
         self.resnets = nn.ModuleList([ResnetBlock3D(channels, channels, groups, eps) for _ in range(2)])
         self.attentions = nn.ModuleList([FrameAttention(channels, groups, eps)]) if attention else None
 
-    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
-        x = self.resnets[0](x, cache)
+    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None,
+                x_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x_bias``: x lacks its conv's bias (``takes_input_bias``)."""
+        x = self.resnets[0](x, cache, x_bias)
         if self.attentions is not None:
             x = self.attentions[0](x)
         return self.resnets[1](x, cache)

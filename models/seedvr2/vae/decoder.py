@@ -32,8 +32,10 @@ class Decoder3D(nn.Module):
         self.norm_max_bytes = math.inf
 
     def forward(self, z: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
-        x = self.conv_in(z, cache)
-        x = self.mid_block(x, cache)
+        # conv_in may leave its bias to the first ResNet's kernels (``ResnetBlock3D.takes_input_bias``)
+        fold = self.mid_block.takes_input_bias(z)
+        x = self.conv_in(z, cache, bias=not fold)
+        x = self.mid_block(x, cache, self.conv_in.bias if fold else None)
         for blk in self.up_blocks:
             x = blk(x, cache)
         return norm_silu_conv(x, self.conv_norm_out, self.conv_out, cache, self.norm_max_bytes)

@@ -33,8 +33,11 @@ class Encoder3D(nn.Module):
         self.norm_max_bytes = math.inf
 
     def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
-        x = self.conv_in(x, cache)
-        for blk in self.down_blocks:
+        # conv_in may leave its bias to the first ResNet's kernels (``ResnetBlock3D.takes_input_bias``)
+        fold = self.down_blocks[0].takes_input_bias(x)
+        x = self.conv_in(x, cache, bias=not fold)
+        x = self.down_blocks[0](x, cache, self.conv_in.bias if fold else None)
+        for blk in self.down_blocks[1:]:
             x = blk(x, cache)
         x = self.mid_block(x, cache)
         return norm_silu_conv(x, self.conv_norm_out, self.conv_out, cache, self.norm_max_bytes)

@@ -26,18 +26,29 @@ class ResnetBlock3D(nn.Module):
         self.conv_shortcut = CausalConv3d(in_channels, out_channels, 1) if in_channels != out_channels else None
         self.norm_max_bytes = math.inf
 
-    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
-        if fold_biases(x, self.conv1, self.conv2):
-            # conv1's bias goes into norm2's kernels, conv2's into the residual add: two passes over the block's
-            # activations fewer (cuDNN on NDHWC adds a bias in a pass of its own)
-            h = norm_silu_conv(x, self.norm1, self.conv1, cache, self.norm_max_bytes, conv_bias=False)
+    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None,
+                x_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x_bias``: x lacks the bias of the conv that made it (``takes_input_bias``), added where x is read."""
+        fold = fold_biases(x, self.conv1, self.conv2)
+        if x_bias is not None and not (fold and self.conv_shortcut is None):
+            x, x_bias = x + x_bias.view(1, -1, *([1] * (x.ndim - 2))), None
+        if fold:
+            # conv1's bias goes into norm2's kernels, conv2's into the residual add, the shortcut's (or x's own)
+            # too: a pass over the block's activations fewer each (cuDNN on NDHWC adds a bias in a pass of its own)
+            h = norm_silu_conv(x, self.norm1, self.conv1, cache, self.norm_max_bytes, in_bias=x_bias,
+                               conv_bias=False)
             h = norm_silu_conv(h, self.norm2, self.conv2, cache, self.norm_max_bytes, in_bias=self.conv1.bias,
                                conv_bias=False)
             if self.conv_shortcut is not None:
-                x = self.conv_shortcut(x, cache)
-            return fused.residual_bias(h, x, self.conv2.bias)
+                x, x_bias = self.conv_shortcut(x, cache, bias=False), self.conv_shortcut.bias
+            return fused.residual_bias(h, x, self.conv2.bias, x_bias)
         h = norm_silu_conv(x, self.norm1, self.conv1, cache, self.norm_max_bytes)
         h = norm_silu_conv(h, self.norm2, self.conv2, cache, self.norm_max_bytes)
         if self.conv_shortcut is not None:
             x = self.conv_shortcut(x, cache)
         return h.add_(x)
+
+    def takes_input_bias(self, x: torch.Tensor) -> bool:
+        """Whether x may come without its conv's bias (``forward``'s ``x_bias``): where the biases fold and x is read
+        by nothing that needs the sum (a shortcut conv does)."""
+        return self.conv_shortcut is None and fold_biases(x, self.conv1, self.conv2)

@@ -5,9 +5,12 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from ....optimization import fused
 from .causal_conv import CausalConv3d, TemporalCache
 from .layout import layout_of
+from .norm import fold_biases
 
 
 class Downsample3D(nn.Module):
@@ -47,11 +50,14 @@ class Upsample3D(nn.Module):
         s, rt = self.spatial_ratio, self.temporal_ratio
         b, c, t, h, w = x.shape
         layout = layout_of(x)
-        y = self.upscale_conv(x.to(self.upscale_conv.weight.dtype)).contiguous(memory_format=layout)
+        x = x.to(self.upscale_conv.weight.dtype)
+        # folded: the 1 x 1 conv's bias is added by the depth-to-space pass (cuDNN on NDHWC adds it in one more)
+        fold = fold_biases(x, self.upscale_conv)
+        y = (F.conv3d(x, self.upscale_conv.weight) if fold else self.upscale_conv(x)).contiguous(memory_format=layout)
         drop = rt > 1 and (cache is None or cache.first_chunk)
         if layout == torch.channels_last_3d:   # written straight into the conv's input (no extended copy)
             buf, body = self.conv.input_buffer(y, (b, c, t * rt - (1 if drop else 0), h * s, w * s), cache)
-            self._depth_to_space_ndhwc(y, drop, body)
+            fused.depth_to_space(y, self.upscale_conv.bias if fold else None, body, s, rt, drop)
             return self.conv.run_buffer(buf, cache)
         y = (y.view(b, s, s, rt, c, t, h, w)
               .permute(0, 4, 5, 3, 6, 1, 7, 2)          # b, c, t, st, h, sx, w, sy
@@ -59,17 +65,3 @@ class Upsample3D(nn.Module):
         if drop:
             y = torch.cat([y[:, :, :1], y[:, :, 2:]], dim=2)
         return self.conv(y, cache)
-
-    def _depth_to_space_ndhwc(self, y: torch.Tensor, drop: bool, out: torch.Tensor) -> None:
-        """The same rearrangement written straight into ``out`` (NDHWC, one copy; the dropped frame is never
-        written): out (frame * rt + st, row * s + sx, col * s + sy, c) = y[((sx*s + sy)*rt + st)*C + c]."""
-        s, rt = self.spatial_ratio, self.temporal_ratio
-        b, cr, t, h, w = y.shape
-        c = cr // (s * s * rt)
-        src = y.view(b, s, s, rt, c, t, h, w).permute(0, 5, 3, 6, 1, 7, 2, 4)   # b, t, st, h, sx, w, sy, c
-        dst = out.permute(0, 2, 3, 4, 1)                                          # b, T, H, W, c
-        if drop:
-            dst[:, :1].copy_(src[:, 0, 0].reshape(b, 1, h * s, w * s, c))
-            dst[:, 1:].view(b, t - 1, rt, h, s, w, s, c).copy_(src[:, 1:])
-        else:
-            dst.view(b, t, rt, h, s, w, s, c).copy_(src)
