@@ -199,22 +199,38 @@ def test_vae_peak_model_follows_the_bands_and_single_images():
     assert area(still.encode_tiles) > area(video.encode_tiles)
 
 
-def test_convs_run_whole_where_the_tiles_stay_the_same():
-    """NDHWC (``whole_convs``): no conv bands where the official-band estimate, which bounds the peak without bands,
-    picks the same tiles; where it would tile more, the plan keeps its small bands. NCDHW keeps bands always."""
+def test_convs_run_whole_where_their_tiles_cost_little_more_area():
+    """NDHWC (``whole_convs``): no conv bands where the tiles the whole-conv estimate picks fit and process at most
+    WHOLE_CONV_AREA times the banded tiles' area (720p at 8 GiB: smaller tiles, no bands); where they would be much
+    smaller (3 GiB) the plan keeps its bands. NCDHW keeps bands always."""
+    from seedvr2bw.models.seedvr2.memory import WHOLE_CONV_AREA
+    from seedvr2bw.models.seedvr2.vae.tiling import tile_area_ratio
     s = P.UpscaleSettings(resolution=720, batch_size=21)
     run = P.plan(frames(21), s)
     plans = {(b, whole): plan_memory(run, s, BF16_7B, VAE, b * GiB, host_available=HOST, whole_convs=whole)
-             for b in (8, 32) for whole in (False, True)}
+             for b in (3, 8, 32) for whole in (False, True)}
     big = plans[32, True]
     assert big.vae_conv_bytes is None and "VAE convs whole" in big.line()
     assert big.decode_tiles == plans[32, False].decode_tiles == (0, 0)
-    assert plans[32, False].vae_conv_bytes and plans[8, False].vae_conv_bytes
-    small = plans[8, True]                                     # 720p decode tiles at 8 GiB
-    assert small.vae_conv_bytes == plans[8, False].vae_conv_bytes and small.decode_tiles != (0, 0)
-    assert small.decode_tiles == plans[8, False].decode_tiles
+    assert all(plans[b, False].vae_conv_bytes for b in (3, 8, 32))
+    area = lambda k, m: tile_area_ratio(k, getattr(m, f"{k}_tiles"), *run.model)        # noqa: E731
+    small, banded = plans[8, True], plans[8, False]            # 720p tiles at 8 GiB
+    assert small.vae_conv_bytes is None and small.decode_tiles != (0, 0) and small.decode_tiles != banded.decode_tiles
+    for k in ("encode", "decode"):
+        assert area(k, banded) <= area(k, small) <= WHOLE_CONV_AREA * area(k, banded)
+    tiny = plans[3, True]
+    assert tiny.vae_conv_bytes == plans[3, False].vae_conv_bytes and tiny.decode_tiles == plans[3, False].decode_tiles
     for m in plans.values():
         assert on_gpu(run, m) <= m.budget
+
+
+def test_tile_area_ratio():
+    from seedvr2bw.models.seedvr2.vae.tiling import tile_area_ratio
+    assert tile_area_ratio("decode", (0, 0), 720, 1280) == 1.0
+    # latent 90 x 160 in tiles of 90 x 46 overlapping by 8: one row, 4 columns (0, 38, 76, 114) -> 90 x 184
+    assert tile_area_ratio("decode", ((90, 46), 8), 720, 1280) == 184 / 160
+    # pixels 720 x 1280 in 720 x 480 tiles overlapping by 64: 3 columns
+    assert tile_area_ratio("encode", ((720, 480), 64), 720, 1280) == 3 * 480 / 1280
 
 
 @pytest.mark.parametrize("budget", [8, 12, 24])

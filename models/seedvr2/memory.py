@@ -12,6 +12,7 @@ The phases never hold both models: the VAE is on the GPU for encode and decode, 
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
@@ -22,7 +23,7 @@ from ...optimization.blockswap.config import gpu_bytes, plan_blockswap, spread_i
 from ...optimization.runtime.device import available_host_bytes
 from .pipeline import MAX_OUTPUT_SIDE, RunPlan, SeedVR2InputError, UpscaleSettings, next_4n1
 from .vae.config import SEEDVR2_VAE, VAEConfig
-from .vae.tiling import choose_run_tiles
+from .vae.tiling import choose_run_tiles, tile_area_ratio
 
 _log = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -46,6 +47,9 @@ VAE_PEAK_FACTOR = 1.1
 # copy it needs does not fit next to the activations; conv bands of budget/96 keep that copy small (exact).
 CONV_BAND_DIVISOR = 96
 CONV_BAND_MIN, CONV_BAND_MAX = 64 * MiB, 512 * MiB
+# Whole convs with smaller tiles against conv bands with larger ones, at card budgets (H100, docs/PERFORMANCE.md §3):
+# whole was 0.75-0.85x the time to encode and 0.86-1.04x to decode where its tiles processed 1.02-1.09x the area.
+WHOLE_CONV_AREA = 1.1
 HOST_MARGIN = 2 * GiB       # host RAM left to the OS and the rest of the program
 
 
@@ -237,12 +241,14 @@ def plan_vae(run: RunPlan, budget: Optional[int], vae_bytes: int, vae_dtype: tor
     io = next_4n1(run.chunk_frames) * ph * pw * 3 * (elem + 4)     # a chunk's VAE input + float32 output
     vae_budget = budget - margin_bytes(budget) - vae_bytes - io
     (enc, enc_peak), (dec, dec_peak) = tiles("encode", vae_budget), tiles("decode", vae_budget)
-    # Without bands the convs run whole (0.77-0.90x the time); their peak stays inside the official-band estimate
-    # x VAE_PEAK_FACTOR (H100: 41.3 of 43.3 GiB at the worst case, a 1080p x 21 decode), so they are taken where
-    # that estimate picks the same tiles.
+    # Whole convs (NDHWC) are taken where their tiles fit and process at most WHOLE_CONV_AREA times the banded
+    # tiles' area: bands copy every band in and out, which costs more than a little more overlap.
     (enc_w, enc_w_peak), (dec_w, dec_w_peak) = tiles("encode", vae_budget, None), tiles("decode", vae_budget, None)
-    if whole_convs and (enc_w, dec_w) == (enc, dec) and max(enc_w_peak, dec_w_peak) <= vae_budget:
-        conv, enc_peak, dec_peak = None, enc_w_peak, dec_w_peak
+    area = functools.partial(tile_area_ratio, ph=ph, pw=pw, config=vae_config)
+    if whole_convs and max(enc_w_peak, dec_w_peak) <= vae_budget and \
+            area("encode", enc_w) <= WHOLE_CONV_AREA * area("encode", enc) and \
+            area("decode", dec_w) <= WHOLE_CONV_AREA * area("decode", dec):
+        conv, enc, dec, enc_peak, dec_peak = None, enc_w, dec_w, enc_w_peak, dec_w_peak
     if max(enc_peak, dec_peak) > vae_budget:
         raise SeedVR2MemoryError(
             f"the VAE needs {vae_bytes / GiB:.2f} GiB of weights plus {max(enc_peak, dec_peak) / GiB:.2f} GiB for its "

@@ -242,6 +242,20 @@ def choose_run_tiles(kind: str, mode: str, tile_px: int, overlap_px: int, ph: in
     return ((th, tw), min(ov, min(th, tw) // 2)), peak(th, tw)
 
 
+def tile_area_ratio(kind: str, tiles: tuple, ph: int, pw: int, config: VAEConfig = SEEDVR2_VAE) -> float:
+    """The area every ``kind`` call processes with ``tiles`` ((tile, overlap) as ``choose_run_tiles`` gives them, or
+    (0, 0): one pass) over the ph x pw pixel frame's: the overlap's extra work, the cost ``choose_run_tiles``
+    minimises."""
+    if not tiles[0]:
+        return 1.0
+    (th, tw), ov = tiles
+    d = 1 if kind == "encode" else config.spatial_factor
+    h, w = ph // d, pw // d
+    ny = 1 if th >= h else -(-(h - ov) // (th - ov))
+    nx = 1 if tw >= w else -(-(w - ov) // (tw - ov))
+    return ny * min(th, h) * nx * min(tw, w) / (h * w)
+
+
 def plan_tiles(kind: str, mode: str, tile_px: int, overlap_px: int, height: int, width: int,
                free_bytes: Callable[[], Optional[int]], dtype: torch.dtype = torch.bfloat16,
                config: VAEConfig = SEEDVR2_VAE, safety: float = 0.8) -> Tuple[Pair, int]:
