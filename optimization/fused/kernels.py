@@ -367,6 +367,51 @@ def _gn_cl_apply_kernel(X, IN_B, Y, MEAN, RSTD, W, BIAS, HW, WIDTH, T, C, CG, G,
     tl.store(Y + yrow[:, None] + cols[None, :], y, mask=mask)
 
 
+@triton.jit
+def _rounded(v, DT: tl.constexpr):
+    """float32 v rounded to DT (to nearest, ties to even) and back. For bfloat16 by its bits: the same as a GPU's
+    conversion, and the Triton interpreter, which truncates there, then gives it too."""
+    if DT == tl.bfloat16:
+        u = v.to(tl.uint32, bitcast=True)
+        u = u + 0x7FFF + ((u >> 16) & 1)
+        return ((u >> 16) << 16).to(tl.float32, bitcast=True)
+    else:
+        return v.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _gn_cl_stats_kernel(X, PART, MEAN, RSTD, T, G, C, CG, NBLK, ROWS, LAST, N, EPS, BLOCK: tl.constexpr):
+    # one program per (sample, group, frame): its channels' (mean, M2) of every block of rows merged (Chan et al.,
+    # as ``merge_moments``), then mean and rstd rounded to x's dtype and back, as torch's CUDA GroupNorm does
+    r = tl.program_id(0)                       # (b * G + g) * T + t, the apply kernel's index
+    t = r % T
+    g = (r // T) % G
+    b = r // (T * G)
+    base = (b * T + t).to(tl.int64) * NBLK * C + g * CG
+    total = NBLK * CG
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(0, total, BLOCK):
+        idx = i + tl.arange(0, BLOCK)
+        m = idx < total
+        j = idx // CG
+        cnt = tl.where(j == NBLK - 1, LAST, ROWS).to(tl.float32)
+        mu = tl.load(PART + 2 * (base + j * C + idx % CG), mask=m, other=0.0)
+        acc += tl.where(m, mu * cnt, 0.0)
+    mean = tl.sum(acc, axis=0) / N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(0, total, BLOCK):
+        idx = i + tl.arange(0, BLOCK)
+        m = idx < total
+        j = idx // CG
+        cnt = tl.where(j == NBLK - 1, LAST, ROWS).to(tl.float32)
+        off = 2 * (base + j * C + idx % CG)
+        d = tl.load(PART + off, mask=m, other=0.0) - mean
+        acc += tl.where(m, tl.load(PART + off + 1, mask=m, other=0.0) + cnt * d * d, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + EPS)
+    tl.store(MEAN + r, _rounded(mean, X.dtype.element_ty))
+    tl.store(RSTD + r, _rounded(rstd, X.dtype.element_ty))
+
+
 def _combine_moments(part, cnt, n, eps, dtype):
     """mean and rstd of each row of ``part`` over ``n`` values (``merge_moments``), rounded to ``dtype`` and back
     as torch's CUDA GroupNorm does."""
@@ -402,16 +447,23 @@ def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=No
     part = torch.empty((b, t, nblk, c, 2), device=x.device, dtype=torch.float32)
     _gn_cl_moments_kernel[(nblk, b * t)](x, in_b, part, hw, c, nblk, rows, HAS_IN_B=has_b, SUB=sub,
                                          BLOCK_C=block_c, num_warps=4)
-    # a group's partials: its channels of every block, each over that block's pixels
-    part = part.view(b, t, nblk, groups, cg, 2).permute(0, 3, 1, 2, 4, 5).reshape(b * groups * t, nblk * cg, 2)
-    cnt = torch.full((nblk,), float(rows), device=x.device)
-    cnt[-1:].fill_(hw - (nblk - 1) * rows)   # a fill: a Python number assigned would sync
-    cnt = cnt[:, None].expand(nblk, cg).reshape(-1)      # each channel of a block: that block's pixels
-    n = cg * hw
-    if combine is not None:
+    n, last = cg * hw, hw - (nblk - 1) * rows
+    if combine is None:
+        # one kernel merges a group's partials: the dozen small torch ops it replaces cost more to launch than to
+        # run, which bounds small tiles by the CPU
+        mean = torch.empty(b * groups * t, device=x.device, dtype=torch.float32)
+        rstd = torch.empty_like(mean)
+        block = min(1024, triton.next_power_of_2(nblk * cg))
+        _gn_cl_stats_kernel[(b * groups * t,)](x, part, mean, rstd, t, groups, c, cg, nblk, rows, last, float(n),
+                                               float(eps), BLOCK=block, num_warps=4)
+    else:
+        # a group's partials: its channels of every block, each over that block's pixels
+        part = part.view(b, t, nblk, groups, cg, 2).permute(0, 3, 1, 2, 4, 5).reshape(b * groups * t, nblk * cg, 2)
+        cnt = torch.full((nblk,), float(rows), device=x.device)
+        cnt[-1:].fill_(last)   # a fill: a Python number assigned would sync
+        cnt = cnt[:, None].expand(nblk, cg).reshape(-1)      # each channel of a block: that block's pixels
         part, cnt = combine(torch.stack(merge_moments(part, cnt, n), dim=1), n)
-        n = cnt.sum()
-    mean, rstd = _combine_moments(part, cnt, n, eps, x.dtype)
+        mean, rstd = _combine_moments(part, cnt, cnt.sum(), eps, x.dtype)
     y = torch.empty_like(x) if out is None else out     # keeps the channels-last strides
     block_c2 = min(triton.next_power_of_2(c), 128)
     block_r2 = max(1, 8192 // block_c2)
