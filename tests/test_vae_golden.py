@@ -52,6 +52,12 @@ def _assert_channels_last(module, args):
     x = args[0]
     assert x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous(), \
         f"{type(module).__name__} got an NCDHW input {tuple(x.stride())}"
+    # its weight too (VideoAutoencoder.store_weights): no converted copy per call
+    assert module.weight.is_contiguous(memory_format=torch.channels_last_3d), type(module).__name__
+
+
+def _assert_ncdhw_weight(module, args):
+    assert module.weight.is_contiguous(), type(module).__name__
 
 
 @pytest.mark.parametrize("layout", ["ncdhw", "ndhwc"])
@@ -64,8 +70,8 @@ def test_golden(vae, manifest, case, mode, layout):
     vae.set_causal_slicing(split)
     vae.set_memory_limit(conv_mem, norm_mem)
     vae.channels_last = layout == "ndhwc"
-    hooks = [m.register_forward_pre_hook(_assert_channels_last) for m in vae.modules()
-             if isinstance(m, CausalConv3d)] if layout == "ndhwc" else []
+    check = _assert_channels_last if layout == "ndhwc" else _assert_ncdhw_weight
+    hooks = [m.register_forward_pre_hook(check) for m in vae.modules() if isinstance(m, CausalConv3d)]
     try:
         info = manifest["vae"]["cases"][case]
         d = load_file(str(GOLDEN / info["file"]))

@@ -102,6 +102,15 @@ class VideoAutoencoder(nn.Module):
     def _model_input(self, x: torch.Tensor, layout: torch.memory_format) -> torch.Tensor:
         return x.to(self.device, self.dtype).contiguous(memory_format=layout)
 
+    @torch.no_grad()
+    def store_weights(self, layout: torch.memory_format) -> None:
+        """Conv weights stored in the activations' layout (``layout()``): torch otherwise hands every convolution a
+        converted copy of its weight, a copy per conv per call, and a weight in the other layout would change the
+        layout of the conv's output. Weights already stored so are left alone."""
+        for m in self.modules():
+            if isinstance(m, nn.Conv3d) and not m.weight.is_contiguous(memory_format=layout):
+                m.weight.data = m.weight.data.contiguous(memory_format=layout)
+
     # ---------------------------------------------------------------- chunked cores
     def _frames_check(self, t: int) -> None:
         if (t - 1) % self.temporal_factor:
@@ -114,6 +123,7 @@ class VideoAutoencoder(nn.Module):
         cache = TemporalCache()
         split = self.split_size
         layout = self.layout()
+        self.store_weights(layout)
         pos = 0
         for a, b in temporal_chunks(x.shape[2], 1 + (split or 0), split):
             check_stop(should_stop)
@@ -128,6 +138,7 @@ class VideoAutoencoder(nn.Module):
         cache = TemporalCache()
         step = self.split_size // self.temporal_factor if self.split_size else None
         layout = self.layout()
+        self.store_weights(layout)
         pos = 0
         for a, b in temporal_chunks(z.shape[2], 1 + (step or 0), step):
             check_stop(should_stop)
