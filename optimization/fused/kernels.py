@@ -380,6 +380,15 @@ def _rounded(v, DT: tl.constexpr):
 
 
 @triton.jit
+def _partials(i, base, total, NBLK, C, CG, ROWS, LAST, BLOCK: tl.constexpr):
+    """A tile of a group's partial moments from the i-th: (mask, offset of each mean (M2 follows), its count)."""
+    idx = i + tl.arange(0, BLOCK)
+    j = idx // CG                                # the block of rows; idx % CG the group's channel
+    cnt = tl.where(j == NBLK - 1, LAST, ROWS).to(tl.float32)
+    return idx < total, 2 * (base + j * C + idx % CG), cnt
+
+
+@triton.jit
 def _gn_cl_stats_kernel(X, PART, MEAN, RSTD, T, G, C, CG, NBLK, ROWS, LAST, N, EPS, BLOCK: tl.constexpr):
     # one program per (sample, group, frame): its channels' (mean, M2) of every block of rows merged (Chan et al.,
     # as ``merge_moments``), then mean and rstd rounded to x's dtype and back, as torch's CUDA GroupNorm does
@@ -391,20 +400,12 @@ def _gn_cl_stats_kernel(X, PART, MEAN, RSTD, T, G, C, CG, NBLK, ROWS, LAST, N, E
     total = NBLK * CG
     acc = tl.zeros([BLOCK], tl.float32)
     for i in range(0, total, BLOCK):
-        idx = i + tl.arange(0, BLOCK)
-        m = idx < total
-        j = idx // CG
-        cnt = tl.where(j == NBLK - 1, LAST, ROWS).to(tl.float32)
-        mu = tl.load(PART + 2 * (base + j * C + idx % CG), mask=m, other=0.0)
-        acc += tl.where(m, mu * cnt, 0.0)
+        m, off, cnt = _partials(i, base, total, NBLK, C, CG, ROWS, LAST, BLOCK)
+        acc += tl.where(m, tl.load(PART + off, mask=m, other=0.0) * cnt, 0.0)
     mean = tl.sum(acc, axis=0) / N
     acc = tl.zeros([BLOCK], tl.float32)
     for i in range(0, total, BLOCK):
-        idx = i + tl.arange(0, BLOCK)
-        m = idx < total
-        j = idx // CG
-        cnt = tl.where(j == NBLK - 1, LAST, ROWS).to(tl.float32)
-        off = 2 * (base + j * C + idx % CG)
+        m, off, cnt = _partials(i, base, total, NBLK, C, CG, ROWS, LAST, BLOCK)
         d = tl.load(PART + off, mask=m, other=0.0) - mean
         acc += tl.where(m, tl.load(PART + off + 1, mask=m, other=0.0) + cnt * d * d, 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + EPS)
