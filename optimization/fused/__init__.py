@@ -21,7 +21,12 @@ one N x D pass = 133 MB = 44 us at 3 TB/s):
 * ``linear_gelu`` (7B MLP): cuBLASLt GELU(tanh)+bias epilogue, saves the 2 passes over N x 4D of F.gelu.
 * ``group_norm_frames`` (VAE): per-frame GroupNorm + SiLU: read x twice, write y once, with one program per
   (channel plane, 4096 values) instead of torch's one per (frame, group), which left the H100 mostly idle at
-  720p (58 % of a decode's GPU time; docs/PERFORMANCE.md §8).
+  720p (58 % of a decode's GPU time; docs/PERFORMANCE.md §8). On channels-last 3-D activations three kernels:
+  moments (read x), the group statistics (a few floats), apply (read x, write y); a producing conv's bias may be
+  added as x is read (``in_bias``).
+* ``residual_bias`` (VAE ResNet): h + bias + x (+ x's own bias) in one pass: read h, x; write h (torch: 2-3 adds).
+* ``depth_to_space`` (VAE upsampler): the rearrangement plus the 1 x 1 conv's bias: read y, write the conv's input
+  (torch: a bias add and a strided 8-D copy at about 1 TB/s).
 """
 from __future__ import annotations
 
