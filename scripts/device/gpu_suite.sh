@@ -45,8 +45,10 @@ ab)
                     --linears bf16,nvfp4 --warmup 2 --iters 7 --json "$OUT/dit_${tag}_${round}.json") 2>&1 | tail -12 ;;
             nvfp4) (cd "$tree" && python3 scripts/bench_nvfp4.py --m 16,256,1024,4096 --paths bf16,fidelity,fp8_speed \
                     --inner 8 --rounds 3 --rep-ms 50 --json "$OUT/nvfp4_${tag}_${round}.json") 2>&1 | tail -30 ;;
-            vae) (cd "$tree" && python3 scripts/bench_vae.py --resolutions 1280x720 --frames 21 --tiled no --repeats 3 \
-                    --json "$OUT/vae_${tag}_${round}.json") 2>&1 | tail -4 ;;
+            # one pass as the pipeline runs it on NDHWC (no conv bands), then the tiles the plan picks at 8 GiB
+            vae) (cd "$tree" && python3 scripts/bench_vae.py --resolutions 1280x720,1920x1080 --frames 21 --tiled no \
+                    --conv-limits none --budgets 8 --repeats 3 --json "$OUT/vae_${tag}_${round}.json") 2>&1 \
+                    | grep -E "^ *(8 GiB: )?(encode|decode) " ;;
             blockswap) (cd "$tree" && python3 scripts/bench_blockswap.py --cases 720p21,1080p1 --swaps 18 --repeats 5 \
                     --sync-cases "" --rss-runs 2 --dtype-cases 720p1 --dtypes nvfp4 \
                     --json "$OUT/blockswap_${tag}_${round}.json") 2>&1 | tail -20 ;;
