@@ -174,7 +174,10 @@ def test_conv_bias_folding_kernels_interpreted():
                     assert rel(got, ref.group_norm_frames(xb.contiguous(), 3, w, b, 1e-6, silu=silu)) < 2e-5
             h = rnd(1, 5, 2, 7, 3, dtype=dt).contiguous(memory_format=cl)
             r = rnd(1, 5, 2, 7, 3, dtype=dt).contiguous(memory_format=cl)
-            bias = rnd(5, dtype=dt) * 3
+            bias, r_bias = rnd(5, dtype=dt) * 3, rnd(5, dtype=dt) * 3
+            # r's own conv bias left out of it too: (h + bias) + (r + r_bias)
+            want_rb = (h + bias.view(1, -1, 1, 1, 1)) + (r + r_bias.view(1, -1, 1, 1, 1))
+            assert torch.equal(k.residual_bias_cl(h.clone(), r, bias, r_bias), want_rb), dt
             want = h.clone().add_(bias.view(1, -1, 1, 1, 1)).add_(r)
             got = k.residual_bias_cl(h, r, bias)
             assert got.data_ptr() == h.data_ptr() and torch.equal(got, want), dt
@@ -184,11 +187,11 @@ def test_conv_bias_folding_kernels_interpreted():
 
 
 @needs_triton
-def test_depth_to_space_and_residual_bias_kernels_interpreted():
-    # the upsampler's depth-to-space with its 1 x 1 conv's bias equals torch's add then strided copy, bit for bit
-    # (float32, float16: see above), into a window of a larger buffer (2 prepended frames, a halo row above and
-    # below), spatial x2 with and without x2 in time, the first chunk's duplicate frame dropped or not; 12 output
-    # channels in tiles of 8 (a channel tail). The residual with x's own bias equals (h + b) + (x + xb).
+def test_depth_to_space_kernel_interpreted():
+    # the upsampler's depth-to-space with its 1 x 1 conv's bias (and without) equals torch's add then strided copy,
+    # bit for bit (float32, float16: see above), into a window of a larger buffer (2 prepended frames, a halo row
+    # above and below), spatial x2 with and without x2 in time, the first chunk's duplicate frame dropped or not; 12
+    # output channels in tiles of 8 (a channel tail).
     out = _run("""
         from seedvr2bw.optimization import fused
         cl = torch.channels_last_3d
@@ -200,25 +203,13 @@ def test_depth_to_space_and_residual_bias_kernels_interpreted():
                 tout = t * rt - int(drop)
                 buf = torch.full((1, c, tout + 2, 2 * h + 2, 2 * w), float("nan"), dtype=dt).contiguous(memory_format=cl)
                 body = buf[:, :, 2:, 1:1 + 2 * h]
-                want = body.clone()
-                fused.enabled = lambda *t: False
-                fused.depth_to_space(y, bias, want, 2, rt, drop)
-                fused.enabled = lambda *t: True
                 for bb in (bias, None):
+                    want = body.clone()
+                    fused.enabled = lambda *t: False            # the torch path
+                    fused.depth_to_space(y, bb, want, 2, rt, drop)
                     k.depth_to_space_cl(y, bb, body, 2, rt, drop)
-                    ref_ = want if bb is not None else None
-                    if ref_ is None:
-                        ref_ = body.clone()
-                        fused.enabled = lambda *t: False
-                        fused.depth_to_space(y, None, ref_, 2, rt, drop)
-                        fused.enabled = lambda *t: True
-                    assert torch.equal(body, ref_), (dt, rt, drop, bb is None)
+                    assert torch.equal(body, want), (dt, rt, drop, bb is None)
                 assert torch.isnan(buf[:, :, :2]).all() and torch.isnan(buf[:, :, :, 0]).all()
-            hh = rnd(1, 5, 2, 7, 3, dtype=dt).contiguous(memory_format=cl)
-            xx = rnd(1, 5, 2, 7, 3, dtype=dt).contiguous(memory_format=cl)
-            b1, b2 = rnd(5, dtype=dt) * 3, rnd(5, dtype=dt) * 3
-            want = (hh + b1.view(1, -1, 1, 1, 1)) + (xx + b2.view(1, -1, 1, 1, 1))
-            assert torch.equal(k.residual_bias_cl(hh, xx, b1, b2), want), dt
         print("ok")
     """)
     assert "ok" in out

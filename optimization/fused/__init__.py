@@ -289,7 +289,7 @@ def group_norm_frames(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool,
         raise ValueError("group_norm_frames: band statistics (combine) need a channels-last 3-D x")
     else:
         if in_bias is not None:
-            x = x + in_bias.view(1, -1, *([1] * (x.ndim - 2)))
+            x = x + per_channel(in_bias, x.ndim)
         y = k.group_norm_frames(x.contiguous(), norm.num_groups, norm.weight, norm.bias, norm.eps, silu)
     if out is not None and y is not out:
         out.copy_(y)
@@ -297,7 +297,8 @@ def group_norm_frames(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool,
     return y
 
 
-def _per_channel(bias: torch.Tensor, ndim: int) -> torch.Tensor:
+def per_channel(bias: torch.Tensor, ndim: int) -> torch.Tensor:
+    """A (C,) bias viewed to broadcast over dim 1 of an ``ndim``-dimensional activation."""
     return bias.view(1, -1, *([1] * (ndim - 2)))
 
 
@@ -309,8 +310,8 @@ def residual_bias(h: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
     if enabled(h, x, bias) and h.shape == x.shape and channels_last(h) and channels_last(x):
         return _load().residual_bias_cl(h, x, bias, x_bias)
     if x_bias is not None:
-        x = x + _per_channel(x_bias, x.ndim)
-    return h.add_(_per_channel(bias, h.ndim)).add_(x)
+        x = x + per_channel(x_bias, x.ndim)
+    return h.add_(per_channel(bias, h.ndim)).add_(x)
 
 
 def depth_to_space(y: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor, s: int, rt: int,
@@ -323,7 +324,7 @@ def depth_to_space(y: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Ten
     if enabled(y, out) and channels_last(y) and out.stride(1) == 1 and out.stride(4) == out.shape[1]:
         return _load().depth_to_space_cl(y, bias, out, s, rt, drop)
     if bias is not None:
-        y = y + _per_channel(bias, y.ndim)
+        y = y + per_channel(bias, y.ndim)
     b, cr, t, h, w = y.shape
     c = cr // (s * s * rt)
     src = y.view(b, s, s, rt, c, t, h, w).permute(0, 5, 3, 6, 1, 7, 2, 4)   # b, t, st, h, sx, w, sy, c

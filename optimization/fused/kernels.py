@@ -302,8 +302,7 @@ def _gn_apply_kernel(X, Y, MEAN, RSTD, W, BIAS, HW, T, C, CG, SILU: tl.constexpr
 # without transposing). A frame is an (H*W, C) matrix; both kernels read whole rows of it (every channel of a pixel:
 # contiguous, coalesced) and index their statistics per column, not per element. The moments programs take (block of
 # a frame's rows, frame) and give each channel's (mean, M2) over their rows; the channels of a group are merged after,
-# with the blocks. The apply programs take (block of a frame's rows,
-# frame, block of channels).
+# with the blocks. The apply programs take (block of a frame's rows, frame, block of channels).
 @triton.jit
 def _gn_cl_moments_kernel(X, IN_B, PART, HW, C, NBLK, ROWS, HAS_IN_B: tl.constexpr, SUB: tl.constexpr,
                           BLOCK_C: tl.constexpr):

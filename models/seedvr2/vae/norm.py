@@ -51,7 +51,7 @@ def causal_group_norm(x: torch.Tensor, norm: nn.GroupNorm, max_bytes: float = ma
         return fused.group_norm_frames(x, norm, silu, out=out, combine=shard.gather_moments if shard else None,
                                        in_bias=in_bias)
     if in_bias is not None:
-        x = x + in_bias.view(1, -1, *([1] * (x.ndim - 2)))
+        x = x + fused.per_channel(in_bias, x.ndim)
     if shard is not None:
         return shard.group_norm(x, norm, silu, out=out)
     if use_fused:

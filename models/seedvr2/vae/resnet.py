@@ -31,7 +31,7 @@ class ResnetBlock3D(nn.Module):
         """``x_bias``: x lacks the bias of the conv that made it (``takes_input_bias``), added where x is read."""
         fold = fold_biases(x, self.conv1, self.conv2)
         if x_bias is not None and not (fold and self.conv_shortcut is None):
-            x, x_bias = x + x_bias.view(1, -1, *([1] * (x.ndim - 2))), None
+            x, x_bias = x + fused.per_channel(x_bias, x.ndim), None
         if fold:
             # conv1's bias goes into norm2's kernels, conv2's into the residual add, the shortcut's (or x's own)
             # too: a pass over the block's activations fewer each (cuDNN on NDHWC adds a bias in a pass of its own)
