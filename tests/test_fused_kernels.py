@@ -124,6 +124,22 @@ def test_group_norm_frames_channels_last_kernel_interpreted():
         w, b = torch.ones(8), torch.zeros(8)
         assert rel(k.group_norm_frames_cl(x, 4, w, b, 1e-6),
                    k.group_norm_frames_cl(x, 4, w, b, 1e-6, block_rows=16)) < 2e-5
+        # into a causal conv's input: the body of a buffer with 2 frames in front and a halo row above and below;
+        # the same pass writes the first frame into those 2 (head) and the last 2 frames into a tensor kept for
+        # the next chunk, exactly what fused.fill_edges writes after the body
+        from seedvr2bw.optimization import fused
+        y = k.group_norm_frames_cl(x, 4, w, b, 1e-6, silu=True)
+        for head, keep_n in ((2, 2), (0, 1), (2, 0)):
+            buf = torch.full((1, 8, 5, 11, 11), float("nan")).contiguous(memory_format=cl)
+            body = buf[:, :, 2:, 1:10]
+            keep = torch.full((1, 8, keep_n, 9, 11), float("nan")).contiguous(memory_format=cl) if keep_n else None
+            k.group_norm_frames_cl(x, 4, w, b, 1e-6, silu=True, out=body, head=head, keep=keep)
+            want = torch.full_like(buf, float("nan"))
+            want[:, :, 2:, 1:10] = y
+            fused.fill_edges(want[:, :, 2:, 1:10], head, None)
+            assert torch.equal(buf.nan_to_num(7.0), want.nan_to_num(7.0)), (head, keep_n)
+            if keep_n:
+                assert torch.equal(keep, y[:, :, 3 - keep_n:]), (head, keep_n)
         print("ok")
     """)
     assert "ok" in out
@@ -179,8 +195,19 @@ def test_conv_bias_folding_kernels_interpreted():
             want_rb = (h + bias.view(1, -1, 1, 1, 1)) + (r + r_bias.view(1, -1, 1, 1, 1))
             assert torch.equal(k.residual_bias_cl(h.clone(), r, bias, r_bias), want_rb), dt
             want = h.clone().add_(bias.view(1, -1, 1, 1, 1)).add_(r)
+            # into the body of a downsampling conv's buffer: a prepended frame, a zero row below, a column right
+            buf = torch.full((1, 5, 3, 8, 4), float("nan"), dtype=dt).contiguous(memory_format=cl)
+            got = k.residual_bias_cl(h.clone(), r, bias, out=buf[:, :, 1:, :7, :3])
+            assert torch.equal(got, want) and torch.isnan(buf[:, :, 0]).all(), dt
+            assert torch.isnan(buf[:, :, :, 7]).all() and torch.isnan(buf[..., 3]).all(), dt
             got = k.residual_bias_cl(h, r, bias)
             assert got.data_ptr() == h.data_ptr() and torch.equal(got, want), dt
+            # a conv's bias added after it (cuDNN on NDHWC): torch's broadcast add, 5 and 300 channels (a tail)
+            for c in (5, 300):
+                y = rnd(1, c, 2, 3, 5, dtype=dt).contiguous(memory_format=cl)
+                bb = rnd(c, dtype=dt) * 3
+                want_y = y + bb.view(1, -1, 1, 1, 1)
+                assert torch.equal(k.bias_add_cl(y, bb), want_y) and torch.equal(y, want_y), (dt, c)
         print("ok")
     """)
     assert "ok" in out
@@ -210,6 +237,11 @@ def test_depth_to_space_kernel_interpreted():
                     k.depth_to_space_cl(y, bb, body, 2, rt, drop)
                     assert torch.equal(body, want), (dt, rt, drop, bb is None)
                 assert torch.isnan(buf[:, :, :2]).all() and torch.isnan(buf[:, :, :, 0]).all()
+                # with the conv input's other copies: the first frame in front (head 2), the last 2 kept
+                keep = torch.full((1, c, 2, 2 * h, 2 * w), float("nan"), dtype=dt).contiguous(memory_format=cl)
+                k.depth_to_space_cl(y, bias, body, 2, rt, drop, 2, keep)
+                assert torch.equal(buf[:, :, :2, 1:1 + 2 * h], body[:, :, :1].expand(-1, -1, 2, -1, -1)), (dt, rt)
+                assert torch.equal(keep, body[:, :, -2:]) and torch.isnan(buf[:, :, :, 0]).all(), (dt, rt, drop)
         print("ok")
     """)
     assert "ok" in out

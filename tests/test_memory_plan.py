@@ -201,7 +201,7 @@ def test_vae_peak_model_follows_the_bands_and_single_images():
 
 def test_convs_run_whole_where_their_tiles_cost_little_more_area():
     """NDHWC (``whole_convs``): no conv bands where the tiles the whole-conv estimate picks fit and process at most
-    WHOLE_CONV_AREA times the banded tiles' area (720p at 8 GiB: smaller tiles, no bands); where they would be much
+    WHOLE_CONV_AREA times the banded tiles' area (720p at 8 GiB: tiles as large, no bands); where they would be much
     smaller (3 GiB) the plan keeps its bands. NCDHW keeps bands always."""
     from seedvr2bw.models.seedvr2.memory import WHOLE_CONV_AREA
     from seedvr2bw.models.seedvr2.vae.tiling import tile_area_ratio
@@ -215,7 +215,7 @@ def test_convs_run_whole_where_their_tiles_cost_little_more_area():
     assert all(plans[b, False].vae_conv_bytes for b in (3, 8, 32))
     area = lambda k, m: tile_area_ratio(k, getattr(m, f"{k}_tiles"), *run.model)        # noqa: E731
     small, banded = plans[8, True], plans[8, False]            # 720p tiles at 8 GiB
-    assert small.vae_conv_bytes is None and small.decode_tiles != (0, 0) and small.decode_tiles != banded.decode_tiles
+    assert small.vae_conv_bytes is None and small.decode_tiles != (0, 0)
     for k in ("encode", "decode"):
         assert area(k, banded) <= area(k, small) <= WHOLE_CONV_AREA * area(k, banded)
     tiny = plans[3, True]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
@@ -243,7 +244,8 @@ def plan_vae(run: RunPlan, budget: Optional[int], vae_bytes: int, vae_dtype: tor
     (enc, enc_peak), (dec, dec_peak) = tiles("encode", vae_budget), tiles("decode", vae_budget)
     # Whole convs (NDHWC) are taken where their tiles fit and process at most WHOLE_CONV_AREA times the banded
     # tiles' area: bands copy every band in and out, which costs more than a little more overlap.
-    (enc_w, enc_w_peak), (dec_w, dec_w_peak) = tiles("encode", vae_budget, None), tiles("decode", vae_budget, None)
+    (enc_w, enc_w_peak), (dec_w, dec_w_peak) = (tiles("encode", vae_budget, math.inf),
+                                                tiles("decode", vae_budget, math.inf))
     area = functools.partial(tile_area_ratio, ph=ph, pw=pw, config=vae_config)
     if whole_convs and max(enc_w_peak, dec_w_peak) <= vae_budget and \
             area("encode", enc_w) <= WHOLE_CONV_AREA * area("encode", enc) and \

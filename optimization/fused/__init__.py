@@ -25,6 +25,8 @@ one N x D pass = 133 MB = 44 us at 3 TB/s):
   moments (read x), the group statistics (a few floats), apply (read x, write y); a producing conv's bias may be
   added as x is read (``in_bias``).
 * ``residual_bias`` (VAE ResNet): h + bias + x (+ x's own bias) in one pass: read h, x; write h (torch: 2-3 adds).
+* ``bias_add_`` (VAE convs whose bias cannot fold): read y, write y, at the copy rate (torch's broadcast add on
+  NDHWC: about 1.3 TB/s).
 * ``depth_to_space`` (VAE upsampler): the rearrangement plus the 1 x 1 conv's bias: read y, write the conv's input
   (torch: a bias add and a strided 8-D copy at about 1 TB/s).
 """
@@ -157,12 +159,18 @@ def check_kernels(k, device, tol) -> Tuple[bool, str]:
     errs["residual_bias_cl"] = _rel(k.residual_bias_cl(hr.clone(), xcl, ib), want_r)
     errs["residual_bias_cl_x_bias"] = _rel(k.residual_bias_cl(hr.clone(), xcl, ib, ib.flip(0)),
                                            want_r + ib.flip(0).view(1, -1, 1, 1, 1))
+    # into the body of a larger buffer (a conv's input with room for its prefix frame and padding)
+    ob = torch.zeros(1, 8, 3, 71, 72, device=device, dtype=dt).contiguous(memory_format=torch.channels_last_3d)
+    k.residual_bias_cl(hr.clone(), xcl, ib, out=ob[:, :, 1:, :70, 1:71])
+    errs["residual_bias_cl_out"] = _rel(ob[:, :, 1:, :70, 1:71], want_r) + float(ob[:, :, 0].abs().sum() +
+                                                                                ob[:, :, :, 70].abs().sum())
     # depth-to-space with its conv's bias: 2 x 2 spatial, 2 temporal, the first chunk's duplicate frame dropped
     yd, bd = rnd(1, 32, 2, 5, 6).contiguous(memory_format=torch.channels_last_3d), rnd(32)
     want_d = (yd + bd.view(1, -1, 1, 1, 1)).view(1, 2, 2, 2, 4, 2, 5, 6).permute(0, 4, 5, 3, 6, 1, 7, 2)
     want_d = want_d.reshape(1, 4, 4, 10, 12)[:, :, [0, 2, 3]]
     od = torch.empty(1, 4, 3, 10, 12, device=device, dtype=torch.bfloat16).contiguous(
         memory_format=torch.channels_last_3d)
+    errs["bias_add_cl"] = _rel(k.bias_add_cl(hr.clone(), ib), hr + ib.view(1, -1, 1, 1, 1))
     errs["depth_to_space_cl"] = _rel(k.depth_to_space_cl(yd, bd, od, 2, 2, True), want_d)
     w, bias = rnd(96, d, scale=d ** -0.5), rnd(96, scale=0.1)
     xl = x[:, :d]
@@ -272,17 +280,22 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def group_norm_frames(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool,
                       out: Optional[torch.Tensor] = None, combine=None,
-                      in_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      in_bias: Optional[torch.Tensor] = None, head: int = 0,
+                      keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """GroupNorm ``norm`` of every frame of x (B, C, T, H, W) on its own, then SiLU if ``silu``; the output keeps
     x's layout when that is channels-last 3-D (the VAE's NDHWC path), else it is contiguous. ``out`` (x's shape):
     written and returned; the channels-last kernel writes an ``out`` whose channels and row pixels are dense
     directly (frames and rows of a larger buffer), other cases copy into it. ``combine``: x is a band of each
     frame's rows, and ``combine`` merges the bands' statistics (``kernels.group_norm_frames_cl``; channels-last
     only, see ``channels_last``). ``in_bias`` (C,): the norm of x + in_bias (the producing conv's bias, which the
-    channels-last kernels add as they read; elsewhere it is added first)."""
+    channels-last kernels add as they read; elsewhere it is added first). ``head``, ``keep``: the output's other
+    copies in a causal conv's input (``fill_edges``), written as the output is where the kernels can."""
     k = _load()
     if channels_last(x):
         direct = out is not None and out.dtype == x.dtype and out.stride(1) == 1 and out.stride(4) == x.shape[1]
+        if direct and (keep is None or (keep.stride(1) == 1 and keep.stride(4) == x.shape[1])):
+            return k.group_norm_frames_cl(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu, out=out,
+                                          combine=combine, in_bias=in_bias, head=head, keep=keep)
         y = k.group_norm_frames_cl(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu,
                                    out=out if direct else None, combine=combine, in_bias=in_bias)
     elif combine is not None:
@@ -291,10 +304,25 @@ def group_norm_frames(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool,
         if in_bias is not None:
             x = x + per_channel(in_bias, x.ndim)
         y = k.group_norm_frames(x.contiguous(), norm.num_groups, norm.weight, norm.bias, norm.eps, silu)
-    if out is not None and y is not out:
-        out.copy_(y)
-        return out
+    if out is not None:
+        if y is not out:
+            out.copy_(y)
+        return fill_edges(out, head, keep)
     return y
+
+
+def fill_edges(out: torch.Tensor, head: int = 0, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The other copies of ``out`` (B, C, T, H, W), the body of a causal conv's input (``CausalConv3d.edges``):
+    its first frame into the ``head`` frames in front of it in its storage (at its frame stride: the first chunk's
+    replicated frames) and its last keep.shape[2] frames into ``keep`` (what the next chunk prepends). The kernels
+    write them as they write ``out``; this is the same for the other paths, after ``out`` is written."""
+    if head:
+        full = out.as_strided((out.shape[0], out.shape[1], out.shape[2] + head, *out.shape[3:]), out.stride(),
+                              out.storage_offset() - head * out.stride(2))
+        full[:, :, :head].copy_(out[:, :, :1].expand(-1, -1, head, -1, -1))
+    if keep is not None:
+        keep.copy_(out[:, :, out.shape[2] - keep.shape[2]:])
+    return out
 
 
 def per_channel(bias: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -303,26 +331,40 @@ def per_channel(bias: torch.Tensor, ndim: int) -> torch.Tensor:
 
 
 def residual_bias(h: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
-                  x_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """h + bias + x (per channel of dim 1), written into h and returned; ``x_bias``: x lacks its conv's bias, added
-    to x first. One pass (``kernels.residual_bias_cl``) where both are dense channels-last 3-D of one shape and the
-    kernels are enabled, else torch adds (rounded at the same places)."""
-    if enabled(h, x, bias) and h.shape == x.shape and channels_last(h) and channels_last(x):
-        return _load().residual_bias_cl(h, x, bias, x_bias)
+                  x_bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """h + bias + x (per channel of dim 1), written into h, or into ``out`` (h's shape, any layout: e.g. the body of
+    the next conv's padded input, ``CausalConv3d.input_buffer``), and returned; ``x_bias``: x lacks its conv's bias,
+    added to x first. One pass (``kernels.residual_bias_cl``) where both are dense channels-last 3-D of one shape,
+    ``out`` has dense rows and the kernels are enabled, else torch adds (rounded at the same places)."""
+    dense_out = out is None or (out.dtype == h.dtype and out.stride(1) == 1 and out.stride(4) == h.shape[1])
+    if enabled(h, x, bias) and h.shape == x.shape and channels_last(h) and channels_last(x) and dense_out:
+        return _load().residual_bias_cl(h, x, bias, x_bias, out)
     if x_bias is not None:
         x = x + per_channel(x_bias, x.ndim)
-    return h.add_(per_channel(bias, h.ndim)).add_(x)
+    h = h.add_(per_channel(bias, h.ndim)).add_(x)
+    return h if out is None else out.copy_(h)
+
+
+def bias_add_(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """y + bias (per channel of dim 1), written into y and returned: one pass (``kernels.bias_add_cl``) where y is
+    dense channels-last 3-D and the kernels are enabled (a convolution's bias there: cuDNN on NDHWC leaves it to
+    torch's broadcast add, which is slow on that layout), else torch's add."""
+    if enabled(y, bias) and channels_last(y):
+        return _load().bias_add_cl(y, bias)
+    return y.add_(per_channel(bias, y.ndim))
 
 
 def depth_to_space(y: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor, s: int, rt: int,
-                   drop: bool) -> torch.Tensor:
+                   drop: bool, head: int = 0, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The upsampler's depth-to-space of y (B, s*s*rt*C, T, H, W) (+ ``bias`` per channel of y, which lacks its
     conv's bias) into ``out`` (B, C, T*rt - drop, H*s, W*s), channels-last 3-D both: channel ((sx*s + sy)*rt +
     st)*C + c of pixel (t, h, w) goes to frame t*rt + st, pixel (h*s + sx, w*s + sy); ``drop``: the first chunk's
-    duplicate frame 1 is not written. One pass where the kernels are enabled (``kernels.depth_to_space_cl``), else
-    torch's add and a strided copy."""
-    if enabled(y, out) and channels_last(y) and out.stride(1) == 1 and out.stride(4) == out.shape[1]:
-        return _load().depth_to_space_cl(y, bias, out, s, rt, drop)
+    duplicate frame 1 is not written. ``head``, ``keep``: ``fill_edges``. One pass where the kernels are enabled
+    (``kernels.depth_to_space_cl``), else torch's add and a strided copy."""
+    dense = out.stride(1) == 1 and out.stride(4) == out.shape[1]
+    if enabled(y, out) and channels_last(y) and dense and (keep is None or (keep.stride(1) == 1 and
+                                                                      keep.stride(4) == out.shape[1])):
+        return _load().depth_to_space_cl(y, bias, out, s, rt, drop, head, keep)
     if bias is not None:
         y = y + per_channel(bias, y.ndim)
     b, cr, t, h, w = y.shape
@@ -334,7 +376,7 @@ def depth_to_space(y: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Ten
         dst[:, 1:].view(b, t - 1, rt, h, s, w, s, c).copy_(src[:, 1:])
     else:
         dst.view(b, t, rt, h, s, w, s, c).copy_(src)
-    return out
+    return fill_edges(out, head, keep)
 
 
 def channels_last(x: torch.Tensor) -> bool:

@@ -338,8 +338,21 @@ def _gn_cl_moments_kernel(X, IN_B, PART, HW, C, NBLK, ROWS, HAS_IN_B: tl.constex
 
 
 @triton.jit
-def _gn_cl_apply_kernel(X, IN_B, Y, MEAN, RSTD, W, BIAS, HW, WIDTH, T, C, CG, G, YB, YT, YH, SILU: tl.constexpr,
-                        HAS_IN_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _edges(Y, dst, v, mask, f, HEAD, YT, K, K0, KB, KT, b, off, HAS_K: tl.constexpr):
+    """A causal conv input's other copies of an output tile of frame f (``group_norm_frames_cl``): frame 0 also into
+    the HEAD frames in front of it, frames from K0 on also into K (from its frame 0, at ``off`` in the frame)."""
+    if f == 0:
+        for i in range(1, HEAD + 1):
+            tl.store(Y + dst - i * YT, v, mask=mask)
+    if HAS_K:
+        if f >= K0:
+            tl.store(K + b * KB + (f - K0) * KT + off, v, mask=mask)
+
+
+@triton.jit
+def _gn_cl_apply_kernel(X, IN_B, Y, MEAN, RSTD, W, BIAS, HW, WIDTH, T, C, CG, G, YB, YT, YH, HEAD, K, K0, KB, KT,
+                        KH, SILU: tl.constexpr, HAS_IN_B: tl.constexpr, HAS_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
     p = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)     # pixels of the frame
     frame = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -364,6 +377,8 @@ def _gn_cl_apply_kernel(X, IN_B, Y, MEAN, RSTD, W, BIAS, HW, WIDTH, T, C, CG, G,
     h = p // WIDTH
     yrow = b * YB + t * YT + h * YH + (p - h * WIDTH) * C
     tl.store(Y + yrow[:, None] + cols[None, :], y, mask=mask)
+    _edges(Y, yrow[:, None] + cols[None, :], y, mask, t, HEAD, YT, K, K0, KB, KT, b,
+           (h * KH + (p - h * WIDTH) * C)[:, None] + cols[None, :], HAS_K=HAS_K)
 
 
 @triton.jit
@@ -423,15 +438,24 @@ def _combine_moments(part, cnt, n, eps, dtype):
 MOMENT_PROGRAMS = 1024
 
 
+def _keep_args(keep, y, t):
+    """The kernels' (K, K0, KB, KT, KH) for ``keep``: the last keep.shape[2] of t frames also written there."""
+    if keep is None:
+        return y, t, 0, 0, 0
+    return keep, t - keep.shape[2], keep.stride(0), keep.stride(2), keep.stride(3)
+
+
 def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=None, out=None, combine=None,
-                         in_bias=None):
+                         in_bias=None, head=0, keep=None):
     """``group_norm_frames`` of x (B, C, T, H, W) (plus ``in_bias`` (C,) per channel when given, the sum rounded to
     x's dtype: the bias of the conv that made x) stored channels-last 3-D; the output is stored the same way, in
     ``out`` if given (x's shape and dtype; channels and a row's pixels dense, samples, frames and rows at any
     stride: e.g. a run of frames and rows inside a larger buffer). ``block_rows``: a frame's pixels per moments
     program. ``combine`` (for a band of a frame's rows): takes this band's (rows, 2) float32 (mean, M2) per (sample,
     group, frame) and its value count per row, returns every band's as (rows, bands, 2) and (bands,), whose merge
-    gives the whole frame's statistics."""
+    gives the whole frame's statistics. ``head`` (with ``out``): the first frame is also written into the ``head``
+    frames before ``out`` in its storage (at its frame stride); ``keep`` (B, C, k, H, W; channels and a row's pixels
+    dense): the last k frames are also written there. A causal conv's input takes both (``fill_edges``)."""
     b, c, t, h, w = x.shape
     hw = h * w
     cg = c // groups
@@ -465,18 +489,49 @@ def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=No
         part, cnt = combine(torch.stack(merge_moments(part, cnt, n), dim=1), n)
         mean, rstd = _combine_moments(part, cnt, cnt.sum(), eps, x.dtype)
     y = torch.empty_like(x) if out is None else out     # keeps the channels-last strides
-    block_c2 = min(triton.next_power_of_2(c), 128)
-    block_r2 = max(1, 8192 // block_c2)
+    block_c2, block_r2, warps = _apply_tile(c)
     grid = (triton.cdiv(hw, block_r2), b * t, triton.cdiv(c, block_c2))
     _gn_cl_apply_kernel[grid](x, in_b, y, mean, rstd, weight, bias, hw, w, t, c, cg, groups, y.stride(0),
-                              y.stride(2), y.stride(3), SILU=silu, HAS_IN_B=has_b, BLOCK_R=block_r2,
-                              BLOCK_C=block_c2, num_warps=8)
+                              y.stride(2), y.stride(3), head if out is not None else 0, *_keep_args(keep, y, t),
+                              SILU=silu, HAS_IN_B=has_b, HAS_K=keep is not None, BLOCK_R=block_r2,
+                              BLOCK_C=block_c2, num_warps=warps)
+    return y
+
+
+def _apply_tile(c):
+    """(channels, rows, warps) of a program of the channels-last elementwise passes. Swept on an H100 over 64-256
+    channels x 16-256 rows x 4/8 warps at the decoder's shapes: 32 rows of up to 256 channels reach 2.7-3.0 TB/s
+    (128 x 64 on 8 warps, the earlier tile, 1.7-2.2); 512-channel frames take 8 warps."""
+    block_c = min(triton.next_power_of_2(c), 256)
+    return block_c, max(32, 1024 // block_c), 8 if c >= 512 else 4
+
+
+@triton.jit
+def _bias_add_kernel(Y, B, NROWS, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    mask = (rows < NROWS)[:, None] & cmask[None, :]
+    off = rows[:, None] * C + cols[None, :]
+    y = tl.load(Y + off, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    tl.store(Y + off, (y + b[None, :]).to(Y.dtype.element_ty), mask=mask)
+
+
+def bias_add_cl(y, bias):
+    """y + bias (per channel) written into y, dense channels-last 3-D: torch's broadcast add on this layout runs at
+    about 1.3 TB/s on an H100, this pass at the copy rate. Rounded as that add rounds."""
+    c = y.shape[1]
+    nrows = y.numel() // c
+    block_c, block_r, warps = _apply_tile(c)
+    grid = (triton.cdiv(nrows, block_r), triton.cdiv(c, block_c))
+    _bias_add_kernel[grid](y, bias, nrows, c, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return y
 
 
 @triton.jit
-def _residual_bias_kernel(H, X, B, XB, NROWS, C, HAS_XB: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_C: tl.constexpr):
+def _residual_bias_kernel(H, X, B, XB, OUT, NROWS, C, HW, WIDTH, T, OB, OT, OH, HAS_XB: tl.constexpr,
+                          STRIDED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
@@ -490,26 +545,37 @@ def _residual_bias_kernel(H, X, B, XB, NROWS, C, HAS_XB: tl.constexpr, BLOCK_R: 
         x = x.to(tl.float32)
     # rounded where the two adds it replaces round: (h + bias) then + x
     hb = (h + b).to(H.dtype.element_ty).to(tl.float32)
-    tl.store(H + off, (hb + x).to(H.dtype.element_ty), mask=mask)
+    if STRIDED:       # OUT: a window of a larger buffer, strided per sample, frame and row (a row dense)
+        p = rows % HW
+        f = rows // HW
+        r = p // WIDTH
+        dst = (f // T) * OB + (f % T) * OT + r * OH + (p - r * WIDTH) * C
+        tl.store(OUT + dst[:, None] + cols[None, :], (hb + x).to(OUT.dtype.element_ty), mask=mask)
+    else:
+        tl.store(OUT + off, (hb + x).to(OUT.dtype.element_ty), mask=mask)
 
 
-def residual_bias_cl(h, x, bias, x_bias=None):
-    """h + bias + x (bias per channel) in one pass, written into h, rounded as the two adds ``h.add_(bias).add_(x)``
-    round; h and x (B, C, T, H, W) dense channels-last 3-D of the same shape (a (rows, C) matrix each). ``x_bias``
-    (C,): x lacks its conv's bias, added and rounded first (as ``x + x_bias`` would)."""
-    c = h.shape[1]
+def residual_bias_cl(h, x, bias, x_bias=None, out=None):
+    """h + bias + x (bias per channel) in one pass, rounded as the two adds ``h.add_(bias).add_(x)`` round; h and x
+    (B, C, T, H, W) dense channels-last 3-D of the same shape (a (rows, C) matrix each). Written into h and
+    returned, or into ``out`` (h's shape and dtype; channels and a row's pixels dense, samples, frames and rows at
+    any stride: e.g. the body of a conv's padded input). ``x_bias`` (C,): x lacks its conv's bias, added and
+    rounded first (as ``x + x_bias`` would)."""
+    b_, c, t, hh, w = h.shape
     nrows = h.numel() // c
-    block_c = min(triton.next_power_of_2(c), 128)
-    block_r = max(1, 4096 // block_c)
+    o = h if out is None else out
+    block_c, block_r, warps = _apply_tile(c)
     grid = (triton.cdiv(nrows, block_r), triton.cdiv(c, block_c))
-    _residual_bias_kernel[grid](h, x, bias, bias if x_bias is None else x_bias, nrows, c, HAS_XB=x_bias is not None,
-                                BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
-    return h
+    _residual_bias_kernel[grid](h, x, bias, bias if x_bias is None else x_bias, o, nrows, c, hh * w, w, t,
+                                o.stride(0), o.stride(2), o.stride(3), HAS_XB=x_bias is not None,
+                                STRIDED=out is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    return o
 
 
 @triton.jit
-def _depth_to_space_kernel(Y, B, OUT, HW, WIDTH, T, CR, C, S, RT, OB, OT, OH, DROP: tl.constexpr,
-                           HAS_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+def _depth_to_space_kernel(Y, B, OUT, HW, WIDTH, T, CR, C, S, RT, OB, OT, OH, HEAD, K, K0, KB, KT, KH,
+                           DROP: tl.constexpr, HAS_B: tl.constexpr, HAS_K: tl.constexpr, BLOCK_P: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
     p = (tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)).to(tl.int64)     # source pixels of the frame
     bt = tl.program_id(1)
     qc = tl.program_id(2)
@@ -535,15 +601,18 @@ def _depth_to_space_kernel(Y, B, OUT, HW, WIDTH, T, CR, C, S, RT, OB, OT, OH, DR
     h = p // WIDTH
     w = p - h * WIDTH
     dst = b * OB + f.to(tl.int64) * OT + (h * S + sx) * OH + (w * S + sy) * C
-    tl.store(OUT + dst[:, None] + cols[None, :], v.to(OUT.dtype.element_ty), mask=mask)
+    v = v.to(OUT.dtype.element_ty)
+    tl.store(OUT + dst[:, None] + cols[None, :], v, mask=mask)
+    _edges(OUT, dst[:, None] + cols[None, :], v, mask, f, HEAD, OT, K, K0, KB, KT, b,
+           ((h * S + sx) * KH + (w * S + sy) * C)[:, None] + cols[None, :], HAS_K=HAS_K)
 
 
-def depth_to_space_cl(y, bias, out, s, rt, drop):
+def depth_to_space_cl(y, bias, out, s, rt, drop, head=0, keep=None):
     """The upsampler's rearrangement of y (B, s*s*rt*C, T, H, W), dense channels-last 3-D, plus ``bias`` (s*s*rt*C,)
     when given (y lacks its conv's bias; the sum rounded as a pass of its own would), written into ``out`` (B, C,
     T*rt (- 1 if ``drop``), H*s, W*s): channels and a row's pixels dense, samples, frames and rows at any stride.
     Channel ((sx*s + sy)*rt + st)*C + c of source pixel (t, h, w) goes to output frame t*rt + st (the first chunk's
-    frame 1 dropped when ``drop``), pixel (h*s + sx, w*s + sy)."""
+    frame 1 dropped when ``drop``), pixel (h*s + sx, w*s + sy). ``head``, ``keep``: as ``group_norm_frames_cl``'s."""
     b, cr, t, h, w = y.shape
     c = cr // (s * s * rt)
     block_c = min(triton.next_power_of_2(c), 256)
@@ -551,7 +620,8 @@ def depth_to_space_cl(y, bias, out, s, rt, drop):
     nc = triton.cdiv(c, block_c)
     grid = (triton.cdiv(h * w, block_p), b * t, s * s * rt * nc)
     _depth_to_space_kernel[grid](y, y if bias is None else bias, out, h * w, w, t, cr, c, s, rt, out.stride(0),
-                                 out.stride(2), out.stride(3), DROP=bool(drop), HAS_B=bias is not None,
+                                 out.stride(2), out.stride(3), head, *_keep_args(keep, out, out.shape[2]),
+                                 DROP=bool(drop), HAS_B=bias is not None, HAS_K=keep is not None,
                                  BLOCK_P=block_p, BLOCK_C=block_c, num_warps=8)
     return out
 

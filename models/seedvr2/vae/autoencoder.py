@@ -120,30 +120,32 @@ class VideoAutoencoder(nn.Module):
         """Yield (latent frame index, moments chunk (B, 2*latent, t, h, w)) per official temporal chunk.
         x may live on another device (e.g. CPU): each chunk is moved to the model when it is processed."""
         self._frames_check(x.shape[2])
-        cache = TemporalCache()
         split = self.split_size
+        chunks = temporal_chunks(x.shape[2], 1 + (split or 0), split)
+        cache = TemporalCache(last_chunk=len(chunks) == 1)
         layout = self.layout()
         self.store_weights(layout)
         pos = 0
-        for a, b in temporal_chunks(x.shape[2], 1 + (split or 0), split):
+        for i, (a, b) in enumerate(chunks):
             check_stop(should_stop)
             h = self.encoder(self._model_input(x[:, :, a:b], layout), cache).contiguous()
-            cache.next_chunk()
+            cache.next_chunk(last=i + 2 == len(chunks))
             yield pos, h
             pos += h.shape[2]
 
     def iter_decode(self, z: torch.Tensor, should_stop=None) -> Iterator[Tuple[int, torch.Tensor]]:
         """Yield (output frame index, frames chunk (B, 3, f, 8h, 8w)) per official temporal chunk (latent chunks
         of split_size // 4 frames, the first one with the first latent frame in addition)."""
-        cache = TemporalCache()
         step = self.split_size // self.temporal_factor if self.split_size else None
+        chunks = temporal_chunks(z.shape[2], 1 + (step or 0), step)
+        cache = TemporalCache(last_chunk=len(chunks) == 1)
         layout = self.layout()
         self.store_weights(layout)
         pos = 0
-        for a, b in temporal_chunks(z.shape[2], 1 + (step or 0), step):
+        for i, (a, b) in enumerate(chunks):
             check_stop(should_stop)
             y = self.decoder(self._model_input(z[:, :, a:b], layout), cache).contiguous()
-            cache.next_chunk()
+            cache.next_chunk(last=i + 2 == len(chunks))
             yield pos, y
             pos += y.shape[2]
 

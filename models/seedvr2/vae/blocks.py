@@ -28,10 +28,11 @@ class DownBlock3D(_Block):
     def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None,
                 x_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x_bias``: x lacks its conv's bias (``takes_input_bias``)."""
+        last = len(self.resnets) - 1
+        down = self.downsamplers[0].conv if self.downsamplers is not None else None
         for i, r in enumerate(self.resnets):
-            x = r(x, cache, x_bias if i == 0 else None)
-        if self.downsamplers is not None:
-            x = self.downsamplers[0](x, cache)
+            # the last ResNet writes its sum straight into the downsampling conv's padded input
+            x = r(x, cache, x_bias if i == 0 else None, then=down if i == last else None)
         return x
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ....optimization import fused
 from . import row_parallel
 from .layout import empty_like_layout, layout_of
 
@@ -25,20 +26,27 @@ class TemporalCache:
 
     `first_chunk` is True while the chunk being processed holds the clip's first frame: the causal convs then
     replicate the first frame, and temporal upsamplers drop the duplicate frame the first latent frame produces.
+    `last_chunk` is True while it holds the clip's last: no chunk follows, so nothing is kept for one.
     """
 
-    def __init__(self):
+    def __init__(self, last_chunk: bool = False):
         self.first_chunk = True
+        self.last_chunk = last_chunk
         self._memory: Dict[int, torch.Tensor] = {}
 
     def get(self, module: nn.Module) -> Optional[torch.Tensor]:
         return self._memory.get(id(module))
 
+    def keeps(self) -> bool:
+        """Whether the convs keep their last frames for a next chunk."""
+        return not self.last_chunk
+
     def put(self, module: nn.Module, frames: torch.Tensor) -> None:
         self._memory[id(module)] = frames
 
-    def next_chunk(self) -> None:
+    def next_chunk(self, last: bool = False) -> None:
         self.first_chunk = False
+        self.last_chunk = last
 
     def clear(self) -> None:
         self._memory.clear()
@@ -106,12 +114,16 @@ def conv3d_limited(
     """
     over = _bands_needed(x, weight, stride, pad, max_bytes)
     if over <= 1 or not split_dims:
+        # on NDHWC torch adds a cuDNN convolution's bias in a broadcast pass of its own at half the copy rate
+        late = bias is not None and fused.enabled(x) and fused.channels_last(x)
+        b = None if late else bias
         if pad[0] == pad[1] and pad[2] == pad[3]:
-            y = F.conv3d(x, weight, bias, stride, padding=(0, pad[0], pad[2]))
+            y = F.conv3d(x, weight, b, stride, padding=(0, pad[0], pad[2]))
         else:
-            y = F.conv3d(pad_spatial(x, pad), weight, bias, stride)
+            y = F.conv3d(pad_spatial(x, pad), weight, b, stride)
         # cuDNN answers NDHWC with NDHWC; torch's CPU convolutions may not, and the next layer must not transpose
-        return y.contiguous(memory_format=layout_of(x))
+        y = y.contiguous(memory_format=layout_of(x))
+        return fused.bias_add_(y, bias) if late else y
 
     dim = split_dims[0]
     axis = dim - 3                       # 0 = H, 1 = W
@@ -164,25 +176,58 @@ class CausalConv3d(nn.Conv3d):
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """(buf, body): an empty input for this conv whose ``body`` has ``shape`` (B, C, T, H, W) and ``like``'s
         dtype, device and layout, with room in front for the frames the conv prepends (the previous chunk's memory,
-        else the replicated first frame) and, under a row split, above and below for the neighbouring bands' rows.
-        The producer writes ``body``, then calls ``run_buffer(buf, cache)``: the conv's input is not a second copy."""
+        else the replicated first frame), under a row split above and below for the neighbouring bands' rows, and
+        around it the zeros of a spatial padding the convolution cannot apply itself (``_own_pad``). The producer
+        writes ``body``, then calls ``run_buffer(buf, cache)``: the conv's input is not a second copy."""
         _, n = self._prefix(cache)
         above, below = self._halo_rows()
+        top, bottom, left, right = self._own_pad()
         b, c, t, h, w = shape
-        buf = empty_like_layout(like, (b, c, n + t, above + h + below, w))
-        return buf, buf[:, :, n:, above:above + h]
+        buf = empty_like_layout(like, (b, c, n + t, above + top + h + bottom + below, left + w + right))
+        for rows in (slice(above, above + top), slice(above + top + h, above + top + h + bottom)):
+            buf[:, :, :, rows].zero_()
+        for cols in (slice(0, left), slice(left + w, left + w + right)):
+            buf[..., cols].zero_()
+        return buf, buf[:, :, n:, above + top:above + top + h, left:left + w]
 
-    def run_buffer(self, buf: torch.Tensor, cache: Optional[TemporalCache] = None, bias: bool = True) -> torch.Tensor:
+    def edges(self, body: torch.Tensor, cache: Optional[TemporalCache] = None
+              ) -> tuple[int, Optional[torch.Tensor]]:
+        """What the producer of an ``input_buffer``'s ``body`` may write as well, in the same pass (saving a pass
+        over those frames each): (head, keep). head: how many copies of the body's first frame go in front of it
+        (the first chunk's replicated frames; 0 when the previous chunk's memory goes there). keep: an empty tensor
+        for the body's last frames, which the next chunk prepends (None when no chunk follows, or the body is
+        shorter than that memory). ``run_buffer(..., written=(head, keep))`` then leaves them alone."""
+        memory, n = self._prefix(cache)
+        head = n if memory is None and not any(self._own_pad()) else 0
+        m = self.memory_frames
+        if cache is None or not m or not cache.keeps() or body.shape[2] < m or any(self._own_pad()):
+            return head, None
+        b, c, _, h, w = body.shape
+        return head, empty_like_layout(body, (b, c, m, h, w))
+
+    def run_buffer(self, buf: torch.Tensor, cache: Optional[TemporalCache] = None, bias: bool = True,
+                   written: tuple[int, Optional[torch.Tensor]] = (0, None)) -> torch.Tensor:
         """The conv of an ``input_buffer`` whose body is written: fills the prepended frames, then runs (without its
-        bias when ``bias`` is False: the caller adds it where it reads the output)."""
+        bias when ``bias`` is False: the caller adds it where it reads the output). ``written``: the ``edges``
+        the producer wrote too."""
         memory, n = self._prefix(cache)
         above, below = self._halo_rows()
-        band = buf[:, :, :, above:buf.shape[3] - below]
+        head, keep = written
+        band = buf[:, :, :, above:buf.shape[3] - below]      # with the zero padding the buffer carries
         if memory is not None:
             band[:, :, :n].copy_(memory)
-        elif n:
+        elif n and not head:
             band[:, :, :n].copy_(band[:, :, n:n + 1].expand(-1, -1, n, -1, -1))
-        return self(buf, cache, extended=True, rows=(above, below), bias=bias)
+        return self(buf, cache, extended=True, rows=(above, below), bias=bias, keep=keep)
+
+    def _own_pad(self) -> tuple[int, int, int, int]:
+        """The zero rows and columns (top, bottom, left, right) an ``input_buffer`` carries: the spatial padding
+        when it differs between the two sides (the downsamplers': cuDNN pads both sides alike, so the plain path
+        copies the input into a padded one), outside a row split (whose halo exchange pads)."""
+        p = self.spatial_pad
+        if (p[0] == p[1] and p[2] == p[3]) or row_parallel.current() is not None:
+            return (0, 0, 0, 0)
+        return p
 
     def _prefix(self, cache: Optional[TemporalCache]) -> tuple[Optional[torch.Tensor], int]:
         memory = cache.get(self) if cache is not None else None
@@ -195,9 +240,11 @@ class CausalConv3d(nn.Conv3d):
         return shard.halo_rows(self.spatial_pad, self.kernel_size[1], self.stride[1])
 
     def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None, extended: bool = False,
-                rows: tuple[int, int] = (0, 0), bias: bool = True) -> torch.Tensor:
+                rows: tuple[int, int] = (0, 0), bias: bool = True, keep: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
         """``extended``: x already starts with the prepended frames and has ``rows`` (above, below) around its band
-        for the neighbours' rows (``input_buffer`` / ``run_buffer``). ``bias`` False: the output lacks the bias."""
+        for the neighbours' rows (``input_buffer`` / ``run_buffer``). ``bias`` False: the output lacks the bias.
+        ``keep``: the frames the next chunk prepends, already written (``edges``)."""
         x = x.to(self.weight.dtype)
         memory = cache.get(self) if cache is not None and not extended else None
         if memory is not None:
@@ -205,10 +252,12 @@ class CausalConv3d(nn.Conv3d):
         elif self.head_frames and not extended:
             x = extend_time(x[:, :, :1].expand(-1, -1, self.head_frames, -1, -1), x)
         above, below = rows
-        if cache is not None and self.memory_frames:
+        if cache is not None and self.memory_frames and cache.keeps():
             # clone: a view would keep the whole chunk alive until the next chunk; the band's own rows only
-            cache.put(self, x[:, :, -self.memory_frames:, above:x.shape[3] - below].clone())
-        pad = self.spatial_pad
+            if keep is None:
+                keep = x[:, :, -self.memory_frames:, above:x.shape[3] - below].clone()
+            cache.put(self, keep)
+        pad = (0, 0, 0, 0) if extended and any(self._own_pad()) else self.spatial_pad
         shard = row_parallel.current()
         if shard is not None and self.kernel_size[1] > 1:     # the rows above and below come from other ranks
             k, st = self.kernel_size[1], self.stride[1]

@@ -35,7 +35,8 @@ def _norm_frames(x4: torch.Tensor, norm: nn.GroupNorm, max_bytes: float) -> torc
 
 def causal_group_norm(x: torch.Tensor, norm: nn.GroupNorm, max_bytes: float = math.inf, silu: bool = False,
                       frame_batch_bytes: float = 256 * 1024 ** 2, out: Optional[torch.Tensor] = None,
-                      in_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      in_bias: Optional[torch.Tensor] = None, head: int = 0,
+                      keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-frame GroupNorm of x (B, C, T, H, W) (or (B, C, H, W)), optionally followed by SiLU (in place).
 
     The official limit is applied to the full ((b t) c h w) tensor, as there; the work is then done a few frames at
@@ -43,13 +44,17 @@ def causal_group_norm(x: torch.Tensor, norm: nn.GroupNorm, max_bytes: float = ma
     kernels (bf16/fp16) one Triton kernel pair does it all on the 5-D layout: same math, fp32 statistics, no
     temporary larger than the output, so the limit has nothing left to bound. ``out`` (x's shape and dtype, any
     layout): the result is written there and returned. ``in_bias`` (C,): the norm of x + in_bias (the bias of
-    the conv that made x, left out of it: ``fold_biases``).
+    the conv that made x, left out of it: ``fold_biases``). ``head``, ``keep`` (with ``out``, the body of a causal
+    conv's input): its other copies there (``CausalConv3d.edges``, ``fused.fill_edges``).
     """
     shard = row_parallel.current()       # a band of rows: the frame's statistics come from every rank
     use_fused = fused.enabled(x) and norm.affine
     if use_fused and x.ndim == 5 and (shard is None or fused.channels_last(x)):
         return fused.group_norm_frames(x, norm, silu, out=out, combine=shard.gather_moments if shard else None,
-                                       in_bias=in_bias)
+                                       in_bias=in_bias, head=head, keep=keep)
+    if out is not None and (head or keep is not None):
+        return fused.fill_edges(causal_group_norm(x, norm, max_bytes, silu, frame_batch_bytes, out, in_bias), head,
+                                keep)
     if in_bias is not None:
         x = x + fused.per_channel(in_bias, x.ndim)
     if shard is not None:
@@ -92,10 +97,12 @@ def norm_silu_conv(x: torch.Tensor, norm: nn.GroupNorm, conv: CausalConv3d, cach
                    conv_bias: bool = True) -> torch.Tensor:
     """``conv(SiLU(GroupNorm(x + in_bias)), cache)`` with the normalised frames written straight into the conv's
     input (``CausalConv3d.input_buffer``): behind its prepended frames and, under a row split, between the
-    neighbours' rows, so that input is not a second copy of the activation. ``conv_bias`` False: the output lacks
+    neighbours' rows, so that input is not a second copy of the activation; the same pass writes the first chunk's
+    replicated frames and the frames the next chunk keeps (``CausalConv3d.edges``). ``conv_bias`` False: the output lacks
     the conv's bias (the caller adds it where it reads the output)."""
     if x.ndim != 5:
         return conv(causal_group_norm(x, norm, max_bytes, silu=True, in_bias=in_bias), cache, bias=conv_bias)
     buf, body = conv.input_buffer(x, x.shape, cache)
-    causal_group_norm(x, norm, max_bytes, silu=True, out=body, in_bias=in_bias)
-    return conv.run_buffer(buf, cache, bias=conv_bias)
+    head, keep = conv.edges(body, cache)
+    causal_group_norm(x, norm, max_bytes, silu=True, out=body, in_bias=in_bias, head=head, keep=keep)
+    return conv.run_buffer(buf, cache, bias=conv_bias, written=(head, keep))

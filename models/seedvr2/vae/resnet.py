@@ -27,8 +27,11 @@ class ResnetBlock3D(nn.Module):
         self.norm_max_bytes = math.inf
 
     def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None,
-                x_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``x_bias``: x lacks the bias of the conv that made it (``takes_input_bias``), added where x is read."""
+                x_bias: Optional[torch.Tensor] = None, then: Optional[CausalConv3d] = None) -> torch.Tensor:
+        """``x_bias``: x lacks the bias of the conv that made it (``takes_input_bias``), added where x is read.
+        ``then``: a conv that reads the block's output (a down block's downsampler): the sum is written straight
+        into its input (``CausalConv3d.input_buffer``, allocated once this block's convs have run, so it does not
+        add to their peak) and that conv's output is returned."""
         fold = fold_biases(x, self.conv1, self.conv2)
         if x_bias is not None and not (fold and self.conv_shortcut is None):
             x, x_bias = x + fused.per_channel(x_bias, x.ndim), None
@@ -41,12 +44,21 @@ class ResnetBlock3D(nn.Module):
                                conv_bias=False)
             if self.conv_shortcut is not None:
                 x, x_bias = self.conv_shortcut(x, cache, bias=False), self.conv_shortcut.bias
-            return fused.residual_bias(h, x, self.conv2.bias, x_bias)
+            if then is None:
+                return fused.residual_bias(h, x, self.conv2.bias, x_bias)
+            buf, body = then.input_buffer(h, h.shape, cache)
+            fused.residual_bias(h, x, self.conv2.bias, x_bias, out=body)
+            return then.run_buffer(buf, cache)
         h = norm_silu_conv(x, self.norm1, self.conv1, cache, self.norm_max_bytes)
         h = norm_silu_conv(h, self.norm2, self.conv2, cache, self.norm_max_bytes)
         if self.conv_shortcut is not None:
             x = self.conv_shortcut(x, cache)
-        return h.add_(x)
+        h = h.add_(x)
+        if then is None:
+            return h
+        buf, body = then.input_buffer(h, h.shape, cache)
+        body.copy_(h)
+        return then.run_buffer(buf, cache)
 
     def takes_input_bias(self, x: torch.Tensor) -> bool:
         """Whether x may come without its conv's bias (``forward``'s ``x_bias``): where the biases fold and x is read

@@ -16,7 +16,8 @@ from .norm import fold_biases
 class Downsample3D(nn.Module):
     """Stride-2 conv. Spatial-only: kernel (1,3,3), stride (1,2,2). Spatio-temporal: kernel (3,3,3), stride (2,2,2)
     with causal first-frame replication. The official pads one zero row/column at the bottom/right only
-    (downsample_padding=0) and the conv adds no other spatial padding."""
+    (downsample_padding=0) and the conv adds no other spatial padding: the conv's input buffer carries it
+    (``CausalConv3d.input_buffer``), which the down block's last ResNet writes into directly."""
 
     def __init__(self, channels: int, temporal_down: bool):
         super().__init__()
@@ -27,7 +28,9 @@ class Downsample3D(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
-        return self.conv(x, cache)
+        buf, body = self.conv.input_buffer(x, x.shape, cache)
+        body.copy_(x)
+        return self.conv.run_buffer(buf, cache)
 
 
 class Upsample3D(nn.Module):
@@ -57,8 +60,9 @@ class Upsample3D(nn.Module):
         drop = rt > 1 and (cache is None or cache.first_chunk)
         if layout == torch.channels_last_3d:   # written straight into the conv's input (no extended copy)
             buf, body = self.conv.input_buffer(y, (b, c, t * rt - (1 if drop else 0), h * s, w * s), cache)
-            fused.depth_to_space(y, self.upscale_conv.bias if fold else None, body, s, rt, drop)
-            return self.conv.run_buffer(buf, cache)
+            head, keep = self.conv.edges(body, cache)
+            fused.depth_to_space(y, self.upscale_conv.bias if fold else None, body, s, rt, drop, head, keep)
+            return self.conv.run_buffer(buf, cache, written=(head, keep))
         y = (y.view(b, s, s, rt, c, t, h, w)
               .permute(0, 4, 5, 3, 6, 1, 7, 2)          # b, c, t, st, h, sx, w, sy
               .reshape(b, c, t * rt, h * s, w * s))

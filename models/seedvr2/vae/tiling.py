@@ -20,7 +20,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .causal_conv import GIB
+from .causal_conv import GIB, INDEX_LIMIT
 from .config import SEEDVR2_VAE, VAEConfig
 from .posterior import LatentDistribution, check_stop
 
@@ -154,6 +154,8 @@ def _area(tile: Pair) -> int:
 
 # Conv bands of at most this size (the memory plan's below 48 GiB) keep the fixed part of a VAE call's peak small.
 SMALL_BANDS = 341 * 2**20
+# The smallest decode tile (output pixels) at which whole convs' peak was measured (``estimate_decode_bytes``).
+WHOLE_MEASURED_PX = 150_000
 
 
 def estimate_decode_bytes(tile_latent: Pair, config: VAEConfig = SEEDVR2_VAE, dtype_bytes: int = 2,
@@ -169,12 +171,22 @@ def estimate_decode_bytes(tile_latent: Pair, config: VAEConfig = SEEDVR2_VAE, dt
     copy). With conv bands of ``conv_bytes`` <= SMALL_BANDS, measured on an H100 through the memory plan (one pass
     and 672x720 to 480x288 px tiles of 720p x 21, bands 64-341 MiB): 17.7 GiB per megapixel + 0.34 GiB within 1.3 %,
     modelled as 5.3 tensors + 0.34 GiB. A single image (``one_frame``) peaked at 4/7 of that per pixel (H100,
-    1920x1088 in 992x1088 tiles: 10.1 GiB per megapixel), modelled as 4 frames.
+    1920x1088 in 992x1088 tiles: 10.1 GiB per megapixel), modelled as 4 frames. Whole convs (``conv_bytes`` inf,
+    NDHWC) where those tensors stay below INDEX_LIMIT elements (above it the convs run in bands again), measured on
+    an H100 at 0.17-0.35 Mpx tiles and one 720p pass: 3.39-6.14 GiB and 15.92 GiB, within 2 % of 5.1 tensors +
+    0.45 GiB (17.0 GiB per megapixel; the official-limit model is 20-40 % above them at card-budget tiles). Below
+    those tiles (WHOLE_MEASURED_PX), unmeasured, the official-limit model stays.
     """
     px = _area(tile_latent) * config.spatial_factor ** 2
     frames = 4 if one_frame else split_size + 1 + 2
-    tensors, fixed = (5.3, 0.34) if conv_bytes is not None and conv_bytes <= SMALL_BANDS else (5.5, 1.25)
-    return int(tensors * config.block_out_channels[1] * frames * px * dtype_bytes + fixed * GIB)
+    elements = config.block_out_channels[1] * frames * px
+    if conv_bytes == math.inf and WHOLE_MEASURED_PX <= px and elements <= INDEX_LIMIT and not one_frame:
+        tensors, fixed = 5.1, 0.45
+    elif conv_bytes is not None and conv_bytes <= SMALL_BANDS:
+        tensors, fixed = 5.3, 0.34
+    else:
+        tensors, fixed = 5.5, 1.25
+    return int(tensors * elements * dtype_bytes + fixed * GIB)
 
 
 def estimate_encode_bytes(tile_px: Pair, config: VAEConfig = SEEDVR2_VAE, dtype_bytes: int = 2,
