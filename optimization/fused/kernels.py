@@ -507,12 +507,18 @@ def _apply_tile(c):
 
 
 @triton.jit
-def _bias_add_kernel(Y, B, NROWS, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _row_tile(NROWS, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's tile of a (NROWS, C) row-major matrix: (rows, cols, column mask, mask, offsets)."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
     mask = (rows < NROWS)[:, None] & cmask[None, :]
-    off = rows[:, None] * C + cols[None, :]
+    return rows, cols, cmask, mask, rows[:, None] * C + cols[None, :]
+
+
+@triton.jit
+def _bias_add_kernel(Y, B, NROWS, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows, cols, cmask, mask, off = _row_tile(NROWS, C, BLOCK_R, BLOCK_C)
     y = tl.load(Y + off, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
     tl.store(Y + off, (y + b[None, :]).to(Y.dtype.element_ty), mask=mask)
@@ -532,11 +538,7 @@ def bias_add_cl(y, bias):
 @triton.jit
 def _residual_bias_kernel(H, X, B, XB, OUT, NROWS, C, HW, WIDTH, T, OB, OT, OH, HAS_XB: tl.constexpr,
                           STRIDED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    mask = (rows < NROWS)[:, None] & cmask[None, :]
-    off = rows[:, None] * C + cols[None, :]
+    rows, cols, cmask, mask, off = _row_tile(NROWS, C, BLOCK_R, BLOCK_C)
     h = tl.load(H + off, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(X + off, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]

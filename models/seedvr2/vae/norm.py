@@ -98,8 +98,8 @@ def norm_silu_conv(x: torch.Tensor, norm: nn.GroupNorm, conv: CausalConv3d, cach
     """``conv(SiLU(GroupNorm(x + in_bias)), cache)`` with the normalised frames written straight into the conv's
     input (``CausalConv3d.input_buffer``): behind its prepended frames and, under a row split, between the
     neighbours' rows, so that input is not a second copy of the activation; the same pass writes the first chunk's
-    replicated frames and the frames the next chunk keeps (``CausalConv3d.edges``). ``conv_bias`` False: the output lacks
-    the conv's bias (the caller adds it where it reads the output)."""
+    replicated frames and the frames the next chunk keeps (``CausalConv3d.edges``). ``conv_bias`` False: the output
+    lacks the conv's bias (the caller adds it where it reads the output)."""
     if x.ndim != 5:
         return conv(causal_group_norm(x, norm, max_bytes, silu=True, in_bias=in_bias), cache, bias=conv_bias)
     buf, body = conv.input_buffer(x, x.shape, cache)
