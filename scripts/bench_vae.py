@@ -160,6 +160,8 @@ def bench_vae(device="cuda", dtype=torch.bfloat16, resolutions=((1280, 720), (19
                 log(f"skip {op} {w}x{h}x{t} tiled={til} (time budget)")
                 continue
             lt, lh, lw = (t - 1) // tf + 1, h // s, w // s
+            # the memory model the plan uses for this call: whole convs (NDHWC, no band limit), bands, or official
+            conv_est = vae.conv_bytes() if vae.layout_on(device) == torch.channels_last_3d else None
             g = torch.Generator(device=device).manual_seed(1)
             et, dt = _pair(encode_tile), _pair(decode_tile)
             if op == "encode":
@@ -168,14 +170,15 @@ def bench_vae(device="cuda", dtype=torch.bfloat16, resolutions=((1280, 720), (19
                            latent_shape=[1, vae.config.latent_channels, lt, lh, lw],
                            est_working_set_gib=estimate_encode_bytes(
                                (min(et[0], lh * s), min(et[1], lw * s)) if til else (lh * s, lw * s),
-                               vae.config, elem) / GIB)
+                               vae.config, elem, conv_bytes=conv_est) / GIB)
                 run = (lambda: vae.encode_tiled(inp, encode_tile, encode_overlap)) if til else (lambda: vae.encode(inp))
             else:
                 inp = torch.randn(1, vae.config.latent_channels, lt, lh, lw, generator=g, device=device, dtype=dtype)
                 row.update(tile=list(dt) if til else None, overlap=decode_overlap if til else None,
                            latent_shape=list(inp.shape),
                            est_working_set_gib=estimate_decode_bytes(
-                               (min(dt[0], lh), min(dt[1], lw)) if til else (lh, lw), vae.config, elem) / GIB)
+                               (min(dt[0], lh), min(dt[1], lw)) if til else (lh, lw), vae.config, elem,
+                               conv_bytes=conv_est) / GIB)
                 run = (lambda: vae.decode_tiled(inp, decode_tile, decode_overlap)) if til else (lambda: vae.decode(inp))
             tile, overlap = (encode_tile, encode_overlap) if op == "encode" else (decode_tile, decode_overlap)
             flops = count_flops(vae.config, dtype, op, tuple(inp.shape), til, tile, overlap)

@@ -199,6 +199,27 @@ def test_vae_peak_model_follows_the_bands_and_single_images():
     assert area(still.encode_tiles) > area(video.encode_tiles)
 
 
+# Whole-conv decode working sets (peak less what was allocated before the call, GiB), 21 frames, H100, bf16,
+# `bench_vae.py --conv-limits none --budgets 8,12` at 01200c2 and earlier tile probes: (latent tile, measured)
+WHOLE_DECODE_PEAKS = [((50, 60), 3.52), ((40, 66), 3.39), ((90, 46), 4.76), ((72, 56), 4.91), ((90, 60), 6.14),
+                      ((72, 86), 7.28), ((90, 160), 15.91)]
+
+
+def test_whole_conv_decode_peak_model_fits_the_measurements():
+    """The memory model of a decode with whole convs (``conv_bytes`` inf) within 6 % of every measured working set,
+    and with the plan's VAE_PEAK_FACTOR above each; below the measured tiles and for a one-sample conv past the
+    32-bit index limit (1080p in one pass: 40.76 GiB measured) it keeps the official-limit model."""
+    import math
+    from seedvr2bw.models.seedvr2.memory import VAE_PEAK_FACTOR
+    from seedvr2bw.models.seedvr2.vae.tiling import estimate_decode_bytes
+    for tile, got in WHOLE_DECODE_PEAKS:
+        est = estimate_decode_bytes(tile, conv_bytes=math.inf) / GiB
+        assert abs(est / got - 1) < 0.06 and est * VAE_PEAK_FACTOR > got, (tile, est, got)
+    for tile in ((30, 40), (135, 240)):
+        assert estimate_decode_bytes(tile, conv_bytes=math.inf) == estimate_decode_bytes(tile)
+    assert estimate_decode_bytes((135, 240)) * VAE_PEAK_FACTOR / GiB > 40.76
+
+
 def test_convs_run_whole_where_their_tiles_cost_little_more_area():
     """NDHWC (``whole_convs``): no conv bands where the tiles the whole-conv estimate picks fit and process at most
     WHOLE_CONV_AREA times the banded tiles' area (720p at 8 GiB: tiles as large, no bands); where they would be much

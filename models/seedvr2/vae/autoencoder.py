@@ -79,6 +79,11 @@ class VideoAutoencoder(nn.Module):
             if isinstance(m, (ResnetBlock3D, Encoder3D, Decoder3D)):
                 m.norm_max_bytes = norm_b
 
+    def conv_bytes(self) -> float:
+        """The convs' band limit in bytes (``set_memory_limit``; inf: whole convs), in the memory model's terms
+        (``tiling.estimate_*_bytes``' ``conv_bytes``)."""
+        return self.decoder.conv_in.max_bytes
+
     def set_causal_slicing(self, split_size: Optional[int]) -> None:
         """Official `set_causal_slicing`: frames per temporal chunk (4 in the pipeline), None = one pass."""
         if split_size is not None and split_size % self.temporal_factor:
