@@ -27,6 +27,8 @@ one N x D pass = 133 MB = 44 us at 3 TB/s):
 * ``residual_bias`` (VAE ResNet): h + bias + x (+ x's own bias) in one pass: read h, x; write h (torch: 2-3 adds).
 * ``bias_add_`` (VAE convs whose bias cannot fold): read y, write y, at the copy rate (torch's broadcast add on
   NDHWC: about 1.3 TB/s).
+* ``softmax_split`` (VAE mid-block attention, one head of 512: ``optimization/attention/wide_head.py``): read the
+  fp32 scores twice, write the softmax numerator as two 16-bit parts.
 * ``depth_to_space`` (VAE upsampler): the rearrangement plus the 1 x 1 conv's bias: read y, write the conv's input
   (torch: a bias add and a strided 8-D copy at about 1 TB/s).
 """
@@ -170,6 +172,10 @@ def check_kernels(k, device, tol) -> Tuple[bool, str]:
     want_d = want_d.reshape(1, 4, 4, 10, 12)[:, :, [0, 2, 3]]
     od = torch.empty(1, 4, 3, 10, 12, device=device, dtype=torch.bfloat16).contiguous(
         memory_format=torch.channels_last_3d)
+    sc = rnd(5, 300, dtype=torch.float32, scale=4.0)
+    hl, l = k.softmax_split(sc, 0.5, dt)
+    e = torch.exp((sc - sc.amax(1, keepdim=True)) * 0.5)
+    errs["softmax_split"] = _rel(hl[:, :300].float() + hl[:, 300:].float(), e) + _rel(l, e.sum(1))
     errs["bias_add_cl"] = _rel(k.bias_add_cl(hr.clone(), ib), hr + ib.view(1, -1, 1, 1, 1))
     errs["depth_to_space_cl"] = _rel(k.depth_to_space_cl(yd, bd, od, 2, 2, True), want_d)
     w, bias = rnd(96, d, scale=d ** -0.5), rnd(96, scale=0.1)
@@ -377,6 +383,12 @@ def depth_to_space(y: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Ten
     else:
         dst.view(b, t, rt, h, s, w, s, c).copy_(src)
     return fill_edges(out, head, keep)
+
+
+def softmax_split(s: torch.Tensor, scale: float, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The softmax numerator of the scores s (rows, N) float32 as two ``dtype`` parts and its row sums
+    (``kernels.softmax_split``); the caller checks ``enabled``."""
+    return _load().softmax_split(s.contiguous(), scale, dtype)
 
 
 def channels_last(x: torch.Tensor) -> bool:

@@ -507,6 +507,44 @@ def _apply_tile(c):
 
 
 @triton.jit
+def _softmax_split_kernel(S, HL, L, N, SCALE, BLOCK: tl.constexpr):
+    # one program per row of S (rows, N) float32: e = exp(SCALE * (s - max)), the softmax numerator, written as two
+    # parts of HL's dtype, hi = e rounded (columns [0, N) of HL's row) and lo = e - hi rounded ([N, 2N)), and the
+    # row's sum of e in L
+    row = tl.program_id(0).to(tl.int64)
+    src = S + row * N
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    for i in range(0, N, BLOCK):
+        cols = i + tl.arange(0, BLOCK)
+        m = tl.maximum(m, tl.load(src + cols, mask=cols < N, other=float("-inf")))
+    mx = tl.max(m, axis=0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    dst = HL + row * 2 * N
+    for i in range(0, N, BLOCK):
+        cols = i + tl.arange(0, BLOCK)
+        mask = cols < N
+        e = tl.exp((tl.load(src + cols, mask=mask, other=float("-inf")) - mx) * SCALE)
+        acc += e
+        hi = _rounded(e, HL.dtype.element_ty)
+        tl.store(dst + cols, hi.to(HL.dtype.element_ty), mask=mask)
+        tl.store(dst + N + cols, (e - hi).to(HL.dtype.element_ty), mask=mask)
+    tl.store(L + row, tl.sum(acc, axis=0))
+
+
+def softmax_split(s, scale, dtype):
+    """(hl, l) for the scores s (rows, N) float32, contiguous: the softmax numerator e = exp(scale * (s - row max))
+    as hl (rows, 2N) of ``dtype``, e's rounding in columns [0, N) and what rounding left out in [N, 2N) (their sum
+    holds e to about twice the dtype's bits), and l (rows,) float32, the sum of e over each row. ``hl @ [v; v] / l``
+    is the attention output with the probabilities' rounding error squared."""
+    rows, n = s.shape
+    hl = torch.empty((rows, 2 * n), device=s.device, dtype=dtype)
+    l = torch.empty(rows, device=s.device, dtype=torch.float32)
+    _softmax_split_kernel[(rows,)](s, hl, l, n, float(scale), BLOCK=min(2048, triton.next_power_of_2(n)),
+                                   num_warps=8)
+    return hl, l
+
+
+@triton.jit
 def _row_tile(NROWS, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """This program's tile of a (NROWS, C) row-major matrix: (rows, cols, column mask, mask, offsets)."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)

@@ -189,3 +189,21 @@ def test_model_fused_vs_torch_path(monkeypatch):
         print(f"{variant}: fused vs torch path rel-L2 {err:.2e}")
         assert err < 2e-2
 
+
+
+@pytest.mark.parametrize("n", [14400, 32400])
+def test_wide_head_attention(n):
+    """The VAE mid block's head (512) at a 720p and a 1080p latent frame: two GEMMs with a split softmax no further
+    from the float64 result than SDPA, in bounded query blocks; the dispatch's self-test says which runs."""
+    from seedvr2bw.optimization.attention import wide_head
+    g = torch.Generator(device="cuda").manual_seed(n)
+    q, k, v = (torch.randn(1, n, 512, device="cuda", generator=g) for _ in range(3))
+    q = q * 3
+    idx = torch.randperm(n, device="cuda", generator=g)[:512]          # float64 reference on 512 query rows
+    want = torch.softmax(q[:, idx].double() @ k.double().transpose(1, 2) / 512 ** 0.5, -1) @ v.double()
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    got = wide_head.gemm_attention(q, k, v)
+    ref = wide_head.sdpa(q, k, v)
+    e_got, e_ref = rel(got[:, idx], want), rel(ref[:, idx], want)
+    print(f"N={n}: gemm attention rel err {e_got:.3e}, SDPA {e_ref:.3e};", wide_head.gemm_attention_selftest("cuda"))
+    assert e_got <= 1.01 * e_ref

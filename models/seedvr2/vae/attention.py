@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from ....optimization.attention import wide_head
 from . import row_parallel
 from .norm import causal_group_norm
 
@@ -25,14 +25,13 @@ class FrameAttention(nn.Module):
     def _frame(self, f: torch.Tensor) -> torch.Tensor:
         b, c, h, w = f.shape
         y = causal_group_norm(f, self.group_norm).view(b, c, h * w).transpose(1, 2)   # (B, N, C)
-        q, k, v = (lin(y).unsqueeze(1) for lin in (self.to_q, self.to_k, self.to_v))  # (B, 1, N, C)
+        q, k, v = (lin(y) for lin in (self.to_q, self.to_k, self.to_v))  # (B, N, C)
         shard = row_parallel.current()
         if shard is not None:            # a band of rows: its queries attend to every position of the frame
-            k, v = shard.gather_rows(torch.cat([k, v], dim=-1), 2).chunk(2, dim=-1)     # one gather for both
-        # The official sets upcast_softmax, which diffusers' SDPA processor does not use; SDPA accumulates the
-        # softmax in fp32 for 16-bit inputs anyway.
-        o = F.scaled_dot_product_attention(q, k, v)
-        o = self.to_out[0](o.squeeze(1))
+            k, v = shard.gather_rows(torch.cat([k, v], dim=-1), 1).chunk(2, dim=-1)     # one gather for both
+        # The official sets upcast_softmax, which diffusers' SDPA processor does not use; the softmax is taken in
+        # fp32 for 16-bit inputs anyway (one head of C: wide_head picks SDPA or two GEMMs)
+        o = self.to_out[0](wide_head.attention(q, k, v))
         return o.transpose(1, 2).reshape(b, c, h, w) + f
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,101 @@
+"""One attention head wider than the flash kernels take: the SeedVR2 VAE's mid block (one head of 512 channels).
+
+torch's SDPA runs such a head on its memory-efficient kernel, at about 115 TFLOP/s on an H100 (cuDNN's SDPA has no
+kernel for it: 3.7 ms a 720p latent frame). ``gemm_attention`` takes three steps per block of queries: the scores
+in float32 from cuBLAS (16-bit inputs, float32 output), one Triton pass per row giving the softmax numerator as two
+16-bit parts and its sum (``fused.softmax_split``), then one GEMM of both parts against the values, divided by the
+sum. Splitting the numerator makes the result the exact one rounded to 16 bits, where a flash kernel rounds the
+probabilities once (emulated on a CPU at 3072 x 512, bf16: 1.66e-3 relative L2 against float64, the bf16 floor,
+against 1.78e-3). ``attention`` picks it where a once-per-device self-test finds it faster than SDPA and no further
+from the float64 result; the choice is logged once.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .. import fused
+from ..runtime import selftests
+
+log = logging.getLogger(__name__)
+
+FLASH_MAX_HEAD = 256          # the widest head torch's flash and cuDNN attention kernels take
+CHUNK_BYTES = 256 * 2 ** 20   # the scores and their split numerator of one block of queries
+
+
+def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in float32 from 16-bit inputs (cuBLAS writes its float32 accumulator; elsewhere the exact products of
+    the 16-bit values are summed in float32 too)."""
+    if a.is_cuda:
+        return torch.bmm(a[None], b[None], out_dtype=torch.float32)[0]
+    return a.float() @ b.float()
+
+
+def gemm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_bytes: int = CHUNK_BYTES
+                   ) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v of one head: q (B, M, d), k and v (B, N, d), 16-bit; queries in blocks whose
+    scores and split numerator take at most ``chunk_bytes``. Needs the fused kernels (``fused.enabled``)."""
+    b, m, d = q.shape
+    n = k.shape[1]
+    rows = max(1, min(m, chunk_bytes // (8 * n)))
+    out = torch.empty_like(q)
+    for i in range(b):
+        kt = k[i].t()
+        vv = torch.cat([v[i], v[i]])          # both parts of the numerator against the same values: one GEMM
+        for r0 in range(0, m, rows):
+            s = _mm32(q[i, r0:r0 + rows], kt)
+            hl, l = fused.softmax_split(s, d ** -0.5, q.dtype)
+            del s
+            out[i, r0:r0 + rows] = (_mm32(hl, vv) / l[:, None]).to(q.dtype)
+    return out
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None])[:, 0]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v of one head, q (B, M, d), k and v (B, N, d): ``gemm_attention`` for a 16-bit head
+    wider than FLASH_MAX_HEAD on a GPU where its self-test passed (``gemm_attention_selftest``), else SDPA."""
+    if q.shape[-1] > FLASH_MAX_HEAD and q.is_cuda and fused.enabled(q, k, v) and \
+            gemm_attention_selftest(q.device)[0]:
+        return gemm_attention(q, k, v)
+    return sdpa(q, k, v)
+
+
+def gemm_attention_selftest(device) -> Tuple[bool, str]:
+    """Once per device: ``gemm_attention`` against SDPA at a VAE-like head (4096 queries and keys, 512 channels,
+    bf16), both against float64; it is taken when it is no further from that and faster. Logged once."""
+    return selftests.run("gemm_attention", device, check=_check)
+
+
+def _check(_variant, dev) -> Tuple[bool, str]:
+    ok, why = selftests.guard(_measure)(dev)
+    log.info("[SeedVR2-BW] VAE attention, heads over %d channels on %s: %s (%s)", FLASH_MAX_HEAD, dev,
+             "two GEMMs with a split softmax" if ok else "SDPA", why)
+    return ok, why
+
+
+def _measure(dev) -> Tuple[bool, str]:
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(1, 4096, 512, device=dev, generator=gen) for _ in range(3))
+    q = q * 3                                  # peaked probabilities, as the VAE's are
+    want = torch.softmax((q.double() @ k.double().transpose(1, 2)) / 512 ** 0.5, -1) @ v.double()
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    errs, times = {}, {}
+    for name, fn in (("gemm", gemm_attention), ("sdpa", sdpa)):
+        got = fn(q, k, v)
+        errs[name] = ((got.double() - want).norm() / want.norm()).item()
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            fn(q, k, v)
+        torch.cuda.synchronize(dev)
+        times[name] = time.perf_counter() - t0
+    ratio = times["gemm"] / times["sdpa"]
+    why = f"{ratio:.2f}x SDPA's time, rel err {errs['gemm']:.2e} against SDPA's {errs['sdpa']:.2e}"
+    return errs["gemm"] <= 1.01 * errs["sdpa"] and ratio < 1.0, why
