@@ -87,3 +87,12 @@ def test_vae_channels_last_kernels_compile_with_16_byte_rows():
     consts = {"DROP": True, "HAS_B": True, "HAS_K": True, "BLOCK_P": 32, "BLOCK_C": 128}
     ptx, ops = _compile(k._depth_to_space_kernel, sig, consts, div16=("C", "CR", "OB", "OT", "OH", "KB", "KT", "KH"))
     assert ".local" not in ptx and ops["st.global.v4.b32"], ops
+
+
+def test_softmax_split_compiles():
+    # the VAE attention's row pass: float32 scores in, two bf16 parts out, no spills
+    from seedvr2bw.optimization.fused import kernels as k
+
+    sig = {"S": "*fp32", "HL": "*bf16", "L": "*fp32", "N": "i32", "SCALE": "fp32", "BLOCK": "constexpr"}
+    ptx, ops = _compile(k._softmax_split_kernel, sig, {"BLOCK": 2048}, num_warps=8, div16=("N",))
+    assert ".local" not in ptx and ops["ld.global.v4.b32"], ops
