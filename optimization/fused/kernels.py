@@ -601,7 +601,7 @@ def residual_bias_cl(h, x, bias, x_bias=None, out=None):
     returned, or into ``out`` (h's shape and dtype; channels and a row's pixels dense, samples, frames and rows at
     any stride: e.g. the body of a conv's padded input). ``x_bias`` (C,): x lacks its conv's bias, added and
     rounded first (as ``x + x_bias`` would)."""
-    b_, c, t, hh, w = h.shape
+    _, c, t, hh, w = h.shape
     nrows = h.numel() // c
     o = h if out is None else out
     block_c, block_r, warps = _apply_tile(c)
