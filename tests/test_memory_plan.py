@@ -205,6 +205,24 @@ WHOLE_DECODE_PEAKS = [((50, 60), 3.52), ((40, 66), 3.39), ((90, 46), 4.76), ((72
                       ((72, 86), 7.28), ((90, 160), 15.91)]
 
 
+# The same for encoding, at 01200c2: (pixel tile, measured)
+WHOLE_ENCODE_PEAKS = [((720, 480), 3.25), ((720, 672), 4.54), ((576, 688), 3.74), ((1080, 528), 5.37),
+                      ((720, 1280), 8.63), ((1080, 1920), 19.43)]
+
+
+def test_whole_conv_encode_peak_model_fits_the_measurements():
+    """The whole-conv encode model within 5 % of every measured working set and, with VAE_PEAK_FACTOR, above each;
+    tiles below the measured ones keep the official-limit model."""
+    import math
+    from seedvr2bw.models.seedvr2.memory import VAE_PEAK_FACTOR
+    from seedvr2bw.models.seedvr2.vae.tiling import estimate_encode_bytes
+    for tile, got in WHOLE_ENCODE_PEAKS:
+        est = estimate_encode_bytes(tile, conv_bytes=math.inf) / GiB
+        assert abs(est / got - 1) < 0.05 and est * VAE_PEAK_FACTOR > got, (tile, est, got)
+        assert est < estimate_encode_bytes(tile) / GiB
+    assert estimate_encode_bytes((256, 256), conv_bytes=math.inf) == estimate_encode_bytes((256, 256))
+
+
 def test_whole_conv_decode_peak_model_fits_the_measurements():
     """The memory model of a decode with whole convs (``conv_bytes`` inf) within 6 % of every measured working set,
     and with the plan's VAE_PEAK_FACTOR above each; below the measured tiles and for a one-sample conv past the
