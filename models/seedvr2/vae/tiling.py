@@ -181,14 +181,8 @@ def estimate_decode_bytes(tile_latent: Pair, config: VAEConfig = SEEDVR2_VAE, dt
     """
     px = _area(tile_latent) * config.spatial_factor ** 2
     frames = 4 if one_frame else split_size + 1 + 2
-    elements = config.block_out_channels[1] * frames * px
-    if conv_bytes == math.inf and WHOLE_MEASURED_PX <= px and elements <= INDEX_LIMIT and not one_frame:
-        tensors, fixed = 5.1, 0.45
-    elif conv_bytes is not None and conv_bytes <= SMALL_BANDS:
-        tensors, fixed = 5.3, 0.34
-    else:
-        tensors, fixed = 5.5, 1.25
-    return int(tensors * elements * dtype_bytes + fixed * GIB)
+    return _modelled_bytes(config.block_out_channels[1] * frames * px, px, dtype_bytes, conv_bytes, one_frame,
+                           WHOLE_MEASURED_PX, whole=(5.1, 0.45), banded=(5.3, 0.34), official=(5.5, 1.25))
 
 
 def estimate_encode_bytes(tile_px: Pair, config: VAEConfig = SEEDVR2_VAE, dtype_bytes: int = 2,
@@ -204,13 +198,21 @@ def estimate_encode_bytes(tile_px: Pair, config: VAEConfig = SEEDVR2_VAE, dtype_
     5.7 tensors + 0.1 GiB (the official-limit model is 18-31 % above them)."""
     frames = 3 if one_frame else split_size + 1 + 2
     px = _area(tile_px)
-    elements = config.block_out_channels[0] * frames * px
-    if conv_bytes == math.inf and WHOLE_MEASURED_ENCODE_PX <= px and elements <= INDEX_LIMIT and not one_frame:
-        tensors, fixed = 5.7, 0.1
+    return _modelled_bytes(config.block_out_channels[0] * frames * px, px, dtype_bytes, conv_bytes, one_frame,
+                           WHOLE_MEASURED_ENCODE_PX, whole=(5.7, 0.1), banded=(5.8, 0.3), official=(6.5, 0.5))
+
+
+def _modelled_bytes(elements: int, px: int, dtype_bytes: int, conv_bytes: Optional[float], one_frame: bool,
+                    whole_from: int, whole: tuple, banded: tuple, official: tuple) -> int:
+    """A VAE call's peak as (tensors, fixed GiB) times its largest tensors' ``elements``: ``whole`` for whole convs
+    (``conv_bytes`` inf) from ``whole_from`` pixels (the measured tiles) while a sample stays below INDEX_LIMIT,
+    ``banded`` for bands of at most SMALL_BANDS, else ``official``."""
+    if conv_bytes == math.inf and whole_from <= px and elements <= INDEX_LIMIT and not one_frame:
+        tensors, fixed = whole
     elif conv_bytes is not None and conv_bytes <= SMALL_BANDS:
-        tensors, fixed = 5.8, 0.3
+        tensors, fixed = banded
     else:
-        tensors, fixed = 6.5, 0.5
+        tensors, fixed = official
     return int(tensors * elements * dtype_bytes + fixed * GIB)
 
 
