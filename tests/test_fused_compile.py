@@ -59,17 +59,17 @@ def test_vae_channels_last_kernels_compile_with_16_byte_rows():
     # the VAE's channels-last passes at 128 channels (a multiple of 16, as every width of the model but its 3-channel
     # ends): the bias add and the residual read and write 16 bytes at a time, into a dense output or a strided one
     # (a conv's padded input); GroupNorm apply and depth-to-space compile with their edge-frame stores
-    from seedvr2bw.optimization.fused import kernels as k
+    from seedvr2bw.optimization.fused import vae_kernels as vk
 
     tile = {"BLOCK_R": 32, "BLOCK_C": 128}
     sig = {"Y": "*bf16", "B": "*bf16", **_ints("NROWS", "C"), "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
-    ptx, ops = _compile(k._bias_add_kernel, sig, tile, div16=("C",))
+    ptx, ops = _compile(vk._bias_add_kernel, sig, tile, div16=("C",))
     assert ".local" not in ptx and ops["ld.global.v4.b32"] and ops["st.global.v4.b32"], ops
     sig = {"H": "*bf16", "X": "*bf16", "B": "*bf16", "XB": "*bf16", "OUT": "*bf16",
            **_ints("NROWS", "C", "HW", "WIDTH", "T", "OB", "OT", "OH"),
            **{n: "constexpr" for n in ("HAS_XB", "STRIDED", "BLOCK_R", "BLOCK_C")}}
     for strided in (False, True):
-        ptx, ops = _compile(k._residual_bias_kernel, sig, {"HAS_XB": True, "STRIDED": strided, **tile},
+        ptx, ops = _compile(vk._residual_bias_kernel, sig, {"HAS_XB": True, "STRIDED": strided, **tile},
                             div16=("C", "OB", "OT", "OH"))
         assert ".local" not in ptx and ops["st.global.v4.b32"], (strided, ops)
     sig = {n: "*bf16" for n in ("X", "IN_B", "Y")}
@@ -77,7 +77,7 @@ def test_vae_channels_last_kernels_compile_with_16_byte_rows():
                 **_ints("HW", "WIDTH", "T", "C", "CG", "G", "YB", "YT", "YH", "HEAD"), "K": "*bf16",
                 **_ints("K0", "KB", "KT", "KH"),
                 **{n: "constexpr" for n in ("SILU", "HAS_IN_B", "HAS_K", "BLOCK_R", "BLOCK_C")}})
-    ptx, ops = _compile(k._gn_cl_apply_kernel, sig, {"SILU": True, "HAS_IN_B": True, "HAS_K": True, **tile},
+    ptx, ops = _compile(vk._gn_cl_apply_kernel, sig, {"SILU": True, "HAS_IN_B": True, "HAS_K": True, **tile},
                         div16=("C", "YB", "YT", "YH", "KB", "KT", "KH"))
     assert ".local" not in ptx and ops["st.global.v4.b32"], ops
     sig = {"Y": "*bf16", "B": "*bf16", "OUT": "*bf16",
@@ -85,14 +85,14 @@ def test_vae_channels_last_kernels_compile_with_16_byte_rows():
            **_ints("K0", "KB", "KT", "KH"),
            **{n: "constexpr" for n in ("DROP", "HAS_B", "HAS_K", "BLOCK_P", "BLOCK_C")}}
     consts = {"DROP": True, "HAS_B": True, "HAS_K": True, "BLOCK_P": 32, "BLOCK_C": 128}
-    ptx, ops = _compile(k._depth_to_space_kernel, sig, consts, div16=("C", "CR", "OB", "OT", "OH", "KB", "KT", "KH"))
+    ptx, ops = _compile(vk._depth_to_space_kernel, sig, consts, div16=("C", "CR", "OB", "OT", "OH", "KB", "KT", "KH"))
     assert ".local" not in ptx and ops["st.global.v4.b32"], ops
 
 
 def test_softmax_split_compiles():
     # the VAE attention's row pass: float32 scores in, two bf16 parts out, no spills
-    from seedvr2bw.optimization.fused import kernels as k
+    from seedvr2bw.optimization.fused import vae_kernels as vk
 
     sig = {"S": "*fp32", "HL": "*bf16", "L": "*fp32", "N": "i32", "SCALE": "fp32", "BLOCK": "constexpr"}
-    ptx, ops = _compile(k._softmax_split_kernel, sig, {"BLOCK": 2048}, num_warps=8, div16=("N",))
+    ptx, ops = _compile(vk._softmax_split_kernel, sig, {"BLOCK": 2048}, num_warps=8, div16=("N",))
     assert ".local" not in ptx and ops["ld.global.v4.b32"], ops

@@ -25,7 +25,7 @@ _PRELUDE = textwrap.dedent("""
     from pack_import import import_pack
     import_pack()
     import torch
-    from seedvr2bw.optimization.fused import kernels as k, reference as ref
+    from seedvr2bw.optimization.fused import kernels as k, reference as ref, vae_kernels as vk
     g = torch.Generator().manual_seed(0)
     def rnd(*s, dtype=torch.bfloat16, scale=1.0):
         return (torch.randn(*s, generator=g) * scale).to(dtype)
@@ -78,7 +78,7 @@ def test_group_norm_frames_kernel_interpreted():
             x = (rnd(2, 6, 3, 9, 11, dtype=torch.float32) * 0.5 + mean).to(dt)
             w, b = rnd(6, dtype=dt) + 1, rnd(6, dtype=dt)
             for silu in (False, True):
-                got = k.group_norm_frames(x, 3, w, b, 1e-6, silu=silu, block=32)
+                got = vk.group_norm_frames(x, 3, w, b, 1e-6, silu=silu, block=32)
                 want = ref.group_norm_frames(x, 3, w, b, 1e-6, silu=silu)
                 assert got.shape == x.shape and got.dtype == dt
                 assert rel(got, want) < tol, (dt, silu, rel(got, want))
@@ -87,8 +87,8 @@ def test_group_norm_frames_kernel_interpreted():
         x2 = x.clone()
         x2[:, :, 1] *= 1000
         w, b = torch.ones(4), torch.zeros(4)
-        a = k.group_norm_frames(x, 2, w, b, 0.0, block=16)
-        c = k.group_norm_frames(x2, 2, w, b, 0.0, block=16)
+        a = vk.group_norm_frames(x, 2, w, b, 0.0, block=16)
+        c = vk.group_norm_frames(x2, 2, w, b, 0.0, block=16)
         assert rel(a, c) < 1e-5
         print("ok")
     """)
@@ -105,35 +105,35 @@ def test_group_norm_frames_channels_last_kernel_interpreted():
             x = (rnd(2, 6, 3, 9, 11, dtype=torch.float32) * 0.5 + mean).to(dt).contiguous(memory_format=cl)
             w, b = rnd(6, dtype=dt) + 1, rnd(6, dtype=dt)
             for silu in (False, True):
-                got = k.group_norm_frames_cl(x, 3, w, b, 1e-6, silu=silu, block_rows=16)
+                got = vk.group_norm_frames_cl(x, 3, w, b, 1e-6, silu=silu, block_rows=16)
                 want = ref.group_norm_frames(x.contiguous(), 3, w, b, 1e-6, silu=silu)
                 assert got.shape == x.shape and got.dtype == dt and got.is_contiguous(memory_format=cl)
                 assert rel(got, want) < tol, (dt, silu, rel(got, want))
                 if dt == torch.float32:
-                    same = k.group_norm_frames(x.contiguous(), 3, w, b, 1e-6, silu=silu, block=32)
+                    same = vk.group_norm_frames(x.contiguous(), 3, w, b, 1e-6, silu=silu, block=32)
                     assert rel(got, same) < tol
         x = rnd(1, 4, 2, 5, 7, dtype=torch.float32)
         x2 = x.clone()
         x2[:, :, 1] *= 1000
         w, b = torch.ones(4), torch.zeros(4)
-        a = k.group_norm_frames_cl(x.contiguous(memory_format=cl), 2, w, b, 0.0, block_rows=16)
-        c = k.group_norm_frames_cl(x2.contiguous(memory_format=cl), 2, w, b, 0.0, block_rows=16)
+        a = vk.group_norm_frames_cl(x.contiguous(memory_format=cl), 2, w, b, 0.0, block_rows=16)
+        c = vk.group_norm_frames_cl(x2.contiguous(memory_format=cl), 2, w, b, 0.0, block_rows=16)
         assert rel(a, c) < 1e-5
         # the default program count (no block_rows), 3 frames of 99 pixels: the same numbers as blocks of 16
         x = (rnd(1, 8, 3, 9, 11, dtype=torch.float32) + 1).contiguous(memory_format=cl)
         w, b = torch.ones(8), torch.zeros(8)
-        assert rel(k.group_norm_frames_cl(x, 4, w, b, 1e-6),
-                   k.group_norm_frames_cl(x, 4, w, b, 1e-6, block_rows=16)) < 2e-5
+        assert rel(vk.group_norm_frames_cl(x, 4, w, b, 1e-6),
+                   vk.group_norm_frames_cl(x, 4, w, b, 1e-6, block_rows=16)) < 2e-5
         # into a causal conv's input: the body of a buffer with 2 frames in front and a halo row above and below;
         # the same pass writes the first frame into those 2 (head) and the last 2 frames into a tensor kept for
         # the next chunk, exactly what fused.fill_edges writes after the body
         from seedvr2bw.optimization import fused
-        y = k.group_norm_frames_cl(x, 4, w, b, 1e-6, silu=True)
+        y = vk.group_norm_frames_cl(x, 4, w, b, 1e-6, silu=True)
         for head, keep_n in ((2, 2), (0, 1), (2, 0)):
             buf = torch.full((1, 8, 5, 11, 11), float("nan")).contiguous(memory_format=cl)
             body = buf[:, :, 2:, 1:10]
             keep = torch.full((1, 8, keep_n, 9, 11), float("nan")).contiguous(memory_format=cl) if keep_n else None
-            k.group_norm_frames_cl(x, 4, w, b, 1e-6, silu=True, out=body, head=head, keep=keep)
+            vk.group_norm_frames_cl(x, 4, w, b, 1e-6, silu=True, out=body, head=head, keep=keep)
             want = torch.full_like(buf, float("nan"))
             want[:, :, 2:, 1:10] = y
             fused.fill_edges(want[:, :, 2:, 1:10], head, None)
@@ -161,10 +161,10 @@ def test_group_norm_channels_last_band_statistics_interpreted():
             local.append((stats, n))
             return stats[:, None], torch.tensor([float(n)])
         for band in bands:
-            k.group_norm_frames_cl(band, 4, w, b, 1e-6, silu=True, block_rows=16, combine=own)
+            vk.group_norm_frames_cl(band, 4, w, b, 1e-6, silu=True, block_rows=16, combine=own)
         def both(stats, n):
             return torch.stack([s for s, _ in local], dim=1), torch.tensor([float(m) for _, m in local])
-        got = [k.group_norm_frames_cl(band, 4, w, b, 1e-6, silu=True, block_rows=16, combine=both) for band in bands]
+        got = [vk.group_norm_frames_cl(band, 4, w, b, 1e-6, silu=True, block_rows=16, combine=both) for band in bands]
         assert rel(torch.cat(got, dim=3), want) < 2e-5, rel(torch.cat(got, dim=3), want)
         print("ok")
     """)
@@ -184,8 +184,8 @@ def test_conv_bias_folding_kernels_interpreted():
             w, b, ib = rnd(6, dtype=dt) + 1, rnd(6, dtype=dt), rnd(6, dtype=dt) * 4
             xb = (x + ib.view(1, -1, 1, 1, 1)).contiguous(memory_format=cl)
             for silu in (False, True):
-                got = k.group_norm_frames_cl(x, 3, w, b, 1e-6, silu=silu, block_rows=16, in_bias=ib)
-                assert torch.equal(got, k.group_norm_frames_cl(xb, 3, w, b, 1e-6, silu=silu, block_rows=16)), (dt, silu)
+                got = vk.group_norm_frames_cl(x, 3, w, b, 1e-6, silu=silu, block_rows=16, in_bias=ib)
+                assert torch.equal(got, vk.group_norm_frames_cl(xb, 3, w, b, 1e-6, silu=silu, block_rows=16)), (dt, silu)
                 if dt == torch.float32:
                     assert rel(got, ref.group_norm_frames(xb.contiguous(), 3, w, b, 1e-6, silu=silu)) < 2e-5
             h = rnd(1, 5, 2, 7, 3, dtype=dt).contiguous(memory_format=cl)
@@ -193,21 +193,21 @@ def test_conv_bias_folding_kernels_interpreted():
             bias, r_bias = rnd(5, dtype=dt) * 3, rnd(5, dtype=dt) * 3
             # r's own conv bias left out of it too: (h + bias) + (r + r_bias)
             want_rb = (h + bias.view(1, -1, 1, 1, 1)) + (r + r_bias.view(1, -1, 1, 1, 1))
-            assert torch.equal(k.residual_bias_cl(h.clone(), r, bias, r_bias), want_rb), dt
+            assert torch.equal(vk.residual_bias_cl(h.clone(), r, bias, r_bias), want_rb), dt
             want = h.clone().add_(bias.view(1, -1, 1, 1, 1)).add_(r)
             # into the body of a downsampling conv's buffer: a prepended frame, a zero row below, a column right
             buf = torch.full((1, 5, 3, 8, 4), float("nan"), dtype=dt).contiguous(memory_format=cl)
-            got = k.residual_bias_cl(h.clone(), r, bias, out=buf[:, :, 1:, :7, :3])
+            got = vk.residual_bias_cl(h.clone(), r, bias, out=buf[:, :, 1:, :7, :3])
             assert torch.equal(got, want) and torch.isnan(buf[:, :, 0]).all(), dt
             assert torch.isnan(buf[:, :, :, 7]).all() and torch.isnan(buf[..., 3]).all(), dt
-            got = k.residual_bias_cl(h, r, bias)
+            got = vk.residual_bias_cl(h, r, bias)
             assert got.data_ptr() == h.data_ptr() and torch.equal(got, want), dt
             # a conv's bias added after it (cuDNN on NDHWC): torch's broadcast add, 5 and 300 channels (a tail)
             for c in (5, 300):
                 y = rnd(1, c, 2, 3, 5, dtype=dt).contiguous(memory_format=cl)
                 bb = rnd(c, dtype=dt) * 3
                 want_y = y + bb.view(1, -1, 1, 1, 1)
-                assert torch.equal(k.bias_add_cl(y, bb), want_y) and torch.equal(y, want_y), (dt, c)
+                assert torch.equal(vk.bias_add_cl(y, bb), want_y) and torch.equal(y, want_y), (dt, c)
         print("ok")
     """)
     assert "ok" in out
@@ -234,12 +234,12 @@ def test_depth_to_space_kernel_interpreted():
                     want = body.clone()
                     fused.enabled = lambda *t: False            # the torch path
                     fused.depth_to_space(y, bb, want, 2, rt, drop)
-                    k.depth_to_space_cl(y, bb, body, 2, rt, drop)
+                    vk.depth_to_space_cl(y, bb, body, 2, rt, drop)
                     assert torch.equal(body, want), (dt, rt, drop, bb is None)
                 assert torch.isnan(buf[:, :, :2]).all() and torch.isnan(buf[:, :, :, 0]).all()
                 # with the conv input's other copies: the first frame in front (head 2), the last 2 kept
                 keep = torch.full((1, c, 2, 2 * h, 2 * w), float("nan"), dtype=dt).contiguous(memory_format=cl)
-                k.depth_to_space_cl(y, bias, body, 2, rt, drop, 2, keep)
+                vk.depth_to_space_cl(y, bias, body, 2, rt, drop, 2, keep)
                 assert torch.equal(buf[:, :, :2, 1:1 + 2 * h], body[:, :, :1].expand(-1, -1, 2, -1, -1)), (dt, rt)
                 assert torch.equal(keep, body[:, :, -2:]) and torch.isnan(buf[:, :, :, 0]).all(), (dt, rt, drop)
         print("ok")
@@ -255,7 +255,7 @@ def test_split_softmax_attention_interpreted():
     out = _run("""
         from seedvr2bw.optimization.attention.wide_head import gemm_attention
         s = rnd(7, 300, dtype=torch.float32, scale=5.0)
-        hl, l = k.softmax_split(s, 0.25, torch.bfloat16)
+        hl, l = vk.softmax_split(s, 0.25, torch.bfloat16)
         e = torch.exp((s - s.amax(1, keepdim=True)) * 0.25)
         assert rel(hl[:, :300].float() + hl[:, 300:].float(), e) < 2e-5 and rel(l, e.sum(1)) < 1e-6
         assert torch.equal(hl[:, :300], e.to(torch.bfloat16))
@@ -420,7 +420,7 @@ def test_block_wrappers_fall_back_exactly():
 def test_selftest_passes_interpreted():
     out = _run("""
         from seedvr2bw.optimization import fused
-        ok, why = fused.check_kernels(k, torch.device("cpu"), 1e-2)
+        ok, why = fused.check_kernels(k, vk, torch.device("cpu"), 1e-2)
         assert ok, why
         print("ok", why)
     """)

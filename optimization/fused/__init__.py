@@ -47,18 +47,25 @@ log = logging.getLogger(__name__)
 _HALF = (torch.bfloat16, torch.float16)
 _sid_cache: Dict[tuple, torch.Tensor] = device_cache.cache()
 _kernels = None
+_vae_kernels = None
 _import_error: Optional[str] = None
 
 
 def _load():
-    global _kernels, _import_error
+    """The DiT's kernel module (``kernels``), None without Triton; ``_vae()`` is the VAE's, loaded with it."""
+    global _kernels, _vae_kernels, _import_error
     if _kernels is None and _import_error is None:
         try:
-            from . import kernels as k
-            _kernels = k
+            from . import kernels as k, vae_kernels as vk
+            _kernels, _vae_kernels = k, vk
         except Exception as exc:  # noqa: BLE001 - no Triton: torch path
             _import_error = f"{type(exc).__name__}: {exc}"
     return _kernels
+
+
+def _vae():
+    _load()
+    return _vae_kernels
 
 
 def triton_available() -> bool:
@@ -92,14 +99,15 @@ def _check(device, tol) -> Tuple[bool, str]:
     if k is None:
         res = (False, f"triton unavailable: {_import_error}")
     else:
-        res = selftests.guard(check_kernels)(k, device, tol)
+        res = selftests.guard(check_kernels)(k, _vae(), device, tol)
     if not res[0]:
         log.warning("seedvr2 fused kernels disabled on %s: %s", device, res[1])
     return res
 
 
-def check_kernels(k, device, tol) -> Tuple[bool, str]:
-    """Each kernel of the module ``k`` on small random inputs against the torch reference (the self-test)."""
+def check_kernels(k, vk, device, tol) -> Tuple[bool, str]:
+    """Each kernel of the modules ``k`` (the DiT's) and ``vk`` (the VAE's) on small random inputs against the torch
+    reference (the self-test)."""
     g = torch.Generator(device="cpu").manual_seed(1234)
     dt = torch.bfloat16
 
@@ -148,22 +156,22 @@ def check_kernels(k, device, tol) -> Tuple[bool, str]:
     # group norm: 2 frames, 4 groups of 2 channels, 70 x 70 = 4900 values per plane (two blocks to combine)
     xg = rnd(1, 8, 2, 70, 70, scale=3.0) + 1.5
     gw, gb = rnd(8, scale=0.3) + 1, rnd(8, scale=0.3)
-    errs["group_norm_frames"] = _rel(k.group_norm_frames(xg, 4, gw, gb, 1e-6, silu=True),
+    errs["group_norm_frames"] = _rel(vk.group_norm_frames(xg, 4, gw, gb, 1e-6, silu=True),
                                      reference.group_norm_frames(xg, 4, gw, gb, 1e-6, silu=True))
     xcl, ib = xg.contiguous(memory_format=torch.channels_last_3d), rnd(8, scale=0.5)
-    errs["group_norm_frames_cl"] = _rel(k.group_norm_frames_cl(xcl, 4, gw, gb, 1e-6, silu=True),
+    errs["group_norm_frames_cl"] = _rel(vk.group_norm_frames_cl(xcl, 4, gw, gb, 1e-6, silu=True),
                                         reference.group_norm_frames(xg, 4, gw, gb, 1e-6, silu=True))
     errs["group_norm_frames_cl_in_bias"] = _rel(
-        k.group_norm_frames_cl(xcl, 4, gw, gb, 1e-6, silu=True, in_bias=ib),
+        vk.group_norm_frames_cl(xcl, 4, gw, gb, 1e-6, silu=True, in_bias=ib),
         reference.group_norm_frames(xg + ib.view(1, -1, 1, 1, 1), 4, gw, gb, 1e-6, silu=True))
     hr = rnd(1, 8, 2, 70, 70).contiguous(memory_format=torch.channels_last_3d)
     want_r = (hr + ib.view(1, -1, 1, 1, 1)) + xcl
-    errs["residual_bias_cl"] = _rel(k.residual_bias_cl(hr.clone(), xcl, ib), want_r)
-    errs["residual_bias_cl_x_bias"] = _rel(k.residual_bias_cl(hr.clone(), xcl, ib, ib.flip(0)),
+    errs["residual_bias_cl"] = _rel(vk.residual_bias_cl(hr.clone(), xcl, ib), want_r)
+    errs["residual_bias_cl_x_bias"] = _rel(vk.residual_bias_cl(hr.clone(), xcl, ib, ib.flip(0)),
                                            want_r + ib.flip(0).view(1, -1, 1, 1, 1))
     # into the body of a larger buffer (a conv's input with room for its prefix frame and padding)
     ob = torch.zeros(1, 8, 3, 71, 72, device=device, dtype=dt).contiguous(memory_format=torch.channels_last_3d)
-    k.residual_bias_cl(hr.clone(), xcl, ib, out=ob[:, :, 1:, :70, 1:71])
+    vk.residual_bias_cl(hr.clone(), xcl, ib, out=ob[:, :, 1:, :70, 1:71])
     errs["residual_bias_cl_out"] = _rel(ob[:, :, 1:, :70, 1:71], want_r) + float(ob[:, :, 0].abs().sum() +
                                                                                 ob[:, :, :, 70].abs().sum())
     # depth-to-space with its conv's bias: 2 x 2 spatial, 2 temporal, the first chunk's duplicate frame dropped
@@ -173,11 +181,11 @@ def check_kernels(k, device, tol) -> Tuple[bool, str]:
     od = torch.empty(1, 4, 3, 10, 12, device=device, dtype=torch.bfloat16).contiguous(
         memory_format=torch.channels_last_3d)
     sc = rnd(5, 300, dtype=torch.float32, scale=4.0)
-    hl, l = k.softmax_split(sc, 0.5, dt)
+    hl, l = vk.softmax_split(sc, 0.5, dt)
     e = torch.exp((sc - sc.amax(1, keepdim=True)) * 0.5)
     errs["softmax_split"] = _rel(hl[:, :300].float() + hl[:, 300:].float(), e) + _rel(l, e.sum(1))
-    errs["bias_add_cl"] = _rel(k.bias_add_cl(hr.clone(), ib), hr + ib.view(1, -1, 1, 1, 1))
-    errs["depth_to_space_cl"] = _rel(k.depth_to_space_cl(yd, bd, od, 2, 2, True), want_d)
+    errs["bias_add_cl"] = _rel(vk.bias_add_cl(hr.clone(), ib), hr + ib.view(1, -1, 1, 1, 1))
+    errs["depth_to_space_cl"] = _rel(vk.depth_to_space_cl(yd, bd, od, 2, 2, True), want_d)
     w, bias = rnd(96, d, scale=d ** -0.5), rnd(96, scale=0.1)
     xl = x[:, :d]
     ref = torch.nn.functional.gelu(torch.nn.functional.linear(xl.float(), w.float(), bias.float()), approximate="tanh")
@@ -292,24 +300,24 @@ def group_norm_frames(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool,
     x's layout when that is channels-last 3-D (the VAE's NDHWC path), else it is contiguous. ``out`` (x's shape):
     written and returned; the channels-last kernel writes an ``out`` whose channels and row pixels are dense
     directly (frames and rows of a larger buffer), other cases copy into it. ``combine``: x is a band of each
-    frame's rows, and ``combine`` merges the bands' statistics (``kernels.group_norm_frames_cl``; channels-last
+    frame's rows, and ``combine`` merges the bands' statistics (``vae_kernels.group_norm_frames_cl``; channels-last
     only, see ``channels_last``). ``in_bias`` (C,): the norm of x + in_bias (the producing conv's bias, which the
     channels-last kernels add as they read; elsewhere it is added first). ``head``, ``keep``: the output's other
     copies in a causal conv's input (``fill_edges``), written as the output is where the kernels can."""
-    k = _load()
+    vk = _vae()
     if channels_last(x):
         direct = out is not None and out.dtype == x.dtype and out.stride(1) == 1 and out.stride(4) == x.shape[1]
         if direct and (keep is None or (keep.stride(1) == 1 and keep.stride(4) == x.shape[1])):
-            return k.group_norm_frames_cl(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu, out=out,
+            return vk.group_norm_frames_cl(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu, out=out,
                                           combine=combine, in_bias=in_bias, head=head, keep=keep)
-        y = k.group_norm_frames_cl(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu,
+        y = vk.group_norm_frames_cl(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu,
                                    out=out if direct else None, combine=combine, in_bias=in_bias)
     elif combine is not None:
         raise ValueError("group_norm_frames: band statistics (combine) need a channels-last 3-D x")
     else:
         if in_bias is not None:
             x = x + per_channel(in_bias, x.ndim)
-        y = k.group_norm_frames(x.contiguous(), norm.num_groups, norm.weight, norm.bias, norm.eps, silu)
+        y = vk.group_norm_frames(x.contiguous(), norm.num_groups, norm.weight, norm.bias, norm.eps, silu)
     if out is not None:
         if y is not out:
             out.copy_(y)
@@ -340,11 +348,11 @@ def residual_bias(h: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
                   x_bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """h + bias + x (per channel of dim 1), written into h, or into ``out`` (h's shape, any layout: e.g. the body of
     the next conv's padded input, ``CausalConv3d.input_buffer``), and returned; ``x_bias``: x lacks its conv's bias,
-    added to x first. One pass (``kernels.residual_bias_cl``) where both are dense channels-last 3-D of one shape,
+    added to x first. One pass (``vae_kernels.residual_bias_cl``) where both are dense channels-last 3-D of one shape,
     ``out`` has dense rows and the kernels are enabled, else torch adds (rounded at the same places)."""
     dense_out = out is None or (out.dtype == h.dtype and out.stride(1) == 1 and out.stride(4) == h.shape[1])
     if enabled(h, x, bias) and h.shape == x.shape and channels_last(h) and channels_last(x) and dense_out:
-        return _load().residual_bias_cl(h, x, bias, x_bias, out)
+        return _vae().residual_bias_cl(h, x, bias, x_bias, out)
     if x_bias is not None:
         x = x + per_channel(x_bias, x.ndim)
     h = h.add_(per_channel(bias, h.ndim)).add_(x)
@@ -352,11 +360,11 @@ def residual_bias(h: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
 
 
 def bias_add_(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """y + bias (per channel of dim 1), written into y and returned: one pass (``kernels.bias_add_cl``) where y is
+    """y + bias (per channel of dim 1), written into y and returned: one pass (``vae_kernels.bias_add_cl``) where y is
     dense channels-last 3-D and the kernels are enabled (a convolution's bias there: cuDNN on NDHWC leaves it to
     torch's broadcast add, which is slow on that layout), else torch's add."""
     if enabled(y, bias) and channels_last(y):
-        return _load().bias_add_cl(y, bias)
+        return _vae().bias_add_cl(y, bias)
     return y.add_(per_channel(bias, y.ndim))
 
 
@@ -366,11 +374,11 @@ def depth_to_space(y: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Ten
     conv's bias) into ``out`` (B, C, T*rt - drop, H*s, W*s), channels-last 3-D both: channel ((sx*s + sy)*rt +
     st)*C + c of pixel (t, h, w) goes to frame t*rt + st, pixel (h*s + sx, w*s + sy); ``drop``: the first chunk's
     duplicate frame 1 is not written. ``head``, ``keep``: ``fill_edges``. One pass where the kernels are enabled
-    (``kernels.depth_to_space_cl``), else torch's add and a strided copy."""
+    (``vae_kernels.depth_to_space_cl``), else torch's add and a strided copy."""
     dense = out.stride(1) == 1 and out.stride(4) == out.shape[1]
     if enabled(y, out) and channels_last(y) and dense and (keep is None or (keep.stride(1) == 1 and
                                                                       keep.stride(4) == out.shape[1])):
-        return _load().depth_to_space_cl(y, bias, out, s, rt, drop, head, keep)
+        return _vae().depth_to_space_cl(y, bias, out, s, rt, drop, head, keep)
     if bias is not None:
         y = y + per_channel(bias, y.ndim)
     b, cr, t, h, w = y.shape
@@ -387,8 +395,8 @@ def depth_to_space(y: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Ten
 
 def softmax_split(s: torch.Tensor, scale: float, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """The softmax numerator of the scores s (rows, N) float32 as two ``dtype`` parts and its row sums
-    (``kernels.softmax_split``); the caller checks ``enabled``."""
-    return _load().softmax_split(s.contiguous(), scale, dtype)
+    (``vae_kernels.softmax_split``); the caller checks ``enabled``."""
+    return _vae().softmax_split(s.contiguous(), scale, dtype)
 
 
 def channels_last(x: torch.Tensor) -> bool:
