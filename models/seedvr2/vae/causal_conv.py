@@ -198,9 +198,10 @@ class CausalConv3d(nn.Conv3d):
         for the body's last frames, which the next chunk prepends (None when no chunk follows, or the body is
         shorter than that memory). ``run_buffer(..., written=(head, keep))`` then leaves them alone."""
         memory, n = self._prefix(cache)
-        head = n if memory is None and not any(self._own_pad()) else 0
+        own_pad = any(self._own_pad())       # the padded frames go whole: run_buffer and the clone keep them
+        head = n if memory is None and not own_pad else 0
         m = self.memory_frames
-        if cache is None or not m or not cache.keeps() or body.shape[2] < m or any(self._own_pad()):
+        if cache is None or not m or not cache.keeps() or body.shape[2] < m or own_pad:
             return head, None
         b, c, _, h, w = body.shape
         return head, empty_like_layout(body, (b, c, m, h, w))

@@ -35,30 +35,19 @@ class ResnetBlock3D(nn.Module):
         fold = fold_biases(x, self.conv1, self.conv2)
         if x_bias is not None and not (fold and self.conv_shortcut is None):
             x, x_bias = x + fused.per_channel(x_bias, x.ndim), None
-        if fold:
-            # conv1's bias goes into norm2's kernels, conv2's into the residual add, the shortcut's (or x's own)
-            # too: a pass over the block's activations fewer each (cuDNN on NDHWC adds a bias in a pass of its own)
-            h = norm_silu_conv(x, self.norm1, self.conv1, cache, self.norm_max_bytes, in_bias=x_bias,
-                               conv_bias=False)
-            h = norm_silu_conv(h, self.norm2, self.conv2, cache, self.norm_max_bytes, in_bias=self.conv1.bias,
-                               conv_bias=False)
-            if self.conv_shortcut is not None:
-                x, x_bias = self.conv_shortcut(x, cache, bias=False), self.conv_shortcut.bias
-            if then is None:
-                return fused.residual_bias(h, x, self.conv2.bias, x_bias)
-            buf, body = then.input_buffer(h, h.shape, cache)
-            fused.residual_bias(h, x, self.conv2.bias, x_bias, out=body)
-            return then.run_buffer(buf, cache)
-        h = norm_silu_conv(x, self.norm1, self.conv1, cache, self.norm_max_bytes)
-        h = norm_silu_conv(h, self.norm2, self.conv2, cache, self.norm_max_bytes)
+        # folded: conv1's bias goes into norm2's kernels, conv2's into the residual add, the shortcut's (or x's own)
+        # too: a pass over the block's activations fewer each (cuDNN on NDHWC adds a bias in a pass of its own)
+        h = norm_silu_conv(x, self.norm1, self.conv1, cache, self.norm_max_bytes, in_bias=x_bias, conv_bias=not fold)
+        h = norm_silu_conv(h, self.norm2, self.conv2, cache, self.norm_max_bytes,
+                           in_bias=self.conv1.bias if fold else None, conv_bias=not fold)
         if self.conv_shortcut is not None:
-            x = self.conv_shortcut(x, cache)
-        h = h.add_(x)
-        if then is None:
-            return h
-        buf, body = then.input_buffer(h, h.shape, cache)
-        body.copy_(h)
-        return then.run_buffer(buf, cache)
+            x, x_bias = self.conv_shortcut(x, cache, bias=not fold), self.conv_shortcut.bias if fold else None
+        buf, out = then.input_buffer(h, h.shape, cache) if then is not None else (None, None)
+        if fold:
+            y = fused.residual_bias(h, x, self.conv2.bias, x_bias, out=out)
+        else:
+            y = h.add_(x) if out is None else torch.add(h, x, out=out)
+        return y if then is None else then.run_buffer(buf, cache)
 
     def takes_input_bias(self, x: torch.Tensor) -> bool:
         """Whether x may come without its conv's bias (``forward``'s ``x_bias``): where the biases fold and x is read
