@@ -30,6 +30,7 @@ from seedvr2bw.models.seedvr2.memory import SeedVR2MemoryError, plan_vae
 from seedvr2bw.models.seedvr2.pipeline import RunPlan, VAETiling
 from seedvr2bw.models.seedvr2.vae import SEEDVR2_VAE, VAEConfig, VideoAutoencoder
 from seedvr2bw.models.seedvr2.vae.tiling import estimate_decode_bytes, estimate_encode_bytes
+from seedvr2bw.optimization.runtime import selftests
 from seedvr2bw.optimization.runtime.policy import get_policy, torch_settings
 
 GIB = 1024 ** 3
@@ -287,6 +288,10 @@ def main(argv=None):
                             profile_path=a.profile,
                             cudnn_benchmark={"policy": None, "on": True, "off": False}[a.cudnn_benchmark])
             rows += [dict(r, layout=str(vae.layout()).replace("torch.", ""), conv_limit=limit) for r in got]
+    for feature in ("fused", "gemm_attention"):      # the kernels the timed calls ran, as their self-tests chose
+        st = selftests.status(feature, a.device)
+        if st is not None:
+            print(f"self-test {feature}: {'on' if st[0] else 'off'} ({st[1]})", flush=True)
     for budget in [float(b) for b in a.budgets.split(",") if b]:
         vae.channels_last = None
         for (w, h) in res:

@@ -72,6 +72,11 @@ def test_vae_channels_last_kernels_compile_with_16_byte_rows():
         ptx, ops = _compile(vk._residual_bias_kernel, sig, {"HAS_XB": True, "STRIDED": strided, **tile},
                             div16=("C", "OB", "OT", "OH"))
         assert ".local" not in ptx and ops["st.global.v4.b32"], (strided, ops)
+    sig = {"H": "*bf16", "X": "*bf16", "B": "*bf16", "XB": "*fp32", "OUT": "*bf16", "PART": "*fp32",
+           **_ints("HW", "C", "NBLK", "ROWS"), **{n: "constexpr" for n in ("HAS_XB", "SUB", "BLOCK_C")}}
+    ptx, ops = _compile(vk._residual_moments_kernel, sig, {"HAS_XB": True, "SUB": 32, "BLOCK_C": 128},
+                        div16=("C", "HW"))
+    assert ".local" not in ptx and ops["ld.global.v4.b32"] and ops["st.global.v4.b32"], ops
     sig = {n: "*bf16" for n in ("X", "IN_B", "Y")}
     sig.update({"MEAN": "*fp32", "RSTD": "*fp32", "W": "*bf16", "BIAS": "*bf16",
                 **_ints("HW", "WIDTH", "T", "C", "CG", "G", "YB", "YT", "YH", "HEAD"), "K": "*bf16",

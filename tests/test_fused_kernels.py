@@ -146,6 +146,41 @@ def test_group_norm_frames_channels_last_kernel_interpreted():
 
 
 @needs_triton
+def test_residual_with_moments_interpreted():
+    # the residual pass also takes the sum's GroupNorm moments (2 samples, 3 frames of 99 pixels, 6 channels, x's own
+    # bias or not): the sum bit-equal to the plain pass, the norm from those moments the norm's own; through
+    # fused.residual_bias the next fused.group_norm_frames of the sum uses them, unless the sum changed since
+    out = _run("""
+        import torch.nn as nn
+        from seedvr2bw.optimization import fused
+        cl = torch.channels_last_3d
+        for dt, tol in ((torch.float32, 2e-5), (torch.bfloat16, 8e-3)):
+            h, x = (rnd(2, 6, 3, 9, 11, dtype=dt, scale=3.0).contiguous(memory_format=cl) for _ in range(2))
+            bias, xb = rnd(6, dtype=dt), rnd(6, dtype=torch.float32)
+            w, b = rnd(6, dtype=dt) + 1, rnd(6, dtype=dt)
+            for x_bias in (None, xb):
+                plain = vk.residual_bias_cl(h.clone(), x, bias, x_bias)
+                y, m = vk.residual_bias_cl(h.clone(), x, bias, x_bias, moments=True)
+                assert torch.equal(y, plain), dt
+                got = vk.group_norm_frames_cl(y, 3, w, b, 1e-6, silu=True, moments=m)
+                want = vk.group_norm_frames_cl(y, 3, w, b, 1e-6, silu=True)
+                assert rel(got, want) < tol, (dt, rel(got, want))
+            norm = nn.GroupNorm(3, 6, eps=1e-6).to(dt)
+            with torch.no_grad():
+                norm.weight.copy_(w); norm.bias.copy_(b)
+            fused.enabled = lambda *t: True
+            y = fused.residual_bias(h.clone(), x, bias)
+            want = ref.group_norm_frames(y.contiguous(), 3, w, b, 1e-6)
+            assert rel(fused.group_norm_frames(y, norm, False), want) < tol
+            y.mul_(4.0)                                 # written since: its moments are taken again
+            want = ref.group_norm_frames(y.contiguous(), 3, w, b, 1e-6)
+            assert rel(fused.group_norm_frames(y, norm, False), want) < tol
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+@needs_triton
 def test_group_norm_channels_last_band_statistics_interpreted():
     # a frame's rows in two bands (as a row split runs them): each band's kernel, with the other band's statistics
     # merged in through ``combine``, gives that band of the whole frame's GroupNorm (float32; 12 channels in 4
@@ -289,19 +324,25 @@ def test_resnet_block_with_folded_biases_interpreted():
                 for conv in (blk.conv1, blk.conv2):
                     conv.bias.normal_(0, 2.0)
             x = torch.randn(1, cin, 3, 6, 5)
+            xbias = (torch.randn(cin) * 2).bfloat16()     # x's own conv bias, left out of x (an upsampler's)
             with torch.no_grad():
                 want = blk(x.clone())
+                want_b = blk(x + xbias.float().view(1, -1, 1, 1, 1))
                 fused.enabled = lambda *t: True
                 bf = blk.to(torch.bfloat16)
                 xb = x.bfloat16().contiguous(memory_format=torch.channels_last_3d)
                 got = {}
                 for fold in (False, True):
                     with knobs.override(VAE_FOLD_BIASES=fold):
-                        assert fold_biases(xb, bf.conv1, bf.conv2) == fold
+                        assert fold_biases(xb, bf.conv1, bf.conv2) == fold == bf.takes_input_bias(xb)
                         got[fold] = bf(xb.clone())
+                        # without folding the block adds x_bias first; folded, norm1 and the residual (through the
+                        # shortcut's weight, where there is one) take it
+                        got[fold, "x_bias"] = bf(xb.clone(), x_bias=xbias)
                 fused.enabled = lambda *t: False
                 blk.float()
-            assert rel(got[True], want) < 2e-2 and rel(got[False], want) < 2e-2, (cin, cout)
+            for fold in (False, True):
+                assert rel(got[fold], want) < 2e-2 and rel(got[fold, "x_bias"], want_b) < 2e-2, (cin, cout, fold)
         print("ok")
     """)
     assert "ok" in out

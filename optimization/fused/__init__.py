@@ -24,7 +24,8 @@ one N x D pass = 133 MB = 44 us at 3 TB/s):
   720p (58 % of a decode's GPU time; docs/PERFORMANCE.md §8). On channels-last 3-D activations three kernels:
   moments (read x), the group statistics (a few floats), apply (read x, write y); a producing conv's bias may be
   added as x is read (``in_bias``).
-* ``residual_bias`` (VAE ResNet): h + bias + x (+ x's own bias) in one pass: read h, x; write h (torch: 2-3 adds).
+* ``residual_bias`` (VAE ResNet): h + bias + x (+ x's own bias) in one pass: read h, x; write h (torch: 2-3 adds);
+  the same pass takes the sum's GroupNorm moments for the norm that reads it next (which then reads it once).
 * ``bias_add_`` (VAE convs whose bias cannot fold): read y, write y, at the copy rate (torch's broadcast add on
   NDHWC: about 1.3 TB/s).
 * ``softmax_split`` (VAE mid-block attention, one head of 512: ``optimization/attention/wide_head.py``): read the
@@ -35,6 +36,7 @@ one N x D pass = 133 MB = 44 us at 3 TB/s):
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -169,6 +171,10 @@ def check_kernels(k, vk, device, tol) -> Tuple[bool, str]:
     errs["residual_bias_cl"] = _rel(vk.residual_bias_cl(hr.clone(), xcl, ib), want_r)
     errs["residual_bias_cl_x_bias"] = _rel(vk.residual_bias_cl(hr.clone(), xcl, ib, ib.flip(0)),
                                            want_r + ib.flip(0).view(1, -1, 1, 1, 1))
+    yr, mr = vk.residual_bias_cl(hr.clone(), xcl, ib, moments=True)       # the next norm's moments from its pass
+    errs["residual_bias_cl_moments"] = max(_rel(yr, want_r), _rel(
+        vk.group_norm_frames_cl(yr, 4, gw, gb, 1e-6, silu=True, moments=mr),
+        vk.group_norm_frames_cl(yr, 4, gw, gb, 1e-6, silu=True)))
     # into the body of a larger buffer (a conv's input with room for its prefix frame and padding)
     ob = torch.zeros(1, 8, 3, 71, 72, device=device, dtype=dt).contiguous(memory_format=torch.channels_last_3d)
     vk.residual_bias_cl(hr.clone(), xcl, ib, out=ob[:, :, 1:, :70, 1:71])
@@ -306,12 +312,13 @@ def group_norm_frames(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool,
     copies in a causal conv's input (``fill_edges``), written as the output is where the kernels can."""
     vk = _vae()
     if channels_last(x):
+        moments = _known_moments(x) if in_bias is None else None
         direct = out is not None and out.dtype == x.dtype and out.stride(1) == 1 and out.stride(4) == x.shape[1]
         if direct and (keep is None or (keep.stride(1) == 1 and keep.stride(4) == x.shape[1])):
             return vk.group_norm_frames_cl(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu, out=out,
-                                          combine=combine, in_bias=in_bias, head=head, keep=keep)
+                                          combine=combine, in_bias=in_bias, head=head, keep=keep, moments=moments)
         y = vk.group_norm_frames_cl(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu,
-                                   out=out if direct else None, combine=combine, in_bias=in_bias)
+                                   out=out if direct else None, combine=combine, in_bias=in_bias, moments=moments)
     elif combine is not None:
         raise ValueError("group_norm_frames: band statistics (combine) need a channels-last 3-D x")
     else:
@@ -323,6 +330,24 @@ def group_norm_frames(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool,
             out.copy_(y)
         return fill_edges(out, head, keep)
     return y
+
+
+# GroupNorm moments a kernel took of a tensor it wrote (``residual_bias``), for the norm that reads that tensor next:
+# id -> (weak reference, the tensor's version counter then, moments). A tensor written in place since, or another
+# tensor at the same id, does not match.
+_moments: Dict[int, tuple] = {}
+
+
+def _remember_moments(y: torch.Tensor, moments) -> None:
+    key = id(y)
+    _moments[key] = (weakref.ref(y, lambda _ref: _moments.pop(key, None)), y._version, moments)
+
+
+def _known_moments(x: torch.Tensor):
+    hit = _moments.get(id(x))
+    if hit is None or hit[0]() is not x or hit[1] != x._version:
+        return None
+    return hit[2]
 
 
 def fill_edges(out: torch.Tensor, head: int = 0, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -352,9 +377,14 @@ def residual_bias(h: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
     ``out`` has dense rows and the kernels are enabled, else torch adds (rounded at the same places)."""
     dense_out = out is None or (out.dtype == h.dtype and out.stride(1) == 1 and out.stride(4) == h.shape[1])
     if enabled(h, x, bias) and h.shape == x.shape and channels_last(h) and channels_last(x) and dense_out:
-        return _vae().residual_bias_cl(h, x, bias, x_bias, out)
-    if x_bias is not None:
-        x = x + per_channel(x_bias, x.ndim)
+        if out is not None:
+            return _vae().residual_bias_cl(h, x, bias, x_bias, out)
+        # the same pass takes the sum's GroupNorm moments: the norm that reads it next skips its own pass
+        y, moments = _vae().residual_bias_cl(h, x, bias, x_bias, moments=True)
+        _remember_moments(y, moments)
+        return y
+    if x_bias is not None:      # (a float32 x_bias: the sum rounded to x's dtype, as the kernel rounds it)
+        x = (x + per_channel(x_bias, x.ndim)).to(x.dtype)
     h = h.add_(per_channel(bias, h.ndim)).add_(x)
     return h if out is None else out.copy_(h)
 

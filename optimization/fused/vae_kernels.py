@@ -197,6 +197,22 @@ def _combine_moments(part, cnt, n, eps, dtype):
 
 
 MOMENT_PROGRAMS = 1024
+# a frame's pixels per program of the residual pass that also takes moments: it reads two tensors and writes one,
+# and keeps the copy rate only with many programs (at 2048 rows a program it ran 18 % slower than without moments)
+RESIDUAL_MOMENT_ROWS = 256
+
+
+def _moments_blocks(x, block_rows=None, sub=32, most=2048):
+    """(part, rows, sub): an empty (B, T, blocks, C, 2) float32 for the per-channel (mean, M2) of each block of
+    ``rows`` of a frame's pixels of x (B, C, T, H, W), and the programs' tile of rows, at most ``sub``, that divides
+    ``rows`` (a runtime loop over it: no compile per shape). About MOMENT_PROGRAMS blocks in all (a small latent
+    frame still fills the GPU), at most ``most`` rows each (the partials stay small)."""
+    b, c, t, h, w = x.shape
+    per = block_rows or min(most, max(1, -(-b * t * h * w // MOMENT_PROGRAMS)))
+    sub = min(sub, triton.next_power_of_2(per))
+    rows = -(-per // sub) * sub
+    nblk = triton.cdiv(h * w, rows)
+    return torch.empty((b, t, nblk, c, 2), device=x.device, dtype=torch.float32), rows, sub
 
 
 def _keep_args(keep, y, t):
@@ -207,7 +223,7 @@ def _keep_args(keep, y, t):
 
 
 def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=None, out=None, combine=None,
-                         in_bias=None, head=0, keep=None):
+                         in_bias=None, head=0, keep=None, moments=None):
     """``group_norm_frames`` of x (B, C, T, H, W) (plus ``in_bias`` (C,) per channel when given, the sum rounded to
     x's dtype: the bias of the conv that made x) stored channels-last 3-D; the output is stored the same way, in
     ``out`` if given (x's shape and dtype; channels and a row's pixels dense, samples, frames and rows at any
@@ -216,22 +232,26 @@ def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=No
     group, frame) and its value count per row, returns every band's as (rows, bands, 2) and (bands,), whose merge
     gives the whole frame's statistics. ``head`` (with ``out``): the first frame is also written into the ``head``
     frames before ``out`` in its storage (at its frame stride); ``keep`` (B, C, k, H, W; channels and a row's pixels
-    dense): the last k frames are also written there. A causal conv's input takes both (``fill_edges``)."""
+    dense): the last k frames are also written there. A causal conv's input takes both (``fill_edges``). ``moments``:
+    x's partial statistics, already taken (``residual_bias_cl``); none is taken here then."""
     b, c, t, h, w = x.shape
     hw = h * w
     cg = c // groups
     has_b = in_bias is not None
     in_b = in_bias if has_b else weight
-    block_c = triton.next_power_of_2(c)
-    # pixels per program: about MOMENT_PROGRAMS programs in all (a small latent frame still fills the GPU), at most
-    # 2048 a program (their partials stay small), in tiles of `sub` rows (a runtime loop: no compile per shape)
-    per = block_rows or min(2048, max(1, -(-b * t * hw // MOMENT_PROGRAMS)))
-    sub = min(64, max(1, 4096 // block_c), triton.next_power_of_2(per))
-    rows = -(-per // sub) * sub
-    nblk = triton.cdiv(hw, rows)
-    part = torch.empty((b, t, nblk, c, 2), device=x.device, dtype=torch.float32)
-    _gn_cl_moments_kernel[(nblk, b * t)](x, in_b, part, hw, c, nblk, rows, HAS_IN_B=has_b, SUB=sub,
-                                         BLOCK_C=block_c, num_warps=4)
+    if moments is not None:
+        if has_b:
+            raise ValueError("group_norm_frames_cl: moments are of x itself, without an in_bias")
+        part, rows = moments
+    else:
+        block_c = triton.next_power_of_2(c)
+        part, rows, sub = _moments_blocks(x, block_rows, sub=min(64, max(1, 4096 // block_c)))
+        _gn_cl_moments_kernel[(part.shape[2], b * t)](x, in_b, part, hw, c, part.shape[2], rows, HAS_IN_B=has_b,
+                                                      SUB=sub, BLOCK_C=block_c, num_warps=4)
+    nblk = part.shape[2]
+    if part.shape != (b, t, nblk, c, 2) or nblk != triton.cdiv(hw, rows):
+        raise ValueError(f"group_norm_frames_cl: moments of shape {tuple(part.shape)} in blocks of {rows} rows do "
+                         f"not describe x of shape {tuple(x.shape)}")
     n, last = cg * hw, hw - (nblk - 1) * rows
     if combine is None:
         # one kernel merges a group's partials: the dozen small torch ops it replaces cost more to launch than to
@@ -335,41 +355,89 @@ def bias_add_cl(y, bias):
 
 
 @triton.jit
-def _residual_bias_kernel(H, X, B, XB, OUT, NROWS, C, HW, WIDTH, T, OB, OT, OH, HAS_XB: tl.constexpr,
-                          STRIDED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    rows, cols, cmask, mask, off = _row_tile(NROWS, C, BLOCK_R, BLOCK_C)
+def _residual_value(H, X, B, XB, off, cols, cmask, mask, HAS_XB: tl.constexpr):
+    """h + bias + x of a tile in float32, rounded where the two adds it replaces round: (h + bias), then + x."""
     h = tl.load(H + off, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(X + off, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     if HAS_XB:        # x's own conv bias, left out of it: added and rounded first, as its own pass would
         x = (x + tl.load(XB + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]).to(H.dtype.element_ty)
         x = x.to(tl.float32)
-    # rounded where the two adds it replaces round: (h + bias) then + x
-    hb = (h + b).to(H.dtype.element_ty).to(tl.float32)
+    return (h + b).to(H.dtype.element_ty).to(tl.float32) + x
+
+
+@triton.jit
+def _residual_bias_kernel(H, X, B, XB, OUT, NROWS, C, HW, WIDTH, T, OB, OT, OH, HAS_XB: tl.constexpr,
+                          STRIDED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows, cols, cmask, mask, off = _row_tile(NROWS, C, BLOCK_R, BLOCK_C)
+    y = _residual_value(H, X, B, XB, off, cols, cmask, mask, HAS_XB=HAS_XB).to(OUT.dtype.element_ty)
     if STRIDED:       # OUT: a window of a larger buffer, strided per sample, frame and row (a row dense)
         p = rows % HW
         f = rows // HW
         r = p // WIDTH
         dst = (f // T) * OB + (f % T) * OT + r * OH + (p - r * WIDTH) * C
-        tl.store(OUT + dst[:, None] + cols[None, :], (hb + x).to(OUT.dtype.element_ty), mask=mask)
+        tl.store(OUT + dst[:, None] + cols[None, :], y, mask=mask)
     else:
-        tl.store(OUT + off, (hb + x).to(OUT.dtype.element_ty), mask=mask)
+        tl.store(OUT + off, y, mask=mask)
 
 
-def residual_bias_cl(h, x, bias, x_bias=None, out=None):
+@triton.jit
+def _residual_moments_kernel(H, X, B, XB, OUT, PART, HW, C, NBLK, ROWS, HAS_XB: tl.constexpr, SUB: tl.constexpr,
+                             BLOCK_C: tl.constexpr):
+    # the residual sum of ROWS of a frame's pixels (program (block, frame, block of channels)), and its channels'
+    # (mean, M2) over them, as ``_gn_cl_moments_kernel`` gives them: the GroupNorm that reads the sum next skips
+    # its own pass over it. Shifted by the block's first row, as there.
+    j = tl.program_id(0)
+    frame = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    r0 = j * ROWS
+    first = (frame * HW + r0) * C + cols
+    shift = _residual_value(H, X, B, XB, first[None, :], cols, cmask, cmask[None, :], HAS_XB=HAS_XB)
+    shift = tl.sum(shift.to(OUT.dtype.element_ty).to(tl.float32), axis=0)
+    acc_s = tl.zeros([SUB, BLOCK_C], tl.float32)
+    acc_q = tl.zeros([SUB, BLOCK_C], tl.float32)
+    for s in range(0, ROWS, SUB):
+        rows = r0 + s + tl.arange(0, SUB)
+        mask = (rows < HW)[:, None] & cmask[None, :]
+        off = (frame * HW + rows[:, None]) * C + cols[None, :]
+        y = _residual_value(H, X, B, XB, off, cols, cmask, mask, HAS_XB=HAS_XB).to(OUT.dtype.element_ty)
+        tl.store(OUT + off, y, mask=mask)
+        d = tl.where(mask, y.to(tl.float32) - shift[None, :], 0.0)
+        acc_s += d
+        acc_q += d * d
+    n = tl.minimum(HW - r0, ROWS).to(tl.float32)
+    sm = tl.sum(acc_s, axis=0)
+    idx = (frame * NBLK + j) * C + cols
+    tl.store(PART + 2 * idx, shift + sm / n, mask=cmask)
+    tl.store(PART + 2 * idx + 1, tl.maximum(tl.sum(acc_q, axis=0) - sm * sm / n, 0.0), mask=cmask)
+
+
+def residual_bias_cl(h, x, bias, x_bias=None, out=None, moments=False, most_rows=RESIDUAL_MOMENT_ROWS):
     """h + bias + x (bias per channel) in one pass, rounded as the two adds ``h.add_(bias).add_(x)`` round; h and x
     (B, C, T, H, W) dense channels-last 3-D of the same shape (a (rows, C) matrix each). Written into h and
     returned, or into ``out`` (h's shape and dtype; channels and a row's pixels dense, samples, frames and rows at
     any stride: e.g. the body of a conv's padded input). ``x_bias`` (C,): x lacks its conv's bias, added and
-    rounded first (as ``x + x_bias`` would)."""
+    rounded first (as ``x + x_bias`` would). ``moments`` (written into h only): returns (sum, moments), the second
+    the per-frame partial statistics ``group_norm_frames_cl`` takes, from the same pass, in blocks of at most
+    ``most_rows`` of a frame's pixels."""
     _, c, t, hh, w = h.shape
     nrows = h.numel() // c
     o = h if out is None else out
     block_c, block_r, warps = _apply_tile(c)
+    has_xb, xb = x_bias is not None, bias if x_bias is None else x_bias
+    if moments:
+        if out is not None:
+            raise ValueError("residual_bias_cl: moments are taken of a sum written into h")
+        part, rows, sub = _moments_blocks(h, sub=block_r, most=most_rows)
+        grid = (part.shape[2], nrows // (hh * w), triton.cdiv(c, block_c))
+        _residual_moments_kernel[grid](h, x, bias, xb, h, part, hh * w, c, part.shape[2], rows, HAS_XB=has_xb,
+                                       SUB=sub, BLOCK_C=block_c, num_warps=warps)
+        return h, (part, rows)
     grid = (triton.cdiv(nrows, block_r), triton.cdiv(c, block_c))
-    _residual_bias_kernel[grid](h, x, bias, bias if x_bias is None else x_bias, o, nrows, c, hh * w, w, t,
-                                o.stride(0), o.stride(2), o.stride(3), HAS_XB=x_bias is not None,
-                                STRIDED=out is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    _residual_bias_kernel[grid](h, x, bias, xb, o, nrows, c, hh * w, w, t, o.stride(0), o.stride(2), o.stride(3),
+                                HAS_XB=has_xb, STRIDED=out is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+                                num_warps=warps)
     return o
 
 

@@ -137,7 +137,9 @@ def test_conv_bias_folding(shape):
 
 
 def test_vae_fused_vs_torch_path(monkeypatch):
-    """Tiny golden VAE in bf16: encode and decode with the fused group norm against the torch path."""
+    """Tiny golden VAE in bf16: encode and decode on the fused kernels (channels-last GroupNorm, folded biases, the
+    residual's moments) against the torch path: within bf16 rounding of it, and no further from the float32 golden
+    outputs (the issue's bound) than it."""
     import json
     from pathlib import Path
 
@@ -149,17 +151,20 @@ def test_vae_fused_vs_torch_path(monkeypatch):
     man = json.loads((golden / "manifest.json").read_text())["vae"]
     vae = load_vae(golden / man["weights_file"], device="cuda", dtype=torch.bfloat16,
                    norm_num_groups=man["constructor_kwargs"]["norm_num_groups"])
-    x = load_file(golden / man["cases"]["video"]["file"])["x"].cuda().bfloat16()
+    case = load_file(golden / man["cases"]["video"]["file"])
+    x, z = case["x"].cuda().bfloat16(), case["z"].cuda().bfloat16()
+    want = (case["posterior_mean"].cuda(), case["decoded"].cuda())
     with torch.no_grad():
         outs = {}
         for flag in ("0", "1"):
             monkeypatch.setenv("SEEDVR2BW_FUSED", flag)
-            z = vae.encode(x).mean
-            outs[flag] = (z, vae.decode(z))
+            outs[flag] = (vae.encode(x).mean, vae.decode(z))
     for i, name in enumerate(("encode", "decode")):
-        err = rel(outs["1"][i], outs["0"][i])
-        print(f"vae {name}: fused vs torch path rel-L2 {err:.2e}")
-        assert err < 2e-2
+        err, e_fused, e_torch = rel(outs["1"][i], outs["0"][i]), rel(outs["1"][i], want[i]), rel(outs["0"][i], want[i])
+        print(f"vae {name}: fused vs torch path rel-L2 {err:.2e}; vs float32 golden: fused {e_fused:.2e}, "
+              f"torch {e_torch:.2e}")
+        assert err < 3e-2
+        assert e_fused <= 1.1 * e_torch + 1e-3, (name, e_fused, e_torch)
 
 
 def test_model_fused_vs_torch_path(monkeypatch):
@@ -207,3 +212,4 @@ def test_wide_head_attention(n):
     e_got, e_ref = rel(got[:, idx], want), rel(ref[:, idx], want)
     print(f"N={n}: gemm attention rel err {e_got:.3e}, SDPA {e_ref:.3e};", wide_head.gemm_attention_selftest("cuda"))
     assert e_got <= 1.01 * e_ref
+

@@ -91,8 +91,8 @@ def test_channels_last_equals_ncdhw(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_folded_conv_biases_are_bit_equal(dtype):
     """SEEDVR2BW_VAE_FOLD_BIASES: the ResNet convs' biases added by the fused kernels that read their outputs give
-    the same bits as torch's own bias pass (cuDNN's path adds the bias after the convolution, rounded, as they do),
-    encode and decode of the tiny golden VAE on NDHWC."""
+    the same bits as torch's own bias pass (cuDNN's path adds the bias after the convolution, rounded, as they do):
+    the tiny golden VAE's encode on NDHWC; its decode within rounding (the upsamplers' biases, below)."""
     from seedvr2bw.models.seedvr2.vae.norm import fold_biases
     from seedvr2bw.optimization.runtime import knobs
     vae = build_vae(load_file(str(DATA / "golden" / "vae_tiny_weights.safetensors")), norm_num_groups=2,
@@ -108,8 +108,14 @@ def test_folded_conv_biases_are_bit_equal(dtype):
                 assert fold_biases(probe.contiguous(memory_format=torch.channels_last_3d), block.conv1,
                                    block.conv2) == fold
                 out[fold] = (vae.encode(d["x"].to(dtype)).mean, vae.decode(d["z"].to(dtype)))
-    for i, name in enumerate(("encode", "decode")):
-        assert torch.equal(out[True][i], out[False][i]), (name, rel_l2(out[True][i], out[False][i]))
+    assert torch.equal(out[True][0], out[False][0]), ("encode", rel_l2(out[True][0], out[False][0]))
+    # the decoder's upsamplers leave their conv's bias to the next block too; where that block has a 1 x 1 shortcut,
+    # the bias reaches the residual through the shortcut's weight (in float32), which rounds otherwise than
+    # shortcut(x + bias): within rounding of the unfolded output, and no further from the float32 golden one
+    err, e_fold, e_plain = (rel_l2(out[True][1], out[False][1]), rel_l2(out[True][1], d["decoded"]),
+                            rel_l2(out[False][1], d["decoded"]))
+    print(f"{dtype} decode: folded vs unfolded {err:.2e}; vs float32 golden: folded {e_fold:.2e}, unfolded {e_plain:.2e}")
+    assert err < 3e-2 and e_fold <= 1.1 * e_plain + 1e-3, (err, e_fold, e_plain)
 
 
 def test_bf16_vs_fp32(tiny, real_bf16):

@@ -1,13 +1,14 @@
 """Down, up and mid blocks (official DownEncoderBlock3D, UpDecoderBlock3D, UNetMidBlock3D)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from .attention import FrameAttention
 from .causal_conv import TemporalCache
+from .norm import fold_biases
 from .resnet import ResnetBlock3D
 from .sampling import Downsample3D, Upsample3D
 
@@ -43,14 +44,18 @@ class UpBlock3D(_Block):
             [ResnetBlock3D(cin if i == 0 else cout, cout, groups, eps) for i in range(layers)])
         self.upsamplers = nn.ModuleList([Upsample3D(cout, temporal_up)]) if upsample else None
 
-    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None,
-                x_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``x_bias``: x lacks its conv's bias (``takes_input_bias``)."""
+    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None, x_bias: Optional[torch.Tensor] = None,
+                leave_bias: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(output, the bias it lacks or None). ``x_bias``: x lacks its conv's bias (``takes_input_bias``).
+        ``leave_bias``: the next block takes its input without the bias, so the upsampler's conv may leave its bias
+        to that block's kernels (a pass over the upsampled activations fewer)."""
         for i, r in enumerate(self.resnets):
             x = r(x, cache, x_bias if i == 0 else None)
-        if self.upsamplers is not None:
-            x = self.upsamplers[0](x, cache)
-        return x
+        if self.upsamplers is None:
+            return x, None
+        up = self.upsamplers[0]
+        leave = leave_bias and fold_biases(x, up.conv)
+        return up(x, cache, bias=not leave), up.conv.bias if leave else None
 
 
 class MidBlock3D(_Block):

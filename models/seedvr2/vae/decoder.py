@@ -36,6 +36,8 @@ class Decoder3D(nn.Module):
         fold = self.mid_block.takes_input_bias(z)
         x = self.conv_in(z, cache, bias=not fold)
         x = self.mid_block(x, cache, self.conv_in.bias if fold else None)
-        for blk in self.up_blocks:
-            x = blk(x, cache)
+        x_bias = None
+        for i, blk in enumerate(self.up_blocks):
+            nxt = self.up_blocks[i + 1] if i + 1 < len(self.up_blocks) else None
+            x, x_bias = blk(x, cache, x_bias, leave_bias=nxt is not None and nxt.takes_input_bias(x))
         return norm_silu_conv(x, self.conv_norm_out, self.conv_out, cache, self.norm_max_bytes)

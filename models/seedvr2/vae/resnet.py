@@ -32,8 +32,8 @@ class ResnetBlock3D(nn.Module):
         ``then``: a conv that reads the block's output (a down block's downsampler): the sum is written straight
         into its input (``CausalConv3d.input_buffer``, allocated once this block's convs have run, so it does not
         add to their peak) and that conv's output is returned."""
-        fold = fold_biases(x, self.conv1, self.conv2)
-        if x_bias is not None and not (fold and self.conv_shortcut is None):
+        fold = fold_biases(x, *self._convs())
+        if x_bias is not None and not fold:
             x, x_bias = x + fused.per_channel(x_bias, x.ndim), None
         # folded: conv1's bias goes into norm2's kernels, conv2's into the residual add, the shortcut's (or x's own)
         # too: a pass over the block's activations fewer each (cuDNN on NDHWC adds a bias in a pass of its own)
@@ -41,7 +41,7 @@ class ResnetBlock3D(nn.Module):
         h = norm_silu_conv(h, self.norm2, self.conv2, cache, self.norm_max_bytes,
                            in_bias=self.conv1.bias if fold else None, conv_bias=not fold)
         if self.conv_shortcut is not None:
-            x, x_bias = self.conv_shortcut(x, cache, bias=not fold), self.conv_shortcut.bias if fold else None
+            x, x_bias = self.conv_shortcut(x, cache, bias=not fold), self._shortcut_bias(x_bias) if fold else None
         buf, out = then.input_buffer(h, h.shape, cache) if then is not None else (None, None)
         if fold:
             y = fused.residual_bias(h, x, self.conv2.bias, x_bias, out=out)
@@ -50,6 +50,19 @@ class ResnetBlock3D(nn.Module):
         return y if then is None else then.run_buffer(buf, cache)
 
     def takes_input_bias(self, x: torch.Tensor) -> bool:
-        """Whether x may come without its conv's bias (``forward``'s ``x_bias``): where the biases fold and x is read
-        by nothing that needs the sum (a shortcut conv does)."""
-        return self.conv_shortcut is None and fold_biases(x, self.conv1, self.conv2)
+        """Whether x may come without its conv's bias (``forward``'s ``x_bias``): where the biases fold. norm1 adds it
+        as it reads x; a 1 x 1 shortcut is linear, so what the bias gives through it joins the shortcut's own bias
+        in the residual add."""
+        return fold_biases(x, *self._convs())
+
+    def _convs(self) -> tuple:
+        return (self.conv1, self.conv2) + ((self.conv_shortcut,) if self.conv_shortcut is not None else ())
+
+    def _shortcut_bias(self, x_bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """The bias the shortcut's output lacks when neither it nor its input x has its bias: the shortcut's own,
+        plus its weight times x's missing ``x_bias`` (float32)."""
+        b = self.conv_shortcut.bias
+        if x_bias is None:
+            return b
+        w = self.conv_shortcut.weight
+        return b.float() + w.reshape(w.shape[0], -1).float() @ x_bias.float()

@@ -49,7 +49,8 @@ class Upsample3D(nn.Module):
         self.upscale_conv = nn.Conv3d(channels, channels * r, kernel_size=1)
         self.conv = CausalConv3d(channels, channels, 3, padding=1)
 
-    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Optional[TemporalCache] = None, bias: bool = True) -> torch.Tensor:
+        """``bias`` False: the output lacks the 3 x 3 x 3 conv's bias (the caller adds it where it reads the output)."""
         s, rt = self.spatial_ratio, self.temporal_ratio
         b, c, t, h, w = x.shape
         layout = layout_of(x)
@@ -62,10 +63,10 @@ class Upsample3D(nn.Module):
             buf, body = self.conv.input_buffer(y, (b, c, t * rt - (1 if drop else 0), h * s, w * s), cache)
             head, keep = self.conv.edges(body, cache)
             fused.depth_to_space(y, self.upscale_conv.bias if fold else None, body, s, rt, drop, head, keep)
-            return self.conv.run_buffer(buf, cache, written=(head, keep))
+            return self.conv.run_buffer(buf, cache, bias=bias, written=(head, keep))
         y = (y.view(b, s, s, rt, c, t, h, w)
               .permute(0, 4, 5, 3, 6, 1, 7, 2)          # b, c, t, st, h, sx, w, sy
               .reshape(b, c, t * rt, h * s, w * s))
         if drop:
             y = torch.cat([y[:, :, :1], y[:, :, 2:]], dim=2)
-        return self.conv(y, cache)
+        return self.conv(y, cache, bias=bias)
