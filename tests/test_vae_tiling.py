@@ -271,8 +271,9 @@ class LiveBytes(TorchDispatchMode):
 
 def largest_module_output(vae, fn):
     biggest = [0]
-    hooks = [m.register_forward_hook(lambda m, i, o: biggest.__setitem__(0, max(biggest[0], o.numel())))
-             for m in vae.modules() if m is not vae]
+    def seen(m, i, o):      # an up block returns (output, the bias it lacks)
+        biggest[0] = max([biggest[0]] + [t.numel() for t in tree_flatten(o)[0] if isinstance(t, torch.Tensor)])
+    hooks = [m.register_forward_hook(seen) for m in vae.modules() if m is not vae]
     try:
         out = fn()
     finally:

@@ -423,6 +423,18 @@ def depth_to_space(y: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Ten
     return fill_edges(out, head, keep)
 
 
+def conv1x1_depth_to_space(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
+                           s: int, rt: int, drop: bool, head: int = 0, keep: Optional[torch.Tensor] = None,
+                           late_bias: bool = True) -> torch.Tensor:
+    """The upsampler's 1 x 1 conv of x (B, CIN, T, H, W) (``weight`` (s*s*rt*C, CIN, 1, 1, 1), ``bias``) and its
+    ``depth_to_space`` into ``out`` (which adds the bias when ``late_bias``: cuDNN on NDHWC adds it in a pass of its
+    own). The conv's output lives only here: it is freed before the conv that reads ``out`` runs (1.8 GiB off a 720p
+    decode's peak)."""
+    y = torch.nn.functional.conv3d(x, weight, None if late_bias else bias)
+    y = y.contiguous(memory_format=torch.channels_last_3d)
+    return depth_to_space(y, bias if late_bias else None, out, s, rt, drop, head, keep)
+
+
 def softmax_split(s: torch.Tensor, scale: float, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """The softmax numerator of the scores s (rows, N) float32 as two ``dtype`` parts and its row sums
     (``vae_kernels.softmax_split``); the caller checks ``enabled``."""

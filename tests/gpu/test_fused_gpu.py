@@ -213,3 +213,4 @@ def test_wide_head_attention(n):
     print(f"N={n}: gemm attention rel err {e_got:.3e}, SDPA {e_ref:.3e};", wide_head.gemm_attention_selftest("cuda"))
     assert e_got <= 1.01 * e_ref
 
+

@@ -55,15 +55,16 @@ class Upsample3D(nn.Module):
         b, c, t, h, w = x.shape
         layout = layout_of(x)
         x = x.to(self.upscale_conv.weight.dtype)
-        # folded: the 1 x 1 conv's bias is added by the depth-to-space pass (cuDNN on NDHWC adds it in one more)
-        fold = fold_biases(x, self.upscale_conv)
-        y = (F.conv3d(x, self.upscale_conv.weight) if fold else self.upscale_conv(x)).contiguous(memory_format=layout)
         drop = rt > 1 and (cache is None or cache.first_chunk)
+        # folded: the 1 x 1 conv's bias is added by the depth-to-space (cuDNN on NDHWC adds it in one more pass)
+        fold = fold_biases(x, self.upscale_conv)
         if layout == torch.channels_last_3d:   # written straight into the conv's input (no extended copy)
-            buf, body = self.conv.input_buffer(y, (b, c, t * rt - (1 if drop else 0), h * s, w * s), cache)
+            buf, body = self.conv.input_buffer(x, (b, c, t * rt - (1 if drop else 0), h * s, w * s), cache)
             head, keep = self.conv.edges(body, cache)
-            fused.depth_to_space(y, self.upscale_conv.bias if fold else None, body, s, rt, drop, head, keep)
+            fused.conv1x1_depth_to_space(x, self.upscale_conv.weight, self.upscale_conv.bias, body, s, rt, drop, head,
+                                         keep, late_bias=fold)
             return self.conv.run_buffer(buf, cache, bias=bias, written=(head, keep))
+        y = self.upscale_conv(x)
         y = (y.view(b, s, s, rt, c, t, h, w)
               .permute(0, 4, 5, 3, 6, 1, 7, 2)          # b, c, t, st, h, sx, w, sy
               .reshape(b, c, t * rt, h * s, w * s))
