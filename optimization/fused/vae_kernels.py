@@ -198,7 +198,8 @@ def _combine_moments(part, cnt, n, eps, dtype):
 
 MOMENT_PROGRAMS = 1024
 # a frame's pixels per program of the residual pass that also takes moments: it reads two tensors and writes one,
-# and keeps the copy rate only with many programs (at 2048 rows a program it ran 18 % slower than without moments)
+# and keeps the copy rate only with many programs (H100, 720p x 4 frames x 128 channels: 1.00 ms at 256 rows, 1.10
+# at 2048, against 0.98 for the pass without moments)
 RESIDUAL_MOMENT_ROWS = 256
 
 

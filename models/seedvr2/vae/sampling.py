@@ -5,7 +5,6 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ....optimization import fused
 from .causal_conv import CausalConv3d, TemporalCache
