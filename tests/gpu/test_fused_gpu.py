@@ -212,5 +212,3 @@ def test_wide_head_attention(n):
     e_got, e_ref = rel(got[:, idx], want), rel(ref[:, idx], want)
     print(f"N={n}: gemm attention rel err {e_got:.3e}, SDPA {e_ref:.3e};", wide_head.gemm_attention_selftest("cuda"))
     assert e_got <= 1.01 * e_ref
-
-
