@@ -443,29 +443,6 @@ def residual_bias_cl(h, x, bias, x_bias=None, out=None, moments=False, most_rows
 
 
 @triton.jit
-def _d2s_store(OUT, v, p, pmask, cols, cmask, b, t, q, WIDTH, S, RT, C, OB, OT, OH, HEAD, K, K0, KB, KT, KH,
-               DROP: tl.constexpr, HAS_K: tl.constexpr):
-    """Stores the upsampler's values v (pixels p of frame t of sample b, channels ``cols`` of sub-position q =
-    (sx*S + sy)*RT + st) where depth-to-space puts them: frame t*RT + st (the first chunk's frame 1 dropped when
-    DROP), pixel (h*S + sx, w*S + sy); the conv input's edges too (``_edges``)."""
-    st = q % RT
-    sy = (q // RT) % S
-    sx = q // (RT * S)
-    f = t * RT + st                       # output frame before the first chunk's duplicate is dropped
-    if DROP:
-        pmask = pmask & ((p * 0 + f) != 1)     # a vector: the frame's test on every pixel of the tile
-        f = tl.where(f > 1, f - 1, f)
-    mask = pmask[:, None] & cmask[None, :]
-    h = p // WIDTH
-    w = p - h * WIDTH
-    dst = b * OB + f.to(tl.int64) * OT + (h * S + sx) * OH + (w * S + sy) * C
-    v = v.to(OUT.dtype.element_ty)
-    tl.store(OUT + dst[:, None] + cols[None, :], v, mask=mask)
-    _edges(OUT, dst[:, None] + cols[None, :], v, mask, f, HEAD, OT, K, K0, KB, KT, b,
-           ((h * S + sx) * KH + (w * S + sy) * C)[:, None] + cols[None, :], HAS_K=HAS_K)
-
-
-@triton.jit
 def _depth_to_space_kernel(Y, B, OUT, HW, WIDTH, T, CR, C, S, RT, OB, OT, OH, HEAD, K, K0, KB, KT, KH,
                            DROP: tl.constexpr, HAS_B: tl.constexpr, HAS_K: tl.constexpr, BLOCK_P: tl.constexpr,
                            BLOCK_C: tl.constexpr):
@@ -475,14 +452,29 @@ def _depth_to_space_kernel(Y, B, OUT, HW, WIDTH, T, CR, C, S, RT, OB, OT, OH, HE
     nq = S * S * RT
     q = qc % nq                           # ((sx * S + sy) * RT + st): which output pixel and frame
     cols = (qc // nq) * BLOCK_C + tl.arange(0, BLOCK_C)
+    st = q % RT
+    sy = (q // RT) % S
+    sx = q // (RT * S)
+    b = (bt // T).to(tl.int64)
+    t = bt % T
+    f = t * RT + st                       # output frame before the first chunk's duplicate is dropped
     cmask = cols < C
     pmask = p < HW
+    if DROP:
+        pmask = pmask & ((p * 0 + f) != 1)     # a vector: the frame's test on every pixel of the tile
+        f = tl.where(f > 1, f - 1, f)
+    mask = pmask[:, None] & cmask[None, :]
     src = (bt.to(tl.int64) * HW + p[:, None]) * CR + q * C + cols[None, :]
-    v = tl.load(Y + src, mask=pmask[:, None] & cmask[None, :], other=0.0)
+    v = tl.load(Y + src, mask=mask, other=0.0)
     if HAS_B:         # the 1 x 1 conv's bias, added and rounded as its own pass would
         v = (v.to(tl.float32) + tl.load(B + q * C + cols, mask=cmask, other=0.0).to(tl.float32)[None, :])
-    _d2s_store(OUT, v, p, pmask, cols, cmask, (bt // T).to(tl.int64), bt % T, q, WIDTH, S, RT, C, OB, OT, OH, HEAD,
-               K, K0, KB, KT, KH, DROP=DROP, HAS_K=HAS_K)
+    h = p // WIDTH
+    w = p - h * WIDTH
+    dst = b * OB + f.to(tl.int64) * OT + (h * S + sx) * OH + (w * S + sy) * C
+    v = v.to(OUT.dtype.element_ty)
+    tl.store(OUT + dst[:, None] + cols[None, :], v, mask=mask)
+    _edges(OUT, dst[:, None] + cols[None, :], v, mask, f, HEAD, OT, K, K0, KB, KT, b,
+           ((h * S + sx) * KH + (w * S + sy) * C)[:, None] + cols[None, :], HAS_K=HAS_K)
 
 
 def depth_to_space_cl(y, bias, out, s, rt, drop, head=0, keep=None):
