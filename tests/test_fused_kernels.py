@@ -283,6 +283,68 @@ def test_depth_to_space_kernel_interpreted():
 
 
 @needs_triton
+def test_streamed_conv_interpreted():
+    # the decoder's conv_out (3 outputs; also 4) as a GEMM per frame and the tap-sum kernel, in temporal chunks that
+    # pass the state on, with bands of rows (planes of 1.5 rows and of whole frames), two samples, with and without a
+    # bias: the causal conv of the whole clip (first frame replicated twice in front). float32: the order of the sums
+    # only; bfloat16: rounded once (the interpreter truncates where a GPU rounds to nearest: within 3 x rounding).
+    out = _run("""
+        import math
+        import torch.nn.functional as F
+        from seedvr2bw.optimization import fused
+        cl = torch.channels_last_3d
+        for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, None)):
+            for o in (3, 4):
+                x = rnd(2, 8, 6, 7, 5, dtype=dt)
+                w, b = rnd(o, 8, 3, 3, 3, dtype=dt, scale=0.2), rnd(o, dtype=dt)
+                xe = torch.cat([x[:, :, :1], x[:, :, :1], x], 2).float()
+                for bias in (b, None):
+                    want = F.conv3d(xe, w.float(), None if bias is None else bias.float(), padding=(0, 1, 1))
+                    floor = rel(want.to(dt), want)
+                    xc = x.contiguous(memory_format=cl)
+                    for mb in (math.inf, 27 * o * 4 * 5 * 3.5, 1.0):
+                        y1, s = fused.stream_conv3d(xc[:, :, :3], w, bias, None, True, mb)
+                        y2, s = fused.stream_conv3d(xc[:, :, 3:4], w, bias, s, True, mb)
+                        y3, s = fused.stream_conv3d(xc[:, :, 4:], w, bias, s, False, mb)
+                        y = torch.cat([y1, y2, y3], 2)
+                        assert s is None and y1.is_contiguous(memory_format=cl) and y.dtype == dt
+                        assert rel(y, want) <= (tol or 3 * floor), (dt, o, bias is None, mb, rel(y, want), floor)
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+@needs_triton
+def test_streamed_conv_in_the_model_interpreted():
+    # CausalConv3d.streams: conv_out (3 outputs) through norm_silu_conv in temporal chunks (TemporalCache) equals the
+    # cuDNN-shaped path (its extended input buffer); a conv to 8 channels, the knob off, or NCDHW input do not stream
+    out = _run("""
+        from seedvr2bw.optimization import fused
+        from seedvr2bw.optimization.runtime import knobs
+        from seedvr2bw.models.seedvr2.vae.causal_conv import CausalConv3d, TemporalCache
+        from seedvr2bw.models.seedvr2.vae.norm import norm_silu_conv
+        torch.manual_seed(0)
+        conv, wide = CausalConv3d(8, 3, 3, padding=1), CausalConv3d(8, 8, 3, padding=1)
+        norm = torch.nn.GroupNorm(4, 8, eps=1e-6)
+        x = torch.randn(1, 8, 7, 6, 5).contiguous(memory_format=torch.channels_last_3d)
+        fused.enabled = lambda *t: True
+        got = {}
+        with torch.no_grad():
+            for on in (True, False):
+                with knobs.override(VAE_STREAM_CONV=on):
+                    assert conv.streams(x) == on and not wide.streams(x) and not conv.streams(x.contiguous())
+                    cache, parts = TemporalCache(), []
+                    for a, b in ((0, 3), (3, 5), (5, 7)):
+                        cache.next_chunk(last=b == 7) if a else None
+                        parts.append(norm_silu_conv(x[:, :, a:b], norm, conv, cache))
+                    got[on] = torch.cat(parts, 2)
+        assert rel(got[True], got[False]) < 1e-5, rel(got[True], got[False])
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+@needs_triton
 def test_split_softmax_attention_interpreted():
     # the VAE mid block's one head of 512 (here 64, 40 queries and 300 keys, in query blocks of 16 and a tail): the
     # split numerator's parts sum to exp(scale * (s - max)) to about 16 bits, and the attention is the float64

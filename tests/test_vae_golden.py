@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from conftest import DATA
 from seedvr2bw.models.seedvr2.vae import VAEConfig, build_vae
 from seedvr2bw.models.seedvr2.vae.causal_conv import CausalConv3d
+from seedvr2bw.optimization.runtime import knobs
 
 GOLDEN = DATA / "golden"
 TOL = 1e-5
@@ -60,12 +61,19 @@ def _assert_ncdhw_weight(module, args):
     assert module.weight.is_contiguous(), type(module).__name__
 
 
+@pytest.mark.parametrize("head_sum", [None, True])
 @pytest.mark.parametrize("layout", ["ncdhw", "ndhwc"])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("case", ["video", "image"])
-def test_golden(vae, manifest, case, mode, layout):
+def test_golden(vae, manifest, case, mode, layout, head_sum):
     """Both activation layouts give the official numbers; the channels-last one keeps NDHWC from the first conv
-    to the last (every conv, the upsamplers' depth-to-space, the bands, the causal frames, the GroupNorms)."""
+    to the last (every conv, the upsamplers' depth-to-space, the bands, the causal frames, the GroupNorms). So does
+    the first chunk with its replicated frame's temporal taps summed (SEEDVR2BW_VAE_HEAD_SUM, on GPUs in 16 bits)."""
+    with knobs.override(VAE_HEAD_SUM=head_sum):
+        _golden(vae, manifest, case, mode, layout)
+
+
+def _golden(vae, manifest, case, mode, layout):
     split, conv_mem, norm_mem = MODES[mode]
     vae.set_causal_slicing(split)
     vae.set_memory_limit(conv_mem, norm_mem)

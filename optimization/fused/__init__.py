@@ -36,6 +36,7 @@ one N x D pass = 133 MB = 44 us at 3 TB/s):
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -192,6 +193,13 @@ def check_kernels(k, vk, device, tol) -> Tuple[bool, str]:
     errs["softmax_split"] = _rel(hl[:, :300].float() + hl[:, 300:].float(), e) + _rel(l, e.sum(1))
     errs["bias_add_cl"] = _rel(vk.bias_add_cl(hr.clone(), ib), hr + ib.view(1, -1, 1, 1, 1))
     errs["depth_to_space_cl"] = _rel(vk.depth_to_space_cl(yd, bd, od, 2, 2, True), want_d)
+    # the streamed 3-output conv in two temporal chunks against the causal conv of the whole clip (float32)
+    xs, ws, bs = rnd(1, 8, 3, 6, 5).contiguous(memory_format=torch.channels_last_3d), rnd(3, 8, 3, 3, 3), rnd(3)
+    y1, st = stream_conv3d(xs[:, :, :2], ws, bs)
+    y2, _ = stream_conv3d(xs[:, :, 2:], ws, bs, st, keep=False)
+    xe = torch.cat([xs[:, :, :1], xs[:, :, :1], xs], 2).float()
+    errs["stream_conv3d"] = _rel(torch.cat([y1, y2], 2),
+                                 torch.nn.functional.conv3d(xe, ws.float(), bs.float(), padding=(0, 1, 1)))
     w, bias = rnd(96, d, scale=d ** -0.5), rnd(96, scale=0.1)
     xl = x[:, :d]
     ref = torch.nn.functional.gelu(torch.nn.functional.linear(xl.float(), w.float(), bias.float()), approximate="tanh")
@@ -433,6 +441,43 @@ def conv1x1_depth_to_space(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     y = torch.nn.functional.conv3d(x, weight, None if late_bias else bias)
     y = y.contiguous(memory_format=torch.channels_last_3d)
     return depth_to_space(y, bias if late_bias else None, out, s, rt, drop, head, keep)
+
+
+def stream_conv3d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  state: Optional[Tuple[torch.Tensor, ...]] = None, keep: bool = True, max_bytes: float = math.inf
+                  ) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, ...]]]:
+    """A causal conv (``weight`` (O, C, 3, 3, 3), a few outputs O; stride 1, zero padding 1 in H and W) of x (B, C, T,
+    H, W), dense channels-last 3-D, one input frame at a time: a GEMM gives the frame's per-tap products in float32
+    (27*O planes) and ``vae_kernels.stream_taps`` sums them into the output (+ ``bias``, rounded once) and a float32
+    state of 2*O planes, which carries the taps the next frames need: ``state`` is the previous temporal chunk's (one
+    per sample), None at the clip's first frame (replicated in front as the causal conv does). The planes of a frame
+    are made in bands of rows of at most ``max_bytes`` (each with the row above and below it). Returns (y in x's
+    layout, the state for the next chunk, or None when not ``keep``). cuDNN's conv to 3 channels runs 4x longer than
+    reading its input (``vae_kernels``)."""
+    vk = _vae()
+    b, c, t, h, w = x.shape
+    o = weight.shape[0]
+    taps = weight.permute(2, 3, 4, 0, 1).reshape(27 * o, c)           # rows (a, i, j, o)
+    y = torch.empty((b, o, t, h, w), device=x.device, dtype=x.dtype, memory_format=torch.channels_last_3d)
+    frames, out = x.permute(0, 2, 3, 4, 1), y.permute(0, 2, 3, 4, 1)  # (B, T, H, W, C): a frame is (H*W, C)
+    per_row = 27 * o * 4 * w                                          # planes of one input row
+    band = h if max_bytes >= (h + 2) * per_row else max(1, int(max_bytes // per_row) - 2)   # output rows a band
+    states = []
+    for i in range(b):
+        s = None if state is None else state[i]
+        for f in range(t):
+            new = torch.empty((2, o, h * w), device=x.device, dtype=torch.float32) if keep or f + 1 < t else None
+            for r0 in range(0, h, band):
+                r1 = min(h, r0 + band)
+                q0, q1 = max(r0 - 1, 0), min(r1 + 1, h)
+                rows = frames[i, f, q0:q1].reshape((q1 - q0) * w, c)
+                planes = (torch.mm(taps, rows.t(), out_dtype=torch.float32) if x.is_cuda
+                          else taps.float() @ rows.float().t())
+                vk.stream_taps(planes, s, new, bias, out[i, f], h, w, q0, (r0, r1))
+                del planes
+            s = new
+        states.append(s)
+    return y, (tuple(states) if keep else None)
 
 
 def softmax_split(s: torch.Tensor, scale: float, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:

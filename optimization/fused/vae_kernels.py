@@ -516,3 +516,79 @@ def group_norm_frames(x, groups, weight, bias, eps, silu=False, block=4096):
     y = torch.empty_like(x)
     _gn_apply_kernel[grid](x, y, mean, rstd, weight, bias, hw, t, c, cg, SILU=silu, BLOCK=block, num_warps=8)
     return y
+
+
+# --------------------------------------------------------------------------------------------------
+# a causal 3 x 3 x 3 conv to a few channels (the decoder's conv_out, 128 -> 3), one input frame at a time
+# --------------------------------------------------------------------------------------------------
+# cuDNN runs a 3-output-channel conv at about 18 TFLOP/s (its tiles are built for wide outputs), 4x longer than
+# reading its input. Here one GEMM per input frame gives every pixel its 27 taps x O per-tap products in float32
+# (27*O planes of the frame, ``stream_conv3d``), and this kernel sums the 9 spatial taps of each plane where an
+# output pixel reads them. A frame's planes feed three output frames (temporal taps 0, 1, 2): the sums of taps 0 and 1
+# wait in a small float32 state (2 x O planes) for the frames that need them, so each frame's GEMM runs once, across
+# temporal chunks too, and the conv never needs its input frames extended in time.
+@triton.jit
+def _tap_sum(P, HW, plane, src, mask):
+    return tl.load(P + plane * HW + src, mask=mask, other=0.0)
+
+
+@triton.jit
+def _stream_taps_kernel(P, STATE, NEW, B, Y, HW, PHW, Q0, R0, NPIX, WIDTH, HEIGHT, O, FIRST: tl.constexpr,
+                        KEEP: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr, OP: tl.constexpr):
+    # output pixels R0 * WIDTH + [0, NPIX) of the frame; P holds the planes of its rows Q0 .. (PHW values a plane)
+    p = R0 * WIDTH + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = p < R0 * WIDTH + NPIX
+    r = p // WIDTH
+    c = p - r * WIDTH
+    o = tl.arange(0, OP)
+    omask = o < O
+    g0 = tl.zeros([BLOCK, OP], tl.float32)     # temporal tap 0: this frame as the oldest of an output's three
+    g1 = tl.zeros([BLOCK, OP], tl.float32)
+    g2 = tl.zeros([BLOCK, OP], tl.float32)     # tap 2: this frame as the newest (the output of this frame)
+    for i in tl.static_range(3):
+        rr = r + i - 1
+        for j in tl.static_range(3):
+            cc = c + j - 1
+            m = inside & (rr >= 0) & (rr < HEIGHT) & (cc >= 0) & (cc < WIDTH)
+            src = ((rr - Q0) * WIDTH + cc).to(tl.int64)[:, None]
+            mask = m[:, None] & omask[None, :]
+            k = ((i * 3 + j) * O + o[None, :]).to(tl.int64)
+            g0 += _tap_sum(P, PHW, k, src, mask)
+            g1 += _tap_sum(P, PHW, 9 * O + k, src, mask)
+            g2 += _tap_sum(P, PHW, 18 * O + k, src, mask)
+    pm = inside[:, None] & omask[None, :]
+    at = o[None, :].to(tl.int64) * HW + p[:, None]
+    if FIRST:          # the clip's first frame stands for the two replicated frames before it as well
+        s0 = g0 + g1
+        s1 = g0
+    else:              # s0: taps 0 and 1 of the two frames before; s1: tap 0 of the frame before
+        s0 = tl.load(STATE + at, mask=pm, other=0.0)
+        s1 = tl.load(STATE + O * HW + at, mask=pm, other=0.0)
+    y = s0 + g2
+    if HAS_B:
+        y += tl.load(B + o, mask=omask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + p[:, None].to(tl.int64) * O + o[None, :], y.to(Y.dtype.element_ty), mask=pm)
+    if KEEP:
+        tl.store(NEW + at, s1 + g1, mask=pm)
+        tl.store(NEW + O * HW + at, g0, mask=pm)
+
+
+STREAM_BLOCK = 1024
+
+
+def stream_taps(planes, state, new, bias, y, height, width, first_row=0, rows=(0, None)):
+    """Output rows ``rows`` = (r0, r1) of one input frame of a causal 3 x 3 x 3 conv with zero padding 1
+    (``stream_conv3d``). ``planes`` (27*O, n*W) float32: the per-tap products of the frame's rows ``first_row`` ..
+    (those rows read: r0 - 1 .. r1, where inside the frame); plane (a*9 + i*3 + j)*O + o holds temporal tap a,
+    kernel row i, column j, output o. ``state`` (2, O, H*W) float32 from the frame before, or None at the clip's first
+    frame (which the causal conv replicates twice in front of it). Writes the output rows (the taps of this and the two
+    frames before, plus ``bias``, rounded once) into ``y`` ((H, W, O) dense: the frame of a channels-last output), and
+    the next frame's state into ``new`` (None: not kept)."""
+    o = planes.shape[0] // 27
+    r0, r1 = rows[0], height if rows[1] is None else rows[1]
+    npix = (r1 - r0) * width
+    grid = (triton.cdiv(npix, STREAM_BLOCK),)
+    _stream_taps_kernel[grid](planes, planes if state is None else state, planes if new is None else new,
+                              planes if bias is None else bias, y, height * width, planes.shape[1], first_row, r0,
+                              npix, width, height, o, FIRST=state is None, KEEP=new is not None,
+                              HAS_B=bias is not None, BLOCK=STREAM_BLOCK, OP=triton.next_power_of_2(o), num_warps=4)

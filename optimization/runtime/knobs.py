@@ -71,6 +71,11 @@ KNOBS: tuple[Knob, ...] = (
          "VAE's GroupNorm (self-tested per GPU)"),
     Knob("VAE_FOLD_BIASES", "switch", True, "the VAE ResNet convs' biases added by the fused kernels that read "
          "their outputs (GroupNorm, residual) instead of in a pass of their own, rounded where that pass rounds"),
+    Knob("VAE_STREAM_CONV", "switch", True, "the VAE decoder's 3-channel output conv as a GEMM per frame and a "
+         "tap-sum kernel (fused kernels) instead of cuDNN, which runs it 4x slower than reading its input"),
+    Knob("VAE_HEAD_SUM", "auto_switch", None, "the VAE's causal convs at a clip's first chunk: the replicated "
+         "first frame's temporal taps summed (exact in 16 bits as two parts) instead of convolving two more copies; "
+         "auto: on for 16-bit weights on a GPU"),
     Knob("QKV_KERNEL", "choice", None, "force one variant of the fused q/k norm+RoPE kernel (default: the fastest "
          "that passes its self-test)", choices=("v3", "v2", "v1")),
     Knob("FUSED_GELU", "switch", True, "the 7B MLP's GELU in the cuBLASLt epilogue"),

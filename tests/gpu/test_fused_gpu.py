@@ -212,3 +212,26 @@ def test_wide_head_attention(n):
     e_got, e_ref = rel(got[:, idx], want), rel(ref[:, idx], want)
     print(f"N={n}: gemm attention rel err {e_got:.3e}, SDPA {e_ref:.3e};", wide_head.gemm_attention_selftest("cuda"))
     assert e_got <= 1.01 * e_ref
+
+
+@pytest.mark.parametrize("shape", [(128, 6, 96, 160), (128, 5, 720, 1280)])
+def test_streamed_conv_out(shape):
+    """The decoder's conv_out (128 -> 3) streamed (a GEMM per frame, the tap-sum kernel) in two temporal chunks, in
+    bands of rows and whole, against the float32 causal conv of the whole clip: no further from it than cuDNN's bf16
+    conv (which rounds its output, then its bias pass rounds again)."""
+    import torch.nn.functional as F
+    c, t, h, w = shape
+    g = torch.Generator(device="cuda").manual_seed(t)
+    x = torch.randn(1, c, t, h, w, device="cuda", generator=g).bfloat16().contiguous(memory_format=torch.channels_last_3d)
+    wt = (torch.randn(3, c, 3, 3, 3, device="cuda", generator=g) / (27 * c) ** 0.5).bfloat16()
+    b = torch.randn(3, device="cuda", generator=g).bfloat16()
+    xe = torch.cat([x[:, :, :1], x[:, :, :1], x], 2)
+    with torch.backends.cudnn.flags(allow_tf32=False):
+        want = F.conv3d(xe.float(), wt.float(), b.float(), padding=(0, 1, 1))
+    cudnn = F.conv3d(xe, wt.contiguous(memory_format=torch.channels_last_3d), None, padding=(0, 1, 1)) + b.view(1, -1, 1, 1, 1)
+    for max_bytes in (float("inf"), 27 * 3 * 4 * w * 40):
+        y1, s = fused.stream_conv3d(x[:, :, :2], wt, b, None, True, max_bytes)
+        y2, _ = fused.stream_conv3d(x[:, :, 2:], wt, b, s, False, max_bytes)
+        got = torch.cat([y1, y2], 2)
+        print(f"conv_out {shape} bands {max_bytes}: streamed {rel(got, want):.3e}, cuDNN {rel(cudnn, want):.3e}")
+        assert rel(got, want) <= rel(cudnn, want)

@@ -92,7 +92,8 @@ def test_channels_last_equals_ncdhw(dtype):
 def test_folded_conv_biases_are_bit_equal(dtype):
     """SEEDVR2BW_VAE_FOLD_BIASES: the ResNet convs' biases added by the fused kernels that read their outputs give
     the same bits as torch's own bias pass (cuDNN's path adds the bias after the convolution, rounded, as they do):
-    the tiny golden VAE's encode on NDHWC; its decode within rounding (the upsamplers' biases, below)."""
+    the tiny golden VAE's encode on NDHWC; its decode within rounding (the upsamplers' biases, below). Its convs to 4
+    channels run on cuDNN here (SEEDVR2BW_VAE_STREAM_CONV off): streamed, a conv adds its bias before rounding."""
     from seedvr2bw.models.seedvr2.vae.norm import fold_biases
     from seedvr2bw.optimization.runtime import knobs
     vae = build_vae(load_file(str(DATA / "golden" / "vae_tiny_weights.safetensors")), norm_num_groups=2,
@@ -103,7 +104,7 @@ def test_folded_conv_biases_are_bit_equal(dtype):
     out = {}
     with torch.no_grad():
         for fold in (False, True):
-            with knobs.override(VAE_FOLD_BIASES=fold):
+            with knobs.override(VAE_FOLD_BIASES=fold, VAE_STREAM_CONV=False):
                 probe = torch.zeros(1, block.conv1.in_channels, 1, 2, 2, device="cuda", dtype=dtype)
                 assert fold_biases(probe.contiguous(memory_format=torch.channels_last_3d), block.conv1,
                                    block.conv2) == fold
@@ -164,3 +165,61 @@ def test_tiled_decode_vram_bounded(real_bf16):
     print(REPORT["tiled_decode_peak_vram"])
     assert rows[128]["tiled_gib"] <= 1.15 * rows[32]["tiled_gib"] + 0.05
     assert rows[64]["untiled_gib"] > 1.5 * rows[64]["tiled_gib"]
+
+
+def test_streamed_conv_out_decode():
+    """SEEDVR2BW_VAE_STREAM_CONV: the tiny golden decode (bf16, NDHWC, the official temporal chunks) with conv_out
+    streamed is within rounding of cuDNN's and no further from the float32 golden output."""
+    from seedvr2bw.optimization.runtime import knobs
+    vae = build_vae(load_file(str(DATA / "golden" / "vae_tiny_weights.safetensors")), norm_num_groups=2,
+                    dtype=torch.bfloat16, device="cuda")
+    vae.channels_last = True
+    d = load_file(str(DATA / "golden" / "vae_case_video.safetensors"), device="cuda")
+    out = {}
+    with torch.no_grad():
+        for on in (True, False):
+            with knobs.override(VAE_STREAM_CONV=on):
+                probe = torch.zeros(1, 8, 1, 2, 2, device="cuda", dtype=torch.bfloat16)
+                assert vae.decoder.conv_out.streams(probe.contiguous(memory_format=torch.channels_last_3d)) == on
+                out[on] = vae.decode(d["z"].bfloat16())
+    err, e_on, e_off = rel_l2(out[True], out[False]), rel_l2(out[True], d["decoded"]), rel_l2(out[False], d["decoded"])
+    print(f"streamed conv_out: vs cuDNN {err:.2e}; vs float32 golden: streamed {e_on:.2e}, cuDNN {e_off:.2e}")
+    assert err < 1e-2 and e_on <= e_off, (err, e_on, e_off)
+
+
+def test_head_sum_first_chunk():
+    """SEEDVR2BW_VAE_HEAD_SUM (auto: on for 16-bit weights on a GPU): cuDNN writes frames 1.. of the first chunk's
+    conv into its output and frame 0 comes from the summed taps; at a real width (256 channels, 90 x 160) no further
+    from the float32 conv than the conv of the replicated frames, and the tiny golden encode and decode (bf16) no
+    further from the float32 golden outputs than with it off."""
+    import torch.nn.functional as F
+    from seedvr2bw.models.seedvr2.vae.causal_conv import head_sum_conv
+    from seedvr2bw.optimization.runtime import knobs
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, 256, 3, 90, 160, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(256, 256, 3, 3, 3, device="cuda", generator=g) / (27 * 256) ** 0.5).bfloat16()
+    cl = torch.channels_last_3d
+    three = torch.cat([x[:, :, :1], x[:, :, :1], x], 2).contiguous(memory_format=cl)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        want = F.conv3d(three.float(), w.float(), None, padding=(0, 1, 1))
+    plain = F.conv3d(three, w.contiguous(memory_format=cl), None, padding=(0, 1, 1))
+    got = head_sum_conv(three[:, :, 1:], w.contiguous(memory_format=cl), None, (1, 1, 1), (0, 1, 1))
+    assert got.is_contiguous(memory_format=cl)
+    e_got, e_plain = rel_l2(got, want), rel_l2(plain, want)
+    print(f"head sum conv: {e_got:.3e} from float32 (replicated frames {e_plain:.3e})")
+    assert e_got <= 1.01 * e_plain, (e_got, e_plain)
+    assert rel_l2(got[:, :, 1:], plain[:, :, 1:]) < 5e-3      # the same conv (cuDNN may pick another algorithm)
+
+    vae = build_vae(load_file(str(DATA / "golden" / "vae_tiny_weights.safetensors")), norm_num_groups=2,
+                    dtype=torch.bfloat16, device="cuda")
+    d = load_file(str(DATA / "golden" / "vae_case_video.safetensors"), device="cuda")
+    out = {}
+    with torch.no_grad():
+        for on in (None, False):
+            with knobs.override(VAE_HEAD_SUM=on):
+                assert vae.decoder.conv_in.sums_head() == (on is None)
+                out[on] = (vae.encode(d["x"].bfloat16()).mean, vae.decode(d["z"].bfloat16()))
+    for i, key in enumerate(("posterior_mean", "decoded")):
+        e_on, e_off = rel_l2(out[None][i], d[key]), rel_l2(out[False][i], d[key])
+        print(f"tiny {key}: head sum {e_on:.3e}, off {e_off:.3e} from float32 golden")
+        assert e_on <= 1.02 * e_off, (key, e_on, e_off)

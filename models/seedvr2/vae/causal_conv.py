@@ -15,10 +15,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ....optimization import fused
+from ....optimization.runtime import knobs
 from . import row_parallel
 from .layout import empty_like_layout, layout_of
 
 GIB = 1024 ** 3
+# Convs to at most this many channels run streamed (``CausalConv3d.streams``): cuDNN's tiles are built for wide outputs
+STREAM_MAX_OUT = 4
 
 
 class TemporalCache:
@@ -34,14 +37,15 @@ class TemporalCache:
         self.last_chunk = last_chunk
         self._memory: Dict[int, torch.Tensor] = {}
 
-    def get(self, module: nn.Module) -> Optional[torch.Tensor]:
+    def get(self, module: nn.Module):
         return self._memory.get(id(module))
 
     def keeps(self) -> bool:
         """Whether the convs keep their last frames for a next chunk."""
         return not self.last_chunk
 
-    def put(self, module: nn.Module, frames: torch.Tensor) -> None:
+    def put(self, module: nn.Module, frames) -> None:
+        """``frames``: what the module's next chunk needs (its last input frames; a streamed conv's tap sums)."""
         self._memory[id(module)] = frames
 
     def next_chunk(self, last: bool = False) -> None:
@@ -104,6 +108,7 @@ def conv3d_limited(
     pad: Tuple[int, int, int, int],
     max_bytes: float = math.inf,
     split_dims: Tuple[int, ...] = (3, 4),
+    head_sum: bool = False,
 ) -> torch.Tensor:
     """conv3d of `x` (already extended in time) with spatial zero padding pad = (top, bottom, left, right).
 
@@ -111,16 +116,20 @@ def conv3d_limited(
     each band from the input rows it needs plus their halo, and written into one preallocated output. This is the
     official conv_max_mem path (`memory_limit_conv`): mathematically exact, it bounds the padded copies and conv
     workspace to one band. Without a limit, bands still keep one sample under INDEX_LIMIT elements.
+    ``head_sum``: x starts with the clip's first frame twice, standing for three copies (``CausalConv3d.sums_head``):
+    the output gets one frame more in front, that frame's three temporal taps summed (``head_sum_conv``).
     """
     over = _bands_needed(x, weight, stride, pad, max_bytes)
     if over <= 1 or not split_dims:
         # on NDHWC torch adds a cuDNN convolution's bias in a broadcast pass of its own at half the copy rate
         late = bias is not None and fused.enabled(x) and fused.channels_last(x)
         b = None if late else bias
-        if pad[0] == pad[1] and pad[2] == pad[3]:
-            y = F.conv3d(x, weight, b, stride, padding=(0, pad[0], pad[2]))
+        if pad[0] != pad[1] or pad[2] != pad[3]:
+            x, pad = pad_spatial(x, pad), (0, 0, 0, 0)
+        if head_sum:
+            y = head_sum_conv(x, weight, b, stride, (0, pad[0], pad[2]))
         else:
-            y = F.conv3d(pad_spatial(x, pad), weight, b, stride)
+            y = F.conv3d(x, weight, b, stride, padding=(0, pad[0], pad[2]))
         # cuDNN answers NDHWC with NDHWC; torch's CPU convolutions may not, and the next layer must not transpose
         y = y.contiguous(memory_format=layout_of(x))
         return fused.bias_add_(y, bias) if late else y
@@ -144,7 +153,7 @@ def conv3d_limited(
         sub_pad = list(pad)
         sub_pad[2 * axis], sub_pad[2 * axis + 1] = c0 - i0, i1 - c1
         part = conv3d_limited(x.narrow(dim, c0, c1 - c0), weight, bias, stride, tuple(sub_pad), max_bytes,
-                              split_dims[1:])
+                              split_dims[1:], head_sum)
         if out is None:
             shape = list(part.shape)
             shape[dim] = out_len
@@ -152,6 +161,38 @@ def conv3d_limited(
         out.narrow(dim, o0, o1 - o0).copy_(part)
         del part
     return out
+
+
+def conv_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: Sequence[int],
+              padding: Sequence[int], out: torch.Tensor) -> torch.Tensor:
+    """F.conv3d(x, weight, bias, stride, padding) written into ``out``: cuDNN writes it there itself where it can (no
+    bias, ``out`` dense in x's layout: e.g. frames of a larger output), else a copy."""
+    if (x.is_cuda and bias is None and torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled
+            and out.is_contiguous(memory_format=layout_of(x)) and weight.is_contiguous(memory_format=layout_of(x))):
+        cudnn = torch.backends.cudnn
+        return torch.ops.aten.cudnn_convolution.out(x, weight, list(padding), list(stride), [1, 1, 1], 1,
+                                                    cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32, out=out)
+    return out.copy_(F.conv3d(x, weight, bias, stride, padding))
+
+
+def head_sum_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: Sequence[int],
+                  padding: Sequence[int]) -> torch.Tensor:
+    """The conv (temporal kernel 3, stride 1) of [f0, f0, f0, f1, ...] from x = [f0, f0, f1, ...]: one replicated frame
+    fewer to convolve. Output frame 0 reads f0 through all three temporal taps: it is f0 convolved with their sum,
+    kept exact in 16 bits as a high and a low part (hi + lo, two taps of a conv over x's first two frames, both f0;
+    float32 accumulation): 2/3 of a frame's convolution instead of one. Frames 1.. are the conv of x."""
+    b, _, t, h, w = x.shape
+    layout = layout_of(x)
+    ho = (h + 2 * padding[1] - weight.shape[3]) // stride[1] + 1
+    wo = (w + 2 * padding[2] - weight.shape[4]) // stride[2] + 1
+    y = torch.empty((b, weight.shape[0], t - 1, ho, wo), device=x.device, dtype=x.dtype, memory_format=layout)
+    if t > 2:
+        conv_into(x, weight, bias, stride, padding, y[:, :, 1:])
+    total = weight.float().sum(2)
+    hi = total.to(weight.dtype)
+    parts = torch.stack([hi, (total - hi.float()).to(weight.dtype)], 2).contiguous(memory_format=layout)
+    conv_into(x[:, :, :2], parts, bias, stride, padding, y[:, :, :1])
+    return y
 
 
 class CausalConv3d(nn.Conv3d):
@@ -221,6 +262,26 @@ class CausalConv3d(nn.Conv3d):
             band[:, :, :n].copy_(band[:, :, n:n + 1].expand(-1, -1, n, -1, -1))
         return self(buf, cache, extended=True, rows=(above, below), bias=bias, keep=keep)
 
+    def streams(self, x: torch.Tensor) -> bool:
+        """Whether this conv runs as ``fused.stream_conv3d`` on x (its input, not extended in time: no
+        ``input_buffer``): a 3 x 3 x 3 causal conv to at most STREAM_MAX_OUT channels (the decoder's conv_out), stride
+        1, zero padding 1, on the fused kernels' channels-last activations of whole frames (no row split), with
+        ``SEEDVR2BW_VAE_STREAM_CONV`` on."""
+        return (self.out_channels <= STREAM_MAX_OUT and tuple(self.kernel_size) == (3, 3, 3)
+                and tuple(self.stride) == (1, 1, 1) and self.head_frames == 2 and self.spatial_pad == (1, 1, 1, 1)
+                and x.ndim == 5 and knobs.get("VAE_STREAM_CONV") and fused.enabled(x) and fused.channels_last(x)
+                and row_parallel.current() is None)
+
+    def _stream(self, x: torch.Tensor, cache: Optional[TemporalCache], bias: bool) -> torch.Tensor:
+        state = cache.get(self) if cache is not None else None
+        if state is not None and not isinstance(state, tuple):
+            raise RuntimeError("CausalConv3d: a temporal chunk took the streamed conv after one that did not")
+        keep = cache is not None and cache.keeps()
+        y, state = fused.stream_conv3d(x, self.weight, self.bias if bias else None, state, keep, self.max_bytes)
+        if keep:
+            cache.put(self, state)
+        return y
+
     def _own_pad(self) -> tuple[int, int, int, int]:
         """The zero rows and columns (top, bottom, left, right) an ``input_buffer`` carries: the spatial padding
         when it differs between the two sides (the downsamplers': cuDNN pads both sides alike, so the plain path
@@ -230,9 +291,22 @@ class CausalConv3d(nn.Conv3d):
             return (0, 0, 0, 0)
         return p
 
+    def sums_head(self) -> bool:
+        """Whether, at the clip's first chunk, this conv's input carries the first frame replicated once instead of
+        twice, and the conv sums the temporal taps that read the copies (``head_sum_conv``: a third of a frame's
+        convolution less): a causal conv over time (kernel 3, stride 1) with ``SEEDVR2BW_VAE_HEAD_SUM`` on (auto:
+        16-bit weights on a GPU)."""
+        if self.head_frames != 2 or self.kernel_size[0] != 3 or self.stride[0] != 1:
+            return False
+        on = knobs.get("VAE_HEAD_SUM")
+        return bool(self.weight.is_cuda and self.weight.dtype in (torch.bfloat16, torch.float16) if on is None else on)
+
     def _prefix(self, cache: Optional[TemporalCache]) -> tuple[Optional[torch.Tensor], int]:
+        """(the previous chunk's frames or None, how many frames go in front of the input)."""
         memory = cache.get(self) if cache is not None else None
-        return memory, memory.shape[2] if memory is not None else self.head_frames
+        if memory is not None:
+            return memory, memory.shape[2]
+        return None, 1 if self.sums_head() else self.head_frames
 
     def _halo_rows(self) -> tuple[int, int]:
         shard = row_parallel.current()
@@ -247,11 +321,14 @@ class CausalConv3d(nn.Conv3d):
         for the neighbours' rows (``input_buffer`` / ``run_buffer``). ``bias`` False: the output lacks the bias.
         ``keep``: the frames the next chunk prepends, already written (``edges``)."""
         x = x.to(self.weight.dtype)
-        memory = cache.get(self) if cache is not None and not extended else None
-        if memory is not None:
+        if not extended and self.streams(x):
+            return self._stream(x, cache, bias)
+        memory, n = self._prefix(cache)
+        head_sum = memory is None and n < self.head_frames
+        if not extended and memory is not None:
             x = extend_time(memory, x)
-        elif self.head_frames and not extended:
-            x = extend_time(x[:, :, :1].expand(-1, -1, self.head_frames, -1, -1), x)
+        elif not extended and n:
+            x = extend_time(x[:, :, :1].expand(-1, -1, n, -1, -1), x)
         above, below = rows
         if cache is not None and self.memory_frames and cache.keeps():
             # clone: a view would keep the whole chunk alive until the next chunk; the band's own rows only
@@ -263,4 +340,5 @@ class CausalConv3d(nn.Conv3d):
         if shard is not None and self.kernel_size[1] > 1:     # the rows above and below come from other ranks
             k, st = self.kernel_size[1], self.stride[1]
             x, pad = shard.fill_halo(x, above, below, pad, k, st) if above or below else shard.halo(x, pad, k, st)
-        return conv3d_limited(x, self.weight, self.bias if bias else None, self.stride, pad, self.max_bytes)
+        return conv3d_limited(x, self.weight, self.bias if bias else None, self.stride, pad, self.max_bytes,
+                              head_sum=head_sum)
