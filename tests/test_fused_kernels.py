@@ -315,6 +315,42 @@ def test_streamed_conv_interpreted():
 
 
 @needs_triton
+def test_norm_planes_interpreted():
+    # the streamed conv's GEMM with its input's GroupNorm + SiLU applied as it loads x (vae_kernels.norm_planes):
+    # float16 (the interpreter's dot misreads bfloat16), two samples, 3 frames, 12 channels in 3 groups, tiles of 64
+    # channels with a tail: the planes of the normalised frames the GroupNorm kernels write (the same rounding),
+    # within float32 sums
+    out = _run("""
+        import torch.nn.functional as F
+        from seedvr2bw.optimization import fused
+        cl = torch.channels_last_3d
+        dt = torch.float16
+        x = (rnd(2, 12, 3, 5, 7, dtype=torch.float32) * 2 + 0.5).to(dt).contiguous(memory_format=cl)
+        norm = torch.nn.GroupNorm(3, 12, eps=1e-6).to(dt)
+        with torch.no_grad():
+            norm.weight.copy_(rnd(12, dtype=dt) + 1)
+            norm.bias.copy_(rnd(12, dtype=dt))
+        w = rnd(3, 12, 3, 3, 3, dtype=dt, scale=0.2)
+        taps = w.permute(2, 3, 4, 0, 1).reshape(81, 12)
+        mean, rstd = vk.group_norm_stats_cl(x, 3, 1e-6)
+        y = vk.group_norm_frames_cl(x, 3, norm.weight, norm.bias, 1e-6, silu=True)
+        rows = x.permute(0, 2, 3, 4, 1)
+        for b in range(2):
+            for t in range(3):
+                got = vk.norm_planes(rows[b, t].reshape(35, 12), mean, rstd, norm.weight, norm.bias,
+                                     vk.padded_taps(taps), 81, b * 3 + t, 3, 3, silu=True)
+                want = taps.float() @ y.permute(0, 2, 3, 4, 1)[b, t].reshape(35, 12).float().t()
+                assert rel(got, want) < 1e-6, (b, t, rel(got, want))
+        # and the whole streamed conv with the norm, against the norm written out then the streamed conv
+        ya, sa = fused.stream_conv3d(x, w, None, norm=norm)
+        yb, sb = fused.stream_conv3d(y, w, None)
+        assert rel(ya, yb) < 1e-3 and all(rel(p, q) < 1e-6 for p, q in zip(sa, sb)), rel(ya, yb)
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+@needs_triton
 def test_streamed_conv_in_the_model_interpreted():
     # CausalConv3d.streams: conv_out (3 outputs) through norm_silu_conv in temporal chunks (TemporalCache) equals the
     # cuDNN-shaped path (its extended input buffer); a conv to 8 channels, the knob off, or NCDHW input do not stream

@@ -444,7 +444,8 @@ def conv1x1_depth_to_space(x: torch.Tensor, weight: torch.Tensor, bias: Optional
 
 
 def stream_conv3d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                  state: Optional[Tuple[torch.Tensor, ...]] = None, keep: bool = True, max_bytes: float = math.inf
+                  state: Optional[Tuple[torch.Tensor, ...]] = None, keep: bool = True, max_bytes: float = math.inf,
+                  norm: Optional[torch.nn.GroupNorm] = None
                   ) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, ...]]]:
     """A causal conv (``weight`` (O, C, 3, 3, 3), a few outputs O; stride 1, zero padding 1 in H and W) of x (B, C, T,
     H, W), dense channels-last 3-D, one input frame at a time: a GEMM gives the frame's per-tap products in float32
@@ -453,11 +454,15 @@ def stream_conv3d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     per sample), None at the clip's first frame (replicated in front as the causal conv does). The planes of a frame
     are made in bands of rows of at most ``max_bytes`` (each with the row above and below it). Returns (y in x's
     layout, the state for the next chunk, or None when not ``keep``). cuDNN's conv to 3 channels runs 4x longer than
-    reading its input (``vae_kernels``)."""
+    reading its input (``vae_kernels``). ``norm`` (affine): the conv reads SiLU(norm(x)), applied as the GEMM loads
+    x (``vae_kernels.norm_planes``; the moments a kernel took of x as it wrote it are used): no normalised copy."""
     vk = _vae()
     b, c, t, h, w = x.shape
     o = weight.shape[0]
     taps = weight.permute(2, 3, 4, 0, 1).reshape(27 * o, c)           # rows (a, i, j, o)
+    if norm is not None:
+        mean, rstd = vk.group_norm_stats_cl(x, norm.num_groups, norm.eps, moments=_known_moments(x))
+        taps_t = vk.padded_taps(taps)
     y = torch.empty((b, o, t, h, w), device=x.device, dtype=x.dtype, memory_format=torch.channels_last_3d)
     frames, out = x.permute(0, 2, 3, 4, 1), y.permute(0, 2, 3, 4, 1)  # (B, T, H, W, C): a frame is (H*W, C)
     per_row = 27 * o * 4 * w                                          # planes of one input row
@@ -471,8 +476,13 @@ def stream_conv3d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
                 r1 = min(h, r0 + band)
                 q0, q1 = max(r0 - 1, 0), min(r1 + 1, h)
                 rows = frames[i, f, q0:q1].reshape((q1 - q0) * w, c)
-                planes = (torch.mm(taps, rows.t(), out_dtype=torch.float32) if x.is_cuda
-                          else taps.float() @ rows.float().t())
+                if norm is not None:
+                    planes = vk.norm_planes(rows, mean, rstd, norm.weight, norm.bias, taps_t, 27 * o, i * t + f, t,
+                                            norm.num_groups, silu=True)
+                elif x.is_cuda:
+                    planes = torch.mm(taps, rows.t(), out_dtype=torch.float32)
+                else:
+                    planes = taps.float() @ rows.float().t()
                 vk.stream_taps(planes, s, new, bias, out[i, f], h, w, q0, (r0, r1))
                 del planes
             s = new

@@ -235,3 +235,25 @@ def test_streamed_conv_out(shape):
         got = torch.cat([y1, y2], 2)
         print(f"conv_out {shape} bands {max_bytes}: streamed {rel(got, want):.3e}, cuDNN {rel(cudnn, want):.3e}")
         assert rel(got, want) <= rel(cudnn, want)
+
+
+def test_streamed_conv_out_reads_its_norm():
+    """conv_out streamed with its GroupNorm + SiLU applied as the GEMM loads x (no normalised copy): the same as the
+    GroupNorm kernels' output streamed, at a 720p chunk (128 channels, 32 groups; moments from the residual pass)."""
+    from seedvr2bw.optimization.fused import vae_kernels as vk
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cl = torch.channels_last_3d
+    h_, x_ = (torch.randn(1, 128, 4, 720, 1280, device="cuda", generator=g).bfloat16().contiguous(memory_format=cl)
+              for _ in range(2))
+    norm = torch.nn.GroupNorm(32, 128, eps=1e-6).cuda().bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(128, device="cuda", generator=g))
+        norm.bias.copy_(0.3 * torch.randn(128, device="cuda", generator=g))
+    wt = (torch.randn(3, 128, 3, 3, 3, device="cuda", generator=g) / (27 * 128) ** 0.5).bfloat16()
+    b = torch.randn(3, device="cuda", generator=g).bfloat16()
+    x = fused.residual_bias(h_, x_, torch.zeros(128, device="cuda", dtype=torch.bfloat16))   # remembers its moments
+    y = vk.group_norm_frames_cl(x, 32, norm.weight, norm.bias, 1e-6, silu=True)
+    got, s1 = fused.stream_conv3d(x, wt, b, norm=norm)
+    want, s2 = fused.stream_conv3d(y, wt, b)
+    print(f"norm read by the GEMM: rel {rel(got, want):.2e}, max |diff| {(got.float() - want.float()).abs().max():.3e}")
+    assert rel(got, want) < 1e-3 and rel(s1[0], s2[0]) < 1e-5

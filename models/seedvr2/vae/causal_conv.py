@@ -272,12 +272,19 @@ class CausalConv3d(nn.Conv3d):
                 and x.ndim == 5 and knobs.get("VAE_STREAM_CONV") and fused.enabled(x) and fused.channels_last(x)
                 and row_parallel.current() is None)
 
-    def _stream(self, x: torch.Tensor, cache: Optional[TemporalCache], bias: bool) -> torch.Tensor:
+    def stream_norm_silu(self, x: torch.Tensor, norm: nn.GroupNorm, cache: Optional[TemporalCache] = None,
+                         bias: bool = True) -> torch.Tensor:
+        """This conv of SiLU(norm(x)) where it ``streams`` x: the norm applied as the conv's GEMM loads x."""
+        return self._stream(x.to(self.weight.dtype), cache, bias, norm)
+
+    def _stream(self, x: torch.Tensor, cache: Optional[TemporalCache], bias: bool,
+                norm: Optional[nn.GroupNorm] = None) -> torch.Tensor:
         state = cache.get(self) if cache is not None else None
         if state is not None and not isinstance(state, tuple):
             raise RuntimeError("CausalConv3d: a temporal chunk took the streamed conv after one that did not")
         keep = cache is not None and cache.keeps()
-        y, state = fused.stream_conv3d(x, self.weight, self.bias if bias else None, state, keep, self.max_bytes)
+        y, state = fused.stream_conv3d(x, self.weight, self.bias if bias else None, state, keep, self.max_bytes,
+                                       norm)
         if keep:
             cache.put(self, state)
         return y

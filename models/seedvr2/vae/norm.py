@@ -100,7 +100,10 @@ def norm_silu_conv(x: torch.Tensor, norm: nn.GroupNorm, conv: CausalConv3d, cach
     neighbours' rows, so that input is not a second copy of the activation; the same pass writes the first chunk's
     replicated frames and the frames the next chunk keeps (``CausalConv3d.edges``). ``conv_bias`` False: the output
     lacks the conv's bias (the caller adds it where it reads the output)."""
-    if x.ndim != 5 or conv.streams(x):     # (a streamed conv reads its input frames where they are)
+    streams = x.ndim == 5 and conv.streams(x)       # (a streamed conv reads its input frames where they are)
+    if streams and in_bias is None and norm.affine:
+        return conv.stream_norm_silu(x, norm, cache, bias=conv_bias)
+    if x.ndim != 5 or streams:
         return conv(causal_group_norm(x, norm, max_bytes, silu=True, in_bias=in_bias), cache, bias=conv_bias)
     buf, body = conv.input_buffer(x, x.shape, cache)
     head, keep = conv.edges(body, cache)
