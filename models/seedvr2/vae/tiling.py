@@ -174,15 +174,16 @@ def estimate_decode_bytes(tile_latent: Pair, config: VAEConfig = SEEDVR2_VAE, dt
     modelled as 5.3 tensors + 0.34 GiB. A single image (``one_frame``) peaked at 4/7 of that per pixel (H100,
     1920x1088 in 992x1088 tiles: 10.1 GiB per megapixel), modelled as 4 frames. Whole convs (``conv_bytes`` inf,
     NDHWC) where those tensors stay below INDEX_LIMIT elements (above it the convs run in bands again), measured on
-    an H100 at 0.17-0.40 Mpx tiles and one 720p pass: 3.39-7.28 GiB and 15.91 GiB, within 6 % of 5.1 tensors +
-    0.45 GiB (17.0 GiB per megapixel; the official-limit model is 20-40 % above them at card-budget tiles;
+    an H100 at 0.17-0.40 Mpx tiles and one 720p pass (8019564: conv_out streamed, the upsamplers' 1 x 1 outputs
+    freed early): 2.75-6.16 GiB and 13.81 GiB, 4.40 tensors + 0.27 GiB within 1.1 %, modelled as 4.6 tensors +
+    0.3 GiB (4-5 % above each; the official-limit model is 25-50 % above them at card-budget tiles;
     ``tests/test_memory_plan.py`` holds the points). Below those tiles (WHOLE_MEASURED_PX), unmeasured, the
     official-limit model stays.
     """
     px = _area(tile_latent) * config.spatial_factor ** 2
     frames = 4 if one_frame else split_size + 1 + 2
     return _modelled_bytes(config.block_out_channels[1] * frames * px, px, dtype_bytes, conv_bytes, one_frame,
-                           WHOLE_MEASURED_PX, whole=(5.1, 0.45), banded=(5.3, 0.34), official=(5.5, 1.25))
+                           WHOLE_MEASURED_PX, whole=(4.6, 0.3), banded=(5.3, 0.34), official=(5.5, 1.25))
 
 
 def estimate_encode_bytes(tile_px: Pair, config: VAEConfig = SEEDVR2_VAE, dtype_bytes: int = 2,
