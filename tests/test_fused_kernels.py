@@ -317,11 +317,10 @@ def test_streamed_conv_interpreted():
 @needs_triton
 def test_norm_planes_interpreted():
     # the streamed conv's GEMM with its input's GroupNorm + SiLU applied as it loads x (vae_kernels.norm_planes):
-    # float16 (the interpreter's dot misreads bfloat16), two samples, 3 frames, 12 channels in 3 groups, tiles of 64
-    # channels with a tail: the planes of the normalised frames the GroupNorm kernels write (the same rounding),
+    # float16 (the interpreter's dot misreads bfloat16), two samples, 3 frames, 12 channels in 3 groups (a K tile of
+    # 16 with a masked tail): the planes of the normalised frames the GroupNorm kernels write (the same rounding),
     # within float32 sums
     out = _run("""
-        import torch.nn.functional as F
         from seedvr2bw.optimization import fused
         cl = torch.channels_last_3d
         dt = torch.float16
