@@ -316,12 +316,13 @@ def test_streamed_conv_interpreted():
 
 @needs_triton
 def test_norm_planes_interpreted():
-    # the streamed conv's GEMM with its input's GroupNorm + SiLU applied as it loads x (vae_kernels.norm_planes):
+    # the streamed conv's GEMM with its input's GroupNorm + SiLU applied as it loads x (stream_kernels.norm_planes):
     # float16 (the interpreter's dot misreads bfloat16), two samples, 3 frames, 12 channels in 3 groups (a K tile of
     # 16 with a masked tail): the planes of the normalised frames the GroupNorm kernels write (the same rounding),
     # within float32 sums
     out = _run("""
         from seedvr2bw.optimization import fused
+        from seedvr2bw.optimization.fused import stream_kernels as sk
         cl = torch.channels_last_3d
         dt = torch.float16
         x = (rnd(2, 12, 3, 5, 7, dtype=torch.float32) * 2 + 0.5).to(dt).contiguous(memory_format=cl)
@@ -336,8 +337,8 @@ def test_norm_planes_interpreted():
         rows = x.permute(0, 2, 3, 4, 1)
         for b in range(2):
             for t in range(3):
-                got = vk.norm_planes(rows[b, t].reshape(35, 12), mean, rstd, norm.weight, norm.bias,
-                                     vk.padded_taps(taps), 81, b * 3 + t, 3, 3, silu=True)
+                got = sk.norm_planes(rows[b, t].reshape(35, 12), mean, rstd, norm.weight, norm.bias,
+                                     sk.padded_taps(taps), 81, b * 3 + t, 3, 3, silu=True)
                 want = taps.float() @ y.permute(0, 2, 3, 4, 1)[b, t].reshape(35, 12).float().t()
                 assert rel(got, want) < 1e-6, (b, t, rel(got, want))
         # and the whole streamed conv with the norm, against the norm written out then the streamed conv

@@ -27,14 +27,6 @@ FLASH_MAX_HEAD = 256          # the widest head torch's flash and cuDNN attentio
 CHUNK_BYTES = 2 ** 30         # the scores and their split numerator of one block of queries (256 MiB: 14 % slower)
 
 
-def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b in float32 from 16-bit inputs (cuBLAS writes its float32 accumulator; elsewhere the exact products of
-    the 16-bit values are summed in float32 too)."""
-    if a.is_cuda:
-        return torch.bmm(a[None], b[None], out_dtype=torch.float32)[0]
-    return a.float() @ b.float()
-
-
 def gemm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_bytes: int = CHUNK_BYTES
                    ) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v of one head: q (B, M, d), k and v (B, N, d), 16-bit; queries in blocks whose
@@ -47,10 +39,10 @@ def gemm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_byte
         kt = k[i].t()
         vv = torch.cat([v[i], v[i]])          # both parts of the numerator against the same values: one GEMM
         for r0 in range(0, m, rows):
-            s = _mm32(q[i, r0:r0 + rows], kt)
+            s = fused.mm32(q[i, r0:r0 + rows], kt)
             hl, l = fused.softmax_split(s, d ** -0.5, q.dtype)
             del s
-            torch.div(_mm32(hl, vv), l[:, None], out=out[i, r0:r0 + rows])      # rounded to q's dtype once
+            torch.div(fused.mm32(hl, vv), l[:, None], out=out[i, r0:r0 + rows])      # rounded to q's dtype once
     return out
 
 

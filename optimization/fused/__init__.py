@@ -51,16 +51,18 @@ _HALF = (torch.bfloat16, torch.float16)
 _sid_cache: Dict[tuple, torch.Tensor] = device_cache.cache()
 _kernels = None
 _vae_kernels = None
+_stream_kernels = None
 _import_error: Optional[str] = None
 
 
 def _load():
-    """The DiT's kernel module (``kernels``), None without Triton; ``_vae()`` is the VAE's, loaded with it."""
-    global _kernels, _vae_kernels, _import_error
+    """The DiT's kernel module (``kernels``), None without Triton; ``_vae()`` is the VAE's and ``_streamed()`` its
+    streamed conv's, loaded with it."""
+    global _kernels, _vae_kernels, _stream_kernels, _import_error
     if _kernels is None and _import_error is None:
         try:
-            from . import kernels as k, vae_kernels as vk
-            _kernels, _vae_kernels = k, vk
+            from . import kernels as k, stream_kernels as sk, vae_kernels as vk
+            _kernels, _vae_kernels, _stream_kernels = k, vk, sk
         except Exception as exc:  # noqa: BLE001 - no Triton: torch path
             _import_error = f"{type(exc).__name__}: {exc}"
     return _kernels
@@ -69,6 +71,11 @@ def _load():
 def _vae():
     _load()
     return _vae_kernels
+
+
+def _streamed():
+    _load()
+    return _stream_kernels
 
 
 def triton_available() -> bool:
@@ -443,26 +450,35 @@ def conv1x1_depth_to_space(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     return depth_to_space(y, bias if late_bias else None, out, s, rt, drop, head, keep)
 
 
+def mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in float32 from 16-bit inputs (cuBLAS writes its float32 accumulator; elsewhere the exact products of
+    the 16-bit values are summed in float32 too)."""
+    if a.is_cuda:
+        return torch.bmm(a[None], b[None], out_dtype=torch.float32)[0]
+    return a.float() @ b.float()
+
+
 def stream_conv3d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   state: Optional[Tuple[torch.Tensor, ...]] = None, keep: bool = True, max_bytes: float = math.inf,
                   norm: Optional[torch.nn.GroupNorm] = None
                   ) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, ...]]]:
     """A causal conv (``weight`` (O, C, 3, 3, 3), a few outputs O; stride 1, zero padding 1 in H and W) of x (B, C, T,
     H, W), dense channels-last 3-D, one input frame at a time: a GEMM gives the frame's per-tap products in float32
-    (27*O planes) and ``vae_kernels.stream_taps`` sums them into the output (+ ``bias``, rounded once) and a float32
+    (27*O planes) and ``stream_kernels.stream_taps`` sums them into the output (+ ``bias``, rounded once) and a float32
     state of 2*O planes, which carries the taps the next frames need: ``state`` is the previous temporal chunk's (one
     per sample), None at the clip's first frame (replicated in front as the causal conv does). The planes of a frame
     are made in bands of rows of at most ``max_bytes`` (each with the row above and below it). Returns (y in x's
     layout, the state for the next chunk, or None when not ``keep``). cuDNN's conv to 3 channels runs 4x longer than
-    reading its input (``vae_kernels``). ``norm`` (affine): the conv reads SiLU(norm(x)), applied as the GEMM loads
-    x (``vae_kernels.norm_planes``; the moments a kernel took of x as it wrote it are used): no normalised copy."""
-    vk = _vae()
+    reading its input (``stream_kernels``). ``norm`` (affine): the conv reads SiLU(norm(x)), applied as the GEMM
+    loads x (``stream_kernels.norm_planes``; the moments a kernel took of x as it wrote it are used): no normalised
+    copy."""
+    vk, sk = _vae(), _streamed()
     b, c, t, h, w = x.shape
     o = weight.shape[0]
     taps = weight.permute(2, 3, 4, 0, 1).reshape(27 * o, c)           # rows (a, i, j, o)
     if norm is not None:
         mean, rstd = vk.group_norm_stats_cl(x, norm.num_groups, norm.eps, moments=_known_moments(x))
-        taps_t = vk.padded_taps(taps)
+        taps_t = sk.padded_taps(taps)
     y = torch.empty((b, o, t, h, w), device=x.device, dtype=x.dtype, memory_format=torch.channels_last_3d)
     frames, out = x.permute(0, 2, 3, 4, 1), y.permute(0, 2, 3, 4, 1)  # (B, T, H, W, C): a frame is (H*W, C)
     per_row = 27 * o * 4 * w                                          # planes of one input row
@@ -477,13 +493,11 @@ def stream_conv3d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
                 q0, q1 = max(r0 - 1, 0), min(r1 + 1, h)
                 rows = frames[i, f, q0:q1].reshape((q1 - q0) * w, c)
                 if norm is not None:
-                    planes = vk.norm_planes(rows, mean, rstd, norm.weight, norm.bias, taps_t, 27 * o, i * t + f, t,
+                    planes = sk.norm_planes(rows, mean, rstd, norm.weight, norm.bias, taps_t, 27 * o, i * t + f, t,
                                             norm.num_groups, silu=True)
-                elif x.is_cuda:
-                    planes = torch.mm(taps, rows.t(), out_dtype=torch.float32)
                 else:
-                    planes = taps.float() @ rows.float().t()
-                vk.stream_taps(planes, s, new, bias, out[i, f], h, w, q0, (r0, r1))
+                    planes = mm32(taps, rows.t())
+                sk.stream_taps(planes, s, new, bias, out[i, f], h, w, q0, (r0, r1))
                 del planes
             s = new
         states.append(s)
