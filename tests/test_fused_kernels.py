@@ -283,6 +283,52 @@ def test_depth_to_space_kernel_interpreted():
 
 
 @needs_triton
+def test_gemm_epilogue_kernels_interpreted():
+    # the upsampler's 1 x 1 conv with its depth-to-space as the GEMM's epilogue (gemm_kernels.conv1x1_d2s) equals the
+    # float32 conv then torch's depth-to-space, rounded once (float16: the interpreter's dot misreads bfloat16), into
+    # a window of a larger buffer, x2 in space with and without x2 in time, the first chunk's duplicate dropped or
+    # not, with the conv input's other copies (head, keep); 8 x 7 = 56 pixels a frame in blocks of 16 (a masked
+    # tail), 2 samples, 2 output blocks a position. And the ResNet shortcut with the residual add as the epilogue
+    # (gemm_kernels.shortcut_residual): h + bias + (W x + x_bias), its moments those the GroupNorm takes of the sum.
+    out = _run("""
+        import torch.nn.functional as F
+        from seedvr2bw.optimization import fused
+        from seedvr2bw.optimization.fused import gemm_kernels as gk
+        cl = torch.channels_last_3d
+        dt = torch.float16
+        tile = (16, 16, 16, 4, 1)
+        assert gk.fits(32, 32, tile) and not gk.fits(32, 24, tile) and not gk.fits(24, 32, tile)
+        cin, c, t, h, w = 32, 32, 3, 8, 7
+        x = rnd(2, cin, t, h, w, dtype=dt).contiguous(memory_format=cl)
+        for rt, drop in ((1, False), (2, False), (2, True)):
+            n = 4 * rt * c
+            wt, bias = rnd(n, cin, dtype=dt, scale=cin ** -0.5), rnd(n, dtype=dt)
+            y = F.conv3d(x.float(), wt.float().view(n, cin, 1, 1, 1), bias.float())
+            tout = t * rt - int(drop)
+            want = torch.empty(2, c, tout, 2 * h, 2 * w, dtype=torch.float32).contiguous(memory_format=cl)
+            fused.enabled = lambda *t: False            # the torch path
+            fused.depth_to_space(y.contiguous(memory_format=cl), None, want, 2, rt, drop)
+            buf = torch.full((2, c, tout + 2, 2 * h + 2, 2 * w), float("nan"), dtype=dt).contiguous(memory_format=cl)
+            body = buf[:, :, 2:, 1:1 + 2 * h]
+            keep = torch.full((2, c, 2, 2 * h, 2 * w), float("nan"), dtype=dt).contiguous(memory_format=cl)
+            gk.conv1x1_d2s(x, wt, bias, body, 2, rt, drop, 2, keep, tile=tile)
+            assert rel(body, want) < 1e-3, (rt, drop, rel(body, want))
+            assert torch.equal(buf[:, :, :2, 1:1 + 2 * h], body[:, :, :1].expand(-1, -1, 2, -1, -1)), (rt, drop)
+            assert torch.equal(keep, body[:, :, -2:]) and torch.isnan(buf[:, :, :, 0]).all(), (rt, drop)
+        hh = rnd(2, c, t, h, w, dtype=dt).contiguous(memory_format=cl)
+        ws, xb, b = rnd(c, cin, dtype=dt, scale=cin ** -0.5), rnd(c, dtype=torch.float32), rnd(c, dtype=dt)
+        want = hh.float() + b.float().view(1, -1, 1, 1, 1) + F.conv3d(x.float(), ws.float().view(c, cin, 1, 1, 1), xb)
+        got, moments = gk.shortcut_residual(hh.clone(), x, ws, xb, b, tile=tile)
+        assert got.is_contiguous(memory_format=cl) and rel(got, want) < 1e-3, rel(got, want)
+        gw, gb = rnd(c, dtype=dt) + 1, rnd(c, dtype=dt)
+        a = vk.group_norm_frames_cl(got, 4, gw, gb, 1e-6, moments=moments)
+        assert rel(a, vk.group_norm_frames_cl(got, 4, gw, gb, 1e-6)) < 1e-3
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+@needs_triton
 def test_streamed_conv_interpreted():
     # the decoder's conv_out (3 outputs; also 4) as a GEMM per frame and the tap-sum kernel, in temporal chunks that
     # pass the state on, with bands of rows (planes of 1.5 rows and of whole frames), two samples, with and without a

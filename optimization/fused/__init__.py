@@ -32,6 +32,9 @@ one N x D pass = 133 MB = 44 us at 3 TB/s):
   fp32 scores twice, write the softmax numerator as two 16-bit parts.
 * ``depth_to_space`` (VAE upsampler): the rearrangement plus the 1 x 1 conv's bias: read y, write the conv's input
   (torch: a bias add and a strided 8-D copy at about 1 TB/s).
+* ``conv1x1_depth_to_space``, ``shortcut_residual`` (VAE 1 x 1 convs, ``gemm_kernels``, ``gemm_epilogues``): one
+  Triton GEMM whose epilogue writes the depth-to-space into the next conv's input, or adds the residual and takes
+  the sum's moments: the conv's output is neither written nor read back (cuBLAS then a pass: 2 passes more).
 """
 from __future__ import annotations
 
@@ -52,17 +55,18 @@ _sid_cache: Dict[tuple, torch.Tensor] = device_cache.cache()
 _kernels = None
 _vae_kernels = None
 _stream_kernels = None
+_gemm_kernels = None
 _import_error: Optional[str] = None
 
 
 def _load():
-    """The DiT's kernel module (``kernels``), None without Triton; ``_vae()`` is the VAE's and ``_streamed()`` its
-    streamed conv's, loaded with it."""
-    global _kernels, _vae_kernels, _stream_kernels, _import_error
+    """The DiT's kernel module (``kernels``), None without Triton; ``_vae()`` is the VAE's, ``_streamed()`` its
+    streamed conv's and ``_gemm()`` its 1 x 1 convs', loaded with it."""
+    global _kernels, _vae_kernels, _stream_kernels, _gemm_kernels, _import_error
     if _kernels is None and _import_error is None:
         try:
-            from . import kernels as k, stream_kernels as sk, vae_kernels as vk
-            _kernels, _vae_kernels, _stream_kernels = k, vk, sk
+            from . import gemm_kernels as gk, kernels as k, stream_kernels as sk, vae_kernels as vk
+            _kernels, _vae_kernels, _stream_kernels, _gemm_kernels = k, vk, sk, gk
         except Exception as exc:  # noqa: BLE001 - no Triton: torch path
             _import_error = f"{type(exc).__name__}: {exc}"
     return _kernels
@@ -76,6 +80,11 @@ def _vae():
 def _streamed():
     _load()
     return _stream_kernels
+
+
+def _gemm():
+    _load()
+    return _gemm_kernels
 
 
 def triton_available() -> bool:
@@ -413,6 +422,65 @@ def bias_add_(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return y.add_(per_channel(bias, y.ndim))
 
 
+_gemm_tiles: Dict[str, tuple] = {}
+
+
+def gemm_tile(device) -> tuple:
+    """``gemm_kernels``' tile on ``device``: three stages of operands where a program may hold them (160 KiB of shared
+    memory: an H100's 227), two on the consumer GPUs' 99 KiB."""
+    key = str(device)
+    if key not in _gemm_tiles:
+        smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+        bm, bn, bk, warps, _ = _gemm().GEMM_TILE
+        _gemm_tiles[key] = (bm, bn, bk, warps, 3 if smem >= 160 * 1024 else 2)
+    return _gemm_tiles[key]
+
+
+def gemm_epilogues(x: torch.Tensor) -> bool:
+    """Whether the VAE's 1 x 1 convs on x run as Triton GEMMs with what reads their outputs as the epilogue
+    (``gemm_kernels``: the upsamplers' depth-to-space, the ResNet shortcut's residual add): the fused kernels
+    enabled, ``SEEDVR2BW_VAE_GEMM_EPILOGUE`` on, and these kernels' own self-test passed on x's device (one that does
+    not compile there turns off only them)."""
+    if not (knobs.get("VAE_GEMM_EPILOGUE") and enabled(x)):
+        return False
+    return selftests.run("fused_gemm", x.device, check=lambda _variant, dev: _check_gemm(dev))[0]
+
+
+def _check_gemm(device, tol: float = 1e-2) -> Tuple[bool, str]:
+    res = selftests.guard(check_gemm_kernels)(_gemm(), _vae(), device, tol)
+    if not res[0]:
+        log.warning("seedvr2 VAE 1x1 conv GEMM kernels disabled on %s: %s", device, res[1])
+    return res
+
+
+def check_gemm_kernels(gk, vk, device, tol) -> Tuple[bool, str]:
+    """``gemm_kernels`` (module ``gk``) on small random inputs against torch in float32 (their self-test)."""
+    g = torch.Generator(device="cpu").manual_seed(4321)
+    cl = torch.channels_last_3d
+
+    def rnd(*shape, scale=1.0, dtype=torch.bfloat16):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    tile = gemm_tile(device) if torch.device(device).type == "cuda" else gk.GEMM_TILE
+    cin, c = tile[2], tile[1]
+    x = rnd(1, cin, 2, 5, 6).contiguous(memory_format=cl)
+    w, b = rnd(8 * c, cin, 1, 1, 1, scale=cin ** -0.5), rnd(8 * c, scale=0.1)
+    y = torch.nn.functional.conv3d(x.float(), w.float(), b.float())
+    want = y.view(1, 2, 2, 2, c, 2, 5, 6).permute(0, 4, 5, 3, 6, 1, 7, 2).reshape(1, c, 4, 10, 12)[:, :, [0, 2, 3]]
+    out = torch.empty(1, c, 3, 10, 12, device=device, dtype=x.dtype, memory_format=cl)
+    errs = {"conv1x1_d2s": _rel(gk.conv1x1_d2s(x, w.view(8 * c, cin), b, out, 2, 2, True, tile=tile), want)}
+    h, ws, xb, hb = rnd(1, c, 2, 5, 6).contiguous(memory_format=cl), w[:c], rnd(c, scale=0.1), b[:c]
+    want = h.float() + hb.float().view(1, -1, 1, 1, 1) + torch.nn.functional.conv3d(x.float(), ws.float(), xb.float())
+    got, moments = gk.shortcut_residual(h.clone(), x, ws.view(c, cin), xb, hb, tile=tile)
+    gw, gb = rnd(c, scale=0.3) + 1, rnd(c, scale=0.3)
+    errs["shortcut_residual"] = max(_rel(got, want), _rel(
+        vk.group_norm_frames_cl(got, 4, gw, gb, 1e-6, moments=moments), vk.group_norm_frames_cl(got, 4, gw, gb, 1e-6)))
+    bad = {n: e for n, e in errs.items() if not (e <= tol)}
+    if bad:
+        return False, "mismatch vs torch: " + ", ".join(f"{n} {e:.2e}" for n, e in bad.items())
+    return True, "max rel err {:.1e}".format(max(errs.values()))
+
+
 def depth_to_space(y: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor, s: int, rt: int,
                    drop: bool, head: int = 0, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The upsampler's depth-to-space of y (B, s*s*rt*C, T, H, W) (+ ``bias`` per channel of y, which lacks its
@@ -445,9 +513,37 @@ def conv1x1_depth_to_space(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     ``depth_to_space`` into ``out`` (which adds the bias when ``late_bias``: cuDNN on NDHWC adds it in a pass of its
     own). The conv's output lives only here: it is freed before the conv that reads ``out`` runs (1.8 GiB off a 720p
     decode's peak)."""
+    n, cin = weight.shape[:2]
+    if (gemm_epilogues(x) and x.is_contiguous(memory_format=torch.channels_last_3d) and _dense_rows(out)
+            and (keep is None or _dense_rows(keep)) and weight.is_contiguous()
+            and _gemm().fits(cin, n // (s * s * rt), gemm_tile(x.device))):
+        # one kernel, the bias added to the float32 accumulator
+        return _gemm().conv1x1_d2s(x, weight.view(n, cin), bias, out, s, rt, drop, head, keep, gemm_tile(x.device))
     y = torch.nn.functional.conv3d(x, weight, None if late_bias else bias)
     y = y.contiguous(memory_format=torch.channels_last_3d)
     return depth_to_space(y, bias if late_bias else None, out, s, rt, drop, head, keep)
+
+
+def _dense_rows(t: torch.Tensor) -> bool:
+    """Channels and a row's pixels dense (B, C, T, H, W): what the channels-last kernels' strided outputs take."""
+    return t.stride(1) == 1 and t.stride(4) == t.shape[1]
+
+
+def shortcut_residual(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, x_bias: torch.Tensor,
+                      bias: torch.Tensor) -> Optional[torch.Tensor]:
+    """h + ``bias`` + (the 1 x 1 conv ``weight`` of x + ``x_bias``), written into h with the sum's GroupNorm moments
+    remembered (``residual_bias``), as one GEMM whose epilogue adds (``gemm_kernels.shortcut_residual``): the ResNet
+    block's output where the width changes, without the shortcut's output in memory. None where that kernel does
+    not run (the caller takes the conv and ``residual_bias``)."""
+    cl = torch.channels_last_3d
+    c, cin = weight.shape[:2]
+    if not (gemm_epilogues(x) and x.is_contiguous(memory_format=cl) and h.is_contiguous(memory_format=cl)
+            and h.dtype == x.dtype and weight.is_contiguous() and h.shape[2:] == x.shape[2:]
+            and _gemm().fits(cin, c, gemm_tile(x.device))):
+        return None
+    y, moments = _gemm().shortcut_residual(h, x, weight.view(c, cin), x_bias, bias, gemm_tile(x.device))
+    _remember_moments(y, moments)
+    return y
 
 
 def mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

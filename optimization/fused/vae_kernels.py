@@ -99,7 +99,7 @@ def _gn_cl_moments_kernel(X, IN_B, PART, HW, C, NBLK, ROWS, HAS_IN_B: tl.constex
 
 
 @triton.jit
-def _edges(Y, dst, v, mask, f, HEAD, YT, K, K0, KB, KT, b, off, HAS_K: tl.constexpr):
+def store_edges(Y, dst, v, mask, f, HEAD, YT, K, K0, KB, KT, b, off, HAS_K: tl.constexpr):
     """A causal conv input's other copies of an output tile of frame f (``group_norm_frames_cl``): frame 0 also into
     the HEAD frames in front of it, frames from K0 on also into K (from its frame 0, at ``off`` in the frame)."""
     if f == 0:
@@ -138,7 +138,7 @@ def _gn_cl_apply_kernel(X, IN_B, Y, MEAN, RSTD, W, BIAS, HW, WIDTH, T, C, CG, G,
     h = p // WIDTH
     yrow = b * YB + t * YT + h * YH + (p - h * WIDTH) * C
     tl.store(Y + yrow[:, None] + cols[None, :], y, mask=mask)
-    _edges(Y, yrow[:, None] + cols[None, :], y, mask, t, HEAD, YT, K, K0, KB, KT, b,
+    store_edges(Y, yrow[:, None] + cols[None, :], y, mask, t, HEAD, YT, K, K0, KB, KT, b,
            (h * KH + (p - h * WIDTH) * C)[:, None] + cols[None, :], HAS_K=HAS_K)
 
 
@@ -216,7 +216,7 @@ def _moments_blocks(x, block_rows=None, sub=32, most=2048):
     return torch.empty((b, t, nblk, c, 2), device=x.device, dtype=torch.float32), rows, sub
 
 
-def _keep_args(keep, y, t):
+def keep_args(keep, y, t):
     """The kernels' (K, K0, KB, KT, KH) for ``keep``: the last keep.shape[2] of t frames also written there."""
     if keep is None:
         return y, t, 0, 0, 0
@@ -243,7 +243,7 @@ def group_norm_frames_cl(x, groups, weight, bias, eps, silu=False, block_rows=No
     grid = (triton.cdiv(h * w, block_r2), b * t, triton.cdiv(c, block_c2))
     _gn_cl_apply_kernel[grid](x, in_bias if has_b else weight, y, mean, rstd, weight, bias, h * w, w, t, c,
                               c // groups, groups, y.stride(0), y.stride(2), y.stride(3),
-                              head if out is not None else 0, *_keep_args(keep, y, t), SILU=silu, HAS_IN_B=has_b,
+                              head if out is not None else 0, *keep_args(keep, y, t), SILU=silu, HAS_IN_B=has_b,
                               HAS_K=keep is not None, BLOCK_R=block_r2, BLOCK_C=block_c2, num_warps=warps)
     return y
 
@@ -483,7 +483,7 @@ def _depth_to_space_kernel(Y, B, OUT, HW, WIDTH, T, CR, C, S, RT, OB, OT, OH, HE
     dst = b * OB + f.to(tl.int64) * OT + (h * S + sx) * OH + (w * S + sy) * C
     v = v.to(OUT.dtype.element_ty)
     tl.store(OUT + dst[:, None] + cols[None, :], v, mask=mask)
-    _edges(OUT, dst[:, None] + cols[None, :], v, mask, f, HEAD, OT, K, K0, KB, KT, b,
+    store_edges(OUT, dst[:, None] + cols[None, :], v, mask, f, HEAD, OT, K, K0, KB, KT, b,
            ((h * S + sx) * KH + (w * S + sy) * C)[:, None] + cols[None, :], HAS_K=HAS_K)
 
 
@@ -500,7 +500,7 @@ def depth_to_space_cl(y, bias, out, s, rt, drop, head=0, keep=None):
     nc = triton.cdiv(c, block_c)
     grid = (triton.cdiv(h * w, block_p), b * t, s * s * rt * nc)
     _depth_to_space_kernel[grid](y, y if bias is None else bias, out, h * w, w, t, cr, c, s, rt, out.stride(0),
-                                 out.stride(2), out.stride(3), head, *_keep_args(keep, out, out.shape[2]),
+                                 out.stride(2), out.stride(3), head, *keep_args(keep, out, out.shape[2]),
                                  DROP=bool(drop), HAS_B=bias is not None, HAS_K=keep is not None,
                                  BLOCK_P=block_p, BLOCK_C=block_c, num_warps=8)
     return out

@@ -73,6 +73,9 @@ KNOBS: tuple[Knob, ...] = (
          "their outputs (GroupNorm, residual) instead of in a pass of their own, rounded where that pass rounds"),
     Knob("VAE_STREAM_CONV", "switch", True, "the VAE decoder's 3-channel output conv as a GEMM per frame and a "
          "tap-sum kernel (fused kernels) instead of cuDNN, which runs it 4x slower than reading its input"),
+    Knob("VAE_GEMM_EPILOGUE", "switch", True, "the VAE's 1x1 convs (upsamplers, ResNet shortcuts) as Triton GEMMs "
+         "that write their outputs where they are read (depth-to-space, residual add) instead of cuBLAS and a pass "
+         "of their own"),
     Knob("VAE_HEAD_SUM", "auto_switch", None, "the VAE's causal convs at a clip's first chunk: the replicated "
          "first frame's temporal taps summed (exact in 16 bits as two parts) instead of convolving two more copies; "
          "auto: on for 16-bit weights on a GPU"),

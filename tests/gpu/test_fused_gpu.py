@@ -257,3 +257,50 @@ def test_streamed_conv_out_reads_its_norm():
     want, s2 = fused.stream_conv3d(y, wt, b)
     print(f"norm read by the GEMM: rel {rel(got, want):.2e}, max |diff| {(got.float() - want.float()).abs().max():.3e}")
     assert rel(got, want) < 1e-3 and rel(s1[0], s2[0]) < 1e-5
+
+
+@pytest.mark.parametrize("case", ["up_t", "up_s", "shortcut"])
+def test_gemm_epilogues(case):
+    """The 1 x 1 convs as GEMMs with their readers as the epilogue, at a 720p decode chunk's shapes: the upsampler's
+    conv with its depth-to-space (x2 in time and space, the first chunk's duplicate dropped; x2 in space), the
+    ResNet shortcut with the residual add: no further from float32 than cuDNN's conv and the passes after it (which
+    round the conv's output, then its bias); the shortcut's moments are the GroupNorm's."""
+    import torch.nn.functional as F
+    from seedvr2bw.optimization.runtime import knobs, selftests
+    assert fused.gemm_epilogues(torch.zeros(1, device="cuda", dtype=torch.bfloat16)), selftests.status(
+        "fused_gemm", "cuda")
+    print("gemm self-test:", selftests.status("fused_gemm", "cuda"))
+    g = torch.Generator(device="cuda").manual_seed(7)
+    cl = torch.channels_last_3d
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).bfloat16()
+
+    cin, t, h, w, s, rt, drop = {"up_t": (512, 2, 180, 320, 2, 2, True), "up_s": (256, 4, 360, 640, 2, 1, False),
+                                 "shortcut": (512, 4, 360, 640, 1, 1, False)}[case]
+    x = rnd(1, cin, t, h, w).contiguous(memory_format=cl)
+    if case == "shortcut":
+        c = 256
+        wt, xb, b, hh = rnd(c, cin, 1, 1, 1, scale=cin ** -0.5), rnd(c, scale=0.3), rnd(c, scale=0.3), rnd(1, c, t, h, w)
+        hh = hh.contiguous(memory_format=cl)
+        want = hh.float() + b.float().view(1, -1, 1, 1, 1) + F.conv3d(x.float(), wt.float(), xb.float())
+        ref = fused.residual_bias(hh.clone(), F.conv3d(x, wt).contiguous(memory_format=cl), b, xb)
+        got = fused.shortcut_residual(hh.clone(), x, wt, xb, b)
+        norm = torch.nn.GroupNorm(32, c, eps=1e-6).cuda().bfloat16()
+        with torch.no_grad():       # the norm of the sum from the kernel's moments, and from its own pass (a copy)
+            assert rel(fused.group_norm_frames(got, norm, True), fused.group_norm_frames(got.clone(), norm, True)) < 1e-5
+    else:
+        c = cin
+        n = s * s * rt * c
+        wt, bias = rnd(n, cin, 1, 1, 1, scale=cin ** -0.5), rnd(n, scale=0.3)
+        shape = (1, c, t * rt - int(drop), h * s, w * s)
+        want = torch.empty(shape, device="cuda", memory_format=cl)
+        with knobs.override(VAE_GEMM_EPILOGUE=False):
+            fused.depth_to_space(F.conv3d(x.float(), wt.float()).contiguous(memory_format=cl), bias.float(), want, s,
+                                 rt, drop)
+            ref = fused.conv1x1_depth_to_space(x, wt, bias, torch.empty(shape, device="cuda", dtype=x.dtype,
+                                                                        memory_format=cl), s, rt, drop)
+        got = fused.conv1x1_depth_to_space(x, wt, bias, torch.empty(shape, device="cuda", dtype=x.dtype,
+                                                                    memory_format=cl), s, rt, drop)
+    print(f"{case}: GEMM with epilogue {rel(got, want):.3e}, cuDNN and its passes {rel(ref, want):.3e}")
+    assert rel(got, want) <= rel(ref, want)

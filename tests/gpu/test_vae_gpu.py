@@ -223,3 +223,26 @@ def test_head_sum_first_chunk():
         e_on, e_off = rel_l2(out[None][i], d[key]), rel_l2(out[False][i], d[key])
         print(f"tiny {key}: head sum {e_on:.3e}, off {e_off:.3e} from float32 golden")
         assert e_on <= 1.02 * e_off, (key, e_on, e_off)
+
+
+def test_gemm_epilogues_in_the_model(real_bf16):
+    """SEEDVR2BW_VAE_GEMM_EPILOGUE: the real-size random VAE (its upsamplers' 1 x 1 convs to 512 x 8 and 256 x 4
+    channels, the 512 -> 256 and 256 -> 128 shortcuts) decodes and encodes a small clip, in temporal chunks, within
+    rounding of cuBLAS's path and no further from its float32 copy."""
+    from seedvr2bw.optimization.runtime import knobs
+    real32 = build_vae({k: v.float() for k, v in real_bf16.state_dict().items()}, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.rand(1, 3, 9, 64, 96, generator=g, device="cuda") * 2 - 1
+    with torch.no_grad():
+        z = real32.encode(x).mean
+        want = (real32.decode(z), z)
+        got = {}
+        for on in (True, False):
+            with knobs.override(VAE_GEMM_EPILOGUE=on):
+                got[on] = (real_bf16.decode(z.bfloat16()), real_bf16.encode(x.bfloat16()).mean)
+    del real32
+    for i, name in enumerate(("decode", "encode")):
+        err, e_on, e_off = rel_l2(got[True][i], got[False][i]), rel_l2(got[True][i], want[i]), rel_l2(got[False][i],
+                                                                                                      want[i])
+        print(f"gemm epilogues, {name}: vs cuBLAS path {err:.2e}; vs float32: on {e_on:.2e}, off {e_off:.2e}")
+        assert err < 2e-2 and e_on <= 1.05 * e_off, (name, err, e_on, e_off)
