@@ -318,9 +318,9 @@ def test_gemm_epilogue_kernels_interpreted():
         hh = rnd(2, c, t, h, w, dtype=dt).contiguous(memory_format=cl)
         ws, xb, b = rnd(c, cin, dtype=dt, scale=cin ** -0.5), rnd(c, dtype=torch.float32), rnd(c, dtype=dt)
         want = hh.float() + b.float().view(1, -1, 1, 1, 1) + F.conv3d(x.float(), ws.float().view(c, cin, 1, 1, 1), xb)
+        gw, gb = rnd(c, dtype=dt) + 1, rnd(c, dtype=dt)
         got, moments = gk.shortcut_residual(hh.clone(), x, ws, xb, b, tile=tile)
         assert got.is_contiguous(memory_format=cl) and rel(got, want) < 1e-3, rel(got, want)
-        gw, gb = rnd(c, dtype=dt) + 1, rnd(c, dtype=dt)
         a = vk.group_norm_frames_cl(got, 4, gw, gb, 1e-6, moments=moments)
         assert rel(a, vk.group_norm_frames_cl(got, 4, gw, gb, 1e-6)) < 1e-3
         print("ok")
