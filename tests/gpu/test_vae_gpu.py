@@ -253,3 +253,25 @@ def test_gemm_epilogues_in_the_model():
                                                                                                       want[i])
         print(f"gemm epilogues, {name}: vs cuBLAS path {err:.2e}; vs float32: on {e_on:.2e}, off {e_off:.2e}")
         assert 0 < err < 2e-2 and e_on <= 1.05 * e_off, (name, err, e_on, e_off)
+
+
+def test_tiled_calls_do_not_wait_for_the_gpu(tiny):
+    """decode_tiled / encode_tiled copy nothing from the host while tiles run: their blend weights go to the GPU once
+    before the first tile (a pageable host-to-device copy waits for the queued work: one a temporal chunk kept the
+    GPU idle while the next chunk was launched). Counted with the profiler: one copy a row and a column of tiles (the
+    weights: 1 row, 2 columns here), none a chunk (2 tiles x 3 chunks would make 6)."""
+    from torch.profiler import ProfilerActivity, profile
+    d = load_file(str(DATA / "golden" / "vae_case_video.safetensors"), device="cuda")
+    z, x = d["z"], d["x"]
+    with torch.no_grad():
+        tiny.decode_tiled(z, (4, 4), 2)
+        tiny.encode_tiled(x, (32, 32), 16)
+        for name, run, spans in (("decode", lambda: tiny.decode_tiled(z, (4, 4), 2), z.shape[-2:]),
+                                 ("encode", lambda: tiny.encode_tiled(x, (32, 32), 16), x.shape[-2:])):
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                run()
+                torch.cuda.synchronize()
+            h2d = sum(1 for e in prof.events() if "HtoD" in e.name)
+            print(f"tiled {name} of {tuple(spans)}: {h2d} host-to-device copies")
+            assert h2d <= 3, (name, h2d)

@@ -77,13 +77,26 @@ def _plan(h: int, w: int, tile: Pair, overlap: Pair):
     return ys, xs
 
 
+def _tile_weight(wy: torch.Tensor, wx: torch.Tensor, single: bool) -> Optional[torch.Tensor]:
+    """A tile's 2-D float32 blend weight from its 1-D float64 ones (None for one tile), where they are."""
+    return None if single else (wy[:, None] * wx[None, :]).float()
+
+
+def _on(ws: List[torch.Tensor], device) -> List[torch.Tensor]:
+    """The blend weights on the device the tiles run on, moved once before any tile is queued: a copy from pageable
+    host memory first waits for the GPU to finish what is queued (CUDA's rule), which, once a temporal chunk, leaves
+    the GPU idle while the next chunk is launched (the 8 GiB plan's 720p decode on an H100 ran 1082 ms for 871 ms of
+    kernels with such a copy a chunk)."""
+    return [w.to(device) for w in ws]
+
+
 def _accumulate(out: torch.Tensor, part: torch.Tensor, t0: int, y: Tuple[int, int], x: Tuple[int, int],
-                wy: torch.Tensor, wx: torch.Tensor, single: bool) -> None:
+                w: Optional[torch.Tensor]) -> None:
+    """Adds a tile's ``part`` times its blend weight ``w`` (``_tile_weight``) into ``out``; copies it for one tile."""
     dst = out[:, :, t0:t0 + part.shape[2], y[0]:y[1], x[0]:x[1]]
-    if single:  # one tile: plain copy, bit-identical to the untiled path
+    if w is None:  # one tile: plain copy, bit-identical to the untiled path
         dst.copy_(part)
         return
-    w = (wy[:, None] * wx[None, :]).to(device=part.device, dtype=torch.float32)
     dst.add_((part.float() * w).to(dst.device, dst.dtype))
 
 
@@ -101,8 +114,8 @@ def decode_tiled(vae, z: torch.Tensor, tile: Pair = 64, overlap: Pair = 8, shoul
     s, tf = vae.spatial_factor, vae.temporal_factor
     ys, xs = _plan(h, w, tile, overlap)
     single = len(ys) == 1 and len(xs) == 1
-    wys = blend_weights([(a * s, b_ * s) for a, b_ in ys], h * s, margin * s)
-    wxs = blend_weights([(a * s, b_ * s) for a, b_ in xs], w * s, margin * s)
+    wys = _on(blend_weights([(a * s, b_ * s) for a, b_ in ys], h * s, margin * s), vae.device)
+    wxs = _on(blend_weights([(a * s, b_ * s) for a, b_ in xs], w * s, margin * s), vae.device)
     dtype = output_dtype or (vae.dtype if single else torch.float32)
     out = torch.zeros((b, vae.config.out_channels, tf * (t - 1) + 1, h * s, w * s),
                       device=output_device or z.device, dtype=dtype)
@@ -110,8 +123,9 @@ def decode_tiled(vae, z: torch.Tensor, tile: Pair = 64, overlap: Pair = 8, shoul
         for ix, (x0, x1) in enumerate(xs):
             check_stop(should_stop)
             zt = z[:, :, :, y0:y1, x0:x1]
+            wt = _tile_weight(wys[iy], wxs[ix], single)
             for pos, part in vae.iter_decode(zt, should_stop):
-                _accumulate(out, part, pos, (y0 * s, y1 * s), (x0 * s, x1 * s), wys[iy], wxs[ix], single)
+                _accumulate(out, part, pos, (y0 * s, y1 * s), (x0 * s, x1 * s), wt)
                 del part
     return out.squeeze(2) if squeeze else out
 
@@ -132,7 +146,7 @@ def encode_tiled(vae, x: torch.Tensor, tile: Pair = 512, overlap: Pair = 64, sho
     h, w = hp // s, wp // s
     ys, xs = _plan(h, w, (max(1, th // s), max(1, tw // s)), (oh // s, ow // s))
     single = len(ys) == 1 and len(xs) == 1
-    wys, wxs = blend_weights(ys, h, margin // s), blend_weights(xs, w, margin // s)
+    wys, wxs = _on(blend_weights(ys, h, margin // s), vae.device), _on(blend_weights(xs, w, margin // s), vae.device)
     lat_t = (t - 1) // vae.temporal_factor + 1
     out = torch.zeros((b, 2 * vae.config.latent_channels, lat_t, h, w), device=output_device or vae.device,
                       dtype=vae.dtype if single else torch.float32)
@@ -140,8 +154,9 @@ def encode_tiled(vae, x: torch.Tensor, tile: Pair = 512, overlap: Pair = 64, sho
         for ix, (x0, x1) in enumerate(xs):
             check_stop(should_stop)
             xt = x[:, :, :, y0 * s:y1 * s, x0 * s:x1 * s]
+            wt = _tile_weight(wys[iy], wxs[ix], single)
             for pos, part in vae.iter_encode(xt, should_stop):
-                _accumulate(out, part, pos, (y0, y1), (x0, x1), wys[iy], wxs[ix], single)
+                _accumulate(out, part, pos, (y0, y1), (x0, x1), wt)
                 del part
     return LatentDistribution(out.to(vae.dtype))
 
