@@ -337,8 +337,8 @@ def group_norm_frames(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool,
     vk = _vae()
     if channels_last(x):
         moments = _known_moments(x) if in_bias is None else None
-        direct = out is not None and out.dtype == x.dtype and out.stride(1) == 1 and out.stride(4) == x.shape[1]
-        if direct and (keep is None or (keep.stride(1) == 1 and keep.stride(4) == x.shape[1])):
+        direct = out is not None and out.dtype == x.dtype and _dense_rows(out)
+        if direct and (keep is None or _dense_rows(keep)):
             return vk.group_norm_frames_cl(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu, out=out,
                                           combine=combine, in_bias=in_bias, head=head, keep=keep, moments=moments)
         y = vk.group_norm_frames_cl(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu,
@@ -399,7 +399,7 @@ def residual_bias(h: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
     the next conv's padded input, ``CausalConv3d.input_buffer``), and returned; ``x_bias``: x lacks its conv's bias,
     added to x first. One pass (``vae_kernels.residual_bias_cl``) where both are dense channels-last 3-D of one shape,
     ``out`` has dense rows and the kernels are enabled, else torch adds (rounded at the same places)."""
-    dense_out = out is None or (out.dtype == h.dtype and out.stride(1) == 1 and out.stride(4) == h.shape[1])
+    dense_out = out is None or (out.dtype == h.dtype and _dense_rows(out))
     if enabled(h, x, bias) and h.shape == x.shape and channels_last(h) and channels_last(x) and dense_out:
         if out is not None:
             return _vae().residual_bias_cl(h, x, bias, x_bias, out)
@@ -422,20 +422,6 @@ def bias_add_(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return y.add_(per_channel(bias, y.ndim))
 
 
-_gemm_tiles: Dict[str, tuple] = {}
-
-
-def gemm_tile(device) -> tuple:
-    """``gemm_kernels``' tile on ``device``: three stages of operands where a program may hold them (160 KiB of shared
-    memory: an H100's 227), two on the consumer GPUs' 99 KiB."""
-    key = str(device)
-    if key not in _gemm_tiles:
-        smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
-        bm, bn, bk, warps, _ = _gemm().GEMM_TILE
-        _gemm_tiles[key] = (bm, bn, bk, warps, 3 if smem >= 160 * 1024 else 2)
-    return _gemm_tiles[key]
-
-
 def gemm_epilogues(x: torch.Tensor) -> bool:
     """Whether the VAE's 1 x 1 convs on x run as Triton GEMMs with what reads their outputs as the epilogue
     (``gemm_kernels``: the upsamplers' depth-to-space, the ResNet shortcut's residual add): the fused kernels
@@ -446,39 +432,19 @@ def gemm_epilogues(x: torch.Tensor) -> bool:
     return selftests.run("fused_gemm", x.device, check=lambda _variant, dev: _check_gemm(dev))[0]
 
 
-def _check_gemm(device, tol: float = 1e-2) -> Tuple[bool, str]:
-    res = selftests.guard(check_gemm_kernels)(_gemm(), _vae(), device, tol)
-    if not res[0]:
-        log.warning("seedvr2 VAE 1x1 conv GEMM kernels disabled on %s: %s", device, res[1])
-    return res
-
-
-def check_gemm_kernels(gk, vk, device, tol) -> Tuple[bool, str]:
-    """``gemm_kernels`` (module ``gk``) on small random inputs against torch in float32 (their self-test)."""
-    g = torch.Generator(device="cpu").manual_seed(4321)
-    cl = torch.channels_last_3d
-
-    def rnd(*shape, scale=1.0, dtype=torch.bfloat16):
-        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
-
-    tile = gemm_tile(device) if torch.device(device).type == "cuda" else gk.GEMM_TILE
-    cin, c = tile[2], tile[1]
-    x = rnd(1, cin, 2, 5, 6).contiguous(memory_format=cl)
-    w, b = rnd(8 * c, cin, 1, 1, 1, scale=cin ** -0.5), rnd(8 * c, scale=0.1)
-    y = torch.nn.functional.conv3d(x.float(), w.float(), b.float())
-    want = y.view(1, 2, 2, 2, c, 2, 5, 6).permute(0, 4, 5, 3, 6, 1, 7, 2).reshape(1, c, 4, 10, 12)[:, :, [0, 2, 3]]
-    out = torch.empty(1, c, 3, 10, 12, device=device, dtype=x.dtype, memory_format=cl)
-    errs = {"conv1x1_d2s": _rel(gk.conv1x1_d2s(x, w.view(8 * c, cin), b, out, 2, 2, True, tile=tile), want)}
-    h, ws, xb, hb = rnd(1, c, 2, 5, 6).contiguous(memory_format=cl), w[:c], rnd(c, scale=0.1), b[:c]
-    want = h.float() + hb.float().view(1, -1, 1, 1, 1) + torch.nn.functional.conv3d(x.float(), ws.float(), xb.float())
-    got, moments = gk.shortcut_residual(h.clone(), x, ws.view(c, cin), xb, hb, tile=tile)
-    gw, gb = rnd(c, scale=0.3) + 1, rnd(c, scale=0.3)
-    errs["shortcut_residual"] = max(_rel(got, want), _rel(
-        vk.group_norm_frames_cl(got, 4, gw, gb, 1e-6, moments=moments), vk.group_norm_frames_cl(got, 4, gw, gb, 1e-6)))
-    bad = {n: e for n, e in errs.items() if not (e <= tol)}
+def _gemm_errors(device, tol) -> Tuple[bool, str]:
+    errs = _gemm().selftest_errors(device, _gemm().tile_for(device))
+    bad = {n: e for n, e in errs.items() if not (e <= tol)}      # NaN fails too
     if bad:
         return False, "mismatch vs torch: " + ", ".join(f"{n} {e:.2e}" for n, e in bad.items())
     return True, "max rel err {:.1e}".format(max(errs.values()))
+
+
+def _check_gemm(device, tol: float = 1e-2) -> Tuple[bool, str]:
+    res = selftests.guard(_gemm_errors)(device, tol)
+    if not res[0]:
+        log.warning("seedvr2 VAE 1x1 conv GEMM kernels disabled on %s: %s", device, res[1])
+    return res
 
 
 def depth_to_space(y: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor, s: int, rt: int,
@@ -488,9 +454,7 @@ def depth_to_space(y: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Ten
     st)*C + c of pixel (t, h, w) goes to frame t*rt + st, pixel (h*s + sx, w*s + sy); ``drop``: the first chunk's
     duplicate frame 1 is not written. ``head``, ``keep``: ``fill_edges``. One pass where the kernels are enabled
     (``vae_kernels.depth_to_space_cl``), else torch's add and a strided copy."""
-    dense = out.stride(1) == 1 and out.stride(4) == out.shape[1]
-    if enabled(y, out) and channels_last(y) and dense and (keep is None or (keep.stride(1) == 1 and
-                                                                      keep.stride(4) == out.shape[1])):
+    if enabled(y, out) and channels_last(y) and _dense_rows(out) and (keep is None or _dense_rows(keep)):
         return _vae().depth_to_space_cl(y, bias, out, s, rt, drop, head, keep)
     if bias is not None:
         y = y + per_channel(bias, y.ndim)
@@ -515,18 +479,14 @@ def conv1x1_depth_to_space(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     decode's peak)."""
     n, cin = weight.shape[:2]
     if (gemm_epilogues(x) and x.is_contiguous(memory_format=torch.channels_last_3d) and _dense_rows(out)
-            and (keep is None or _dense_rows(keep)) and weight.is_contiguous()
-            and _gemm().fits(cin, n // (s * s * rt), gemm_tile(x.device))):
-        # one kernel, the bias added to the float32 accumulator
-        return _gemm().conv1x1_d2s(x, weight.view(n, cin), bias, out, s, rt, drop, head, keep, gemm_tile(x.device))
+            and (keep is None or _dense_rows(keep)) and weight.is_contiguous()):
+        gk = _gemm()
+        tile = gk.tile_for(x.device)
+        if gk.fits(cin, n // (s * s * rt), tile):      # one kernel, the bias added to the float32 accumulator
+            return gk.conv1x1_d2s(x, weight.view(n, cin), bias, out, s, rt, drop, head, keep, tile)
     y = torch.nn.functional.conv3d(x, weight, None if late_bias else bias)
     y = y.contiguous(memory_format=torch.channels_last_3d)
     return depth_to_space(y, bias if late_bias else None, out, s, rt, drop, head, keep)
-
-
-def _dense_rows(t: torch.Tensor) -> bool:
-    """Channels and a row's pixels dense (B, C, T, H, W): what the channels-last kernels' strided outputs take."""
-    return t.stride(1) == 1 and t.stride(4) == t.shape[1]
 
 
 def shortcut_residual(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, x_bias: torch.Tensor,
@@ -538,10 +498,13 @@ def shortcut_residual(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, x_
     cl = torch.channels_last_3d
     c, cin = weight.shape[:2]
     if not (gemm_epilogues(x) and x.is_contiguous(memory_format=cl) and h.is_contiguous(memory_format=cl)
-            and h.dtype == x.dtype and weight.is_contiguous() and h.shape[2:] == x.shape[2:]
-            and _gemm().fits(cin, c, gemm_tile(x.device))):
+            and h.dtype == x.dtype and weight.is_contiguous() and h.shape[2:] == x.shape[2:]):
         return None
-    y, moments = _gemm().shortcut_residual(h, x, weight.view(c, cin), x_bias, bias, gemm_tile(x.device))
+    gk = _gemm()
+    tile = gk.tile_for(x.device)
+    if not gk.fits(cin, c, tile):
+        return None
+    y, moments = gk.shortcut_residual(h, x, weight.view(c, cin), x_bias, bias, tile)
     _remember_moments(y, moments)
     return y
 
@@ -604,6 +567,11 @@ def softmax_split(s: torch.Tensor, scale: float, dtype: torch.dtype) -> Tuple[to
     """The softmax numerator of the scores s (rows, N) float32 as two ``dtype`` parts and its row sums
     (``vae_kernels.softmax_split``); the caller checks ``enabled``."""
     return _vae().softmax_split(s.contiguous(), scale, dtype)
+
+
+def _dense_rows(t: torch.Tensor) -> bool:
+    """Channels and a row's pixels dense (B, C, T, H, W): what the channels-last kernels' strided outputs take."""
+    return t.stride(1) == 1 and t.stride(4) == t.shape[1]
 
 
 def channels_last(x: torch.Tensor) -> bool:

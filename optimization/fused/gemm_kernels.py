@@ -8,11 +8,24 @@ import torch
 import triton
 import triton.language as tl
 
-from .vae_kernels import keep_args, store_edges
+from .vae_kernels import group_norm_frames_cl, keep_args, store_edges
 
 # (rows, outputs, channels a step, warps, stages) of a program. The output tile must lie in one output frame and one
 # depth-to-space position: BN divides the output channels (the decoder's are 128-512)
 GEMM_TILE = (128, 128, 64, 4, 3)
+_tiles = {}
+
+
+def tile_for(device):
+    """The tile on ``device``: three stages of operands where a program may hold them (160 KiB of shared memory: an
+    H100's 227), two on the consumer GPUs' 99 KiB; GEMM_TILE off CUDA."""
+    if torch.device(device).type != "cuda":
+        return GEMM_TILE
+    key = str(device)
+    if key not in _tiles:
+        smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+        _tiles[key] = GEMM_TILE[:4] + (3 if smem >= 160 * 1024 else 2,)
+    return _tiles[key]
 
 
 @triton.jit
@@ -141,3 +154,33 @@ def shortcut_residual(h, x, weight, x_bias, bias, tile=GEMM_TILE):
     _shortcut_residual_kernel[(b * t * nblk * nt,)](x, weight, x_bias, h, bias, part, hh * w, k, c, nt, nblk, BM=bm,
                                                     BN=bn, BK=bk, num_warps=warps, num_stages=stages)
     return h, (part, bm)
+
+
+def selftest_errors(device, tile=GEMM_TILE):
+    """Relative errors of both kernels against torch in float32 on small random bf16 inputs on ``device`` (their
+    self-test: ``fused.gemm_epilogues``): the depth-to-space x2 in time and space with the first chunk's duplicate
+    dropped, the shortcut's sum and its moments (the GroupNorm of the sum from them against its own pass)."""
+    g = torch.Generator(device="cpu").manual_seed(4321)
+    cl = torch.channels_last_3d
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=torch.bfloat16)
+
+    def rel(a, b):
+        a, b = a.double(), b.double()
+        return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+    cin, c = tile[2], tile[1]
+    x = rnd(1, cin, 2, 5, 6).contiguous(memory_format=cl)
+    w, b = rnd(8 * c, cin, 1, 1, 1, scale=cin ** -0.5), rnd(8 * c, scale=0.1)
+    y = torch.nn.functional.conv3d(x.float(), w.float(), b.float())
+    want = y.view(1, 2, 2, 2, c, 2, 5, 6).permute(0, 4, 5, 3, 6, 1, 7, 2).reshape(1, c, 4, 10, 12)[:, :, [0, 2, 3]]
+    out = torch.empty(1, c, 3, 10, 12, device=device, dtype=x.dtype, memory_format=cl)
+    errs = {"conv1x1_d2s": rel(conv1x1_d2s(x, w.view(8 * c, cin), b, out, 2, 2, True, tile=tile), want)}
+    h, ws, xb, hb = rnd(1, c, 2, 5, 6).contiguous(memory_format=cl), w[:c], rnd(c, scale=0.1), b[:c]
+    want = h.float() + hb.float().view(1, -1, 1, 1, 1) + torch.nn.functional.conv3d(x.float(), ws.float(), xb.float())
+    got, moments = shortcut_residual(h.clone(), x, ws.view(c, cin), xb, hb, tile=tile)
+    gw, gb = rnd(c, scale=0.3) + 1, rnd(c, scale=0.3)
+    errs["shortcut_residual"] = max(rel(got, want), rel(group_norm_frames_cl(got, 4, gw, gb, 1e-6, moments=moments),
+                                                        group_norm_frames_cl(got, 4, gw, gb, 1e-6)))
+    return errs

@@ -40,12 +40,13 @@ class ResnetBlock3D(nn.Module):
         h = norm_silu_conv(x, self.norm1, self.conv1, cache, self.norm_max_bytes, in_bias=x_bias, conv_bias=not fold)
         h = norm_silu_conv(h, self.norm2, self.conv2, cache, self.norm_max_bytes,
                            in_bias=self.conv1.bias if fold else None, conv_bias=not fold)
-        if self.conv_shortcut is not None and fold and then is None:
-            y = fused.shortcut_residual(h, x, self.conv_shortcut.weight, self._shortcut_bias(x_bias), self.conv2.bias)
-            if y is not None:
-                return y
         if self.conv_shortcut is not None:
-            x, x_bias = self.conv_shortcut(x, cache, bias=not fold), self._shortcut_bias(x_bias) if fold else None
+            s_bias = self._shortcut_bias(x_bias) if fold else None
+            if fold and then is None:       # the shortcut's GEMM adds the residual, where that kernel runs
+                y = fused.shortcut_residual(h, x, self.conv_shortcut.weight, s_bias, self.conv2.bias)
+                if y is not None:
+                    return y
+            x, x_bias = self.conv_shortcut(x, cache, bias=not fold), s_bias
         buf, out = then.input_buffer(h, h.shape, cache) if then is not None else (None, None)
         if fold:
             y = fused.residual_bias(h, x, self.conv2.bias, x_bias, out=out)
