@@ -43,8 +43,11 @@ def tile_spans(size: int, tile: int, overlap: int) -> List[Tuple[int, int]]:
     return [(s, s + tile) for s in starts]
 
 
-def blend_weights(spans: Sequence[Tuple[int, int]], size: int, margin: int = 0) -> List[torch.Tensor]:
-    """1-D float64 weights per span, normalised to sum to 1 at every position.
+def blend_weights(spans: Sequence[Tuple[int, int]], size: int, margin: int = 0, device=None) -> List[torch.Tensor]:
+    """1-D float64 weights per span, normalised to sum to 1 at every position, on ``device`` (default the host).
+    The tilers take them to the device before any tile is queued: a copy from pageable host memory first waits for
+    what the GPU has queued (CUDA's rule), and one such copy a temporal chunk left the GPU idle while the next chunk
+    was launched (the 8 GiB plan's 720p decode on an H100: 1082 ms for 871 ms of kernels).
 
     Across the overlap of two neighbours the weight ramps linearly from one to the other. `margin` positions at
     each tile's inner edge get weight 0 (the ramp spans the middle of the overlap), so a tile's border, where its
@@ -68,7 +71,7 @@ def blend_weights(spans: Sequence[Tuple[int, int]], size: int, margin: int = 0) 
     for (a, b), w in zip(spans, raw):
         total[a:b] += w
     total = total.clamp_min(1e-12)
-    return [w / total[a:b] for (a, b), w in zip(spans, raw)]
+    return [(w / total[a:b]).to(device or "cpu") for (a, b), w in zip(spans, raw)]
 
 
 def _plan(h: int, w: int, tile: Pair, overlap: Pair):
@@ -80,14 +83,6 @@ def _plan(h: int, w: int, tile: Pair, overlap: Pair):
 def _tile_weight(wy: torch.Tensor, wx: torch.Tensor, single: bool) -> Optional[torch.Tensor]:
     """A tile's 2-D float32 blend weight from its 1-D float64 ones (None for one tile), where they are."""
     return None if single else (wy[:, None] * wx[None, :]).float()
-
-
-def _on(ws: List[torch.Tensor], device) -> List[torch.Tensor]:
-    """The blend weights on the device the tiles run on, moved once before any tile is queued: a copy from pageable
-    host memory first waits for the GPU to finish what is queued (CUDA's rule), which, once a temporal chunk, leaves
-    the GPU idle while the next chunk is launched (the 8 GiB plan's 720p decode on an H100 ran 1082 ms for 871 ms of
-    kernels with such a copy a chunk)."""
-    return [w.to(device) for w in ws]
 
 
 def _accumulate(out: torch.Tensor, part: torch.Tensor, t0: int, y: Tuple[int, int], x: Tuple[int, int],
@@ -114,8 +109,8 @@ def decode_tiled(vae, z: torch.Tensor, tile: Pair = 64, overlap: Pair = 8, shoul
     s, tf = vae.spatial_factor, vae.temporal_factor
     ys, xs = _plan(h, w, tile, overlap)
     single = len(ys) == 1 and len(xs) == 1
-    wys = _on(blend_weights([(a * s, b_ * s) for a, b_ in ys], h * s, margin * s), vae.device)
-    wxs = _on(blend_weights([(a * s, b_ * s) for a, b_ in xs], w * s, margin * s), vae.device)
+    wys = blend_weights([(a * s, b_ * s) for a, b_ in ys], h * s, margin * s, vae.device)
+    wxs = blend_weights([(a * s, b_ * s) for a, b_ in xs], w * s, margin * s, vae.device)
     dtype = output_dtype or (vae.dtype if single else torch.float32)
     out = torch.zeros((b, vae.config.out_channels, tf * (t - 1) + 1, h * s, w * s),
                       device=output_device or z.device, dtype=dtype)
@@ -146,7 +141,7 @@ def encode_tiled(vae, x: torch.Tensor, tile: Pair = 512, overlap: Pair = 64, sho
     h, w = hp // s, wp // s
     ys, xs = _plan(h, w, (max(1, th // s), max(1, tw // s)), (oh // s, ow // s))
     single = len(ys) == 1 and len(xs) == 1
-    wys, wxs = _on(blend_weights(ys, h, margin // s), vae.device), _on(blend_weights(xs, w, margin // s), vae.device)
+    wys, wxs = blend_weights(ys, h, margin // s, vae.device), blend_weights(xs, w, margin // s, vae.device)
     lat_t = (t - 1) // vae.temporal_factor + 1
     out = torch.zeros((b, 2 * vae.config.latent_channels, lat_t, h, w), device=output_device or vae.device,
                       dtype=vae.dtype if single else torch.float32)
